@@ -1,0 +1,144 @@
+"""The packed pretraining loader: random windows of a token memmap, with document ids.
+
+A prepared split (`train.bin`, `val.bin` from `nanoforge.data.prepare`) is one
+long stream of documents separated by an end-of-text token. A batch row is a
+window of seq_len + 1 consecutive tokens: inputs are the first seq_len,
+targets the last seq_len. A window usually spans several documents, so every
+token also carries
+
+  doc_ids    0 for the first document in the row, +1 after each end-of-text
+             token (the end-of-text token belongs to the document it ends);
+  positions  the token's index inside its document, restarting at 0 after
+             each end-of-text token (what RoPE sees).
+
+The model's document mask lets token i attend to token j only if j <= i and
+doc_ids[i] == doc_ids[j]; packed documents never see each other.
+
+Batches are a pure function of (seed, rank, step), so resuming from a saved
+step gives exactly the batches a run that never stopped would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanoforge.errors import NanoforgeError
+
+
+@dataclass
+class Batch:
+    """One training batch; every tensor is (batch, seq_len)."""
+
+    input_ids: torch.Tensor  # int64
+    targets: torch.Tensor  # int64, -100 where no loss is taken
+    doc_ids: torch.Tensor  # int64, document index within the row
+    positions: torch.Tensor  # int64, position within the document
+    loss_mask: torch.Tensor | None = None  # bool, SFT only: True on trained (answer) tokens
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Batch(**{k: v if v is None else v.to(device, non_blocking=non_blocking) for k, v in moved.items()})
+
+
+def doc_ids_and_positions(input_ids: torch.Tensor, eot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document ids and in-document positions of (B, T) ids whose documents end with eot_id."""
+    is_eot = (input_ids == eot_id).long()
+    doc_ids = torch.cumsum(is_eot, dim=1) - is_eot  # EOTs strictly before each token
+    index = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    # A document starts at 0 and right after each EOT; position = index - latest start.
+    starts_here = torch.zeros_like(is_eot, dtype=torch.bool)
+    starts_here[:, 1:] = is_eot[:, :-1].bool()
+    latest_start = torch.where(starts_here, index, torch.zeros_like(index)).cummax(dim=1).values
+    return doc_ids, index - latest_start
+
+
+def open_tokens(bin_path: str | Path) -> np.memmap:
+    """Memory-map a prepared split, with the dtype recorded in meta.json beside it."""
+    bin_path = Path(bin_path)
+    meta_path = bin_path.parent / "meta.json"
+    if not bin_path.is_file():
+        raise NanoforgeError(f"token file not found: {bin_path}", param="data")
+    if not meta_path.is_file():
+        raise NanoforgeError(f"{meta_path} not found: {bin_path} is not a finished `nanoforge data prepare` output", param="data")
+    try:
+        dtype = np.dtype(json.loads(meta_path.read_text())["dtype"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise NanoforgeError(f"{meta_path} is corrupt: {e}", param="data") from e
+    if bin_path.stat().st_size % dtype.itemsize:
+        raise NanoforgeError(f"{bin_path} size is not a multiple of {dtype.itemsize} bytes ({dtype.name}): truncated?", param="data")
+    if bin_path.stat().st_size == 0:
+        raise NanoforgeError(f"{bin_path} holds no tokens", param="data")
+    return np.memmap(bin_path, dtype=dtype, mode="r")
+
+
+class PackedLoader:
+    """Endless random (B, T) windows of one prepared split, deterministic per (seed, rank, step).
+
+    `rank`/`world_size` give each data-parallel rank its own stream of batches.
+    """
+
+    def __init__(
+        self,
+        bin_path: str | Path,
+        batch_size: int,
+        seq_len: int,
+        *,
+        seed: int,
+        eot_id: int,
+        doc_masking: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if not 0 <= rank < world_size:
+            raise NanoforgeError(f"rank {rank} is outside world_size {world_size}")
+        self.tokens = open_tokens(bin_path)
+        self.bin_path = Path(bin_path)
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.seed, self.eot_id, self.doc_masking, self.rank = seed, eot_id, doc_masking, rank
+        if len(self.tokens) < seq_len + 1:
+            raise NanoforgeError(f"{bin_path} has {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}", param="seq_len")
+        self.step = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        rng = np.random.default_rng([self.seed, self.rank, self.step])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        self.step += 1
+        return self._batch(np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]))
+
+    def _batch(self, windows: np.ndarray) -> Batch:
+        windows = torch.from_numpy(windows.astype(np.int64))
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+        if self.doc_masking:
+            doc_ids, positions = doc_ids_and_positions(inputs, self.eot_id)
+        else:
+            doc_ids = torch.zeros_like(inputs)
+            positions = torch.arange(inputs.shape[1]).expand_as(inputs).clone()
+        return Batch(inputs.contiguous(), targets.contiguous(), doc_ids, positions)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "rank": self.rank}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed") != self.seed:
+            raise NanoforgeError(f"loader state was saved with seed {state.get('seed')}, this loader has seed {self.seed}", param="seed")
+        self.step = int(state["step"])
+
+    def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None) -> Iterator[Batch]:
+        """Consecutive, non-overlapping windows from the start of the split (for validation loss)."""
+        n_windows = (len(self.tokens) - 1) // seq_len
+        if n_windows == 0:
+            raise NanoforgeError(f"{self.bin_path} has {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}", param="seq_len")
+        if max_batches is not None:
+            n_windows = min(n_windows, max_batches * batch_size)
+        for first in range(0, n_windows, batch_size):
+            rows = range(first, min(first + batch_size, n_windows))
+            yield self._batch(np.stack([self.tokens[r * seq_len : r * seq_len + seq_len + 1] for r in rows]))

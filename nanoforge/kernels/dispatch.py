@@ -1,0 +1,46 @@
+"""The one place that decides between a Triton kernel and its PyTorch reference.
+
+Every op in `nanoforge.kernels` is a plain function with two implementations:
+a PyTorch reference (runs anywhere, float64-capable, the definition of
+correct) and a fast one (Triton on a CUDA GPU). `use_fast(*tensors)` picks.
+
+Override with the environment variable NANOFORGE_KERNELS:
+  - "auto" (default): Triton on CUDA tensors when Triton imports, else torch;
+  - "torch": always the reference;
+  - "triton": always Triton (on the CPU this needs TRITON_INTERPRET=1; tests use it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    return True
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("NANOFORGE_KERNELS", "auto").lower()
+    if mode not in ("auto", "torch", "triton"):
+        from nanoforge.errors import NanoforgeError
+
+        raise NanoforgeError(f"NANOFORGE_KERNELS must be auto, torch or triton, not {mode!r}", param="NANOFORGE_KERNELS")
+    return mode
+
+
+def use_fast(*tensors: torch.Tensor) -> bool:
+    """True when the fast (Triton) implementation should run on these tensors."""
+    mode = kernel_mode()
+    if mode == "torch" or not triton_available():
+        return False
+    if mode == "triton":
+        return True
+    return all(t.is_cuda for t in tensors)

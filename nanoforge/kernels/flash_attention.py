@@ -1,0 +1,540 @@
+"""Flash attention for training: causal, grouped-query, document-masked (Triton forward and backward).
+
+`attention(q, k, v, doc_ids=..., causal=..., scale=...)` is the entry point. On a CUDA GPU it runs the
+Triton kernels below, wrapped in a `torch.autograd.Function`; elsewhere it runs `attention_ref`
+(PyTorch SDPA with a boolean mask), which is also the definition of correct.
+
+Layout: q is (B, T, Hq, D), k and v are (B, T, Hkv, D); query head h reads kv head h // (Hq // Hkv).
+`doc_ids` (B, T) labels each token with its document. Documents are contiguous runs (packed sequences):
+a query attends only to keys of its own document and, when causal, not to later ones.
+
+The kernels are FlashAttention-2 with the exp2 trick (log2(e) folded into the scale):
+  forward   one program per (query block, batch * q head) streams key/value blocks, keeps a running row
+            max m and row sum l of exp2(score - m), rescales its accumulator when m grows, and stores O
+            and the base-2 log-sum-exp of each row for the backward;
+  backward  delta = rowsum(dO * O); then one program per (key block, batch * kv head) accumulates dK and
+            dV over every query block of every q head in its group (so no atomics), and one program per
+            (query block, batch * q head) accumulates dQ.
+
+Block skipping. With documents, each token knows the [start, end) of its document. A query block
+[m0, m1] (causal) can only see keys in [doc_start[m0], m1], and every row sees every key in
+[doc_start[m1], m0], so only the blocks on the edges of that range need a mask. `_split_range` cuts the
+visible range into masked / unmasked / masked block-aligned pieces, and the loops run over exactly
+those; key blocks outside every row's document are never loaded, so document masking costs no more
+than the work it skips. The backward uses the same idea with the roles of queries and keys swapped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels.dispatch import use_fast
+
+LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(-inf - _NEG_BIG) is 0, never NaN
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    doc_ids: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention, (B, T, Hq, D) x (B, T, Hkv, D) -> (B, T, Hq, D), differentiable.
+
+    Query i of row b attends key j iff (j <= i when `causal`) and doc_ids[b, i] == doc_ids[b, j].
+    `scale` defaults to 1/sqrt(D). Triton on CUDA tensors, the PyTorch reference elsewhere.
+    """
+    _check_inputs(q, k, v, doc_ids)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not use_fast(q, k, v):
+        return attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=scale)
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+        raise NanoforgeError(
+            f"flash attention needs q, k, v of one dtype among float16/bfloat16/float32, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}",
+            param="q",
+        )
+    return _FlashAttention.apply(q, k, v, doc_ids, causal, scale)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    doc_ids: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The definition of correct: PyTorch SDPA with one boolean mask built per call (any dtype, float64 too)."""
+    _check_inputs(q, k, v, doc_ids)
+    T, hq, hkv = q.shape[1], q.shape[2], k.shape[2]
+    mask = None
+    if doc_ids is not None:
+        mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
+        if causal:
+            mask = mask & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        scale=scale,
+        enable_gqa=hq != hkv,
+    )
+    return out.transpose(1, 2)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise NanoforgeError(
+            f"attention wants q (B, T, Hq, D) and k, v (B, T, Hkv, D), got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}",
+            param="q",
+        )
+    B, T, hq, d = q.shape
+    if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != d:
+        raise NanoforgeError(
+            f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B={B}, T={T}, Hkv, D={d}) "
+            f"to match q {tuple(q.shape)}",
+            param="k",
+        )
+    if hq % k.shape[2]:
+        raise NanoforgeError(f"attention: {hq} query heads is not a multiple of {k.shape[2]} kv heads", param="k")
+    if doc_ids is not None and (doc_ids.shape != (B, T) or doc_ids.is_floating_point()):
+        raise NanoforgeError(
+            f"attention: doc_ids must be an integer tensor of shape (B={B}, T={T}), got "
+            f"{doc_ids.dtype} {tuple(doc_ids.shape)}",
+            param="doc_ids",
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd wrapper and launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every kernel output is allocated here (tests swap it for a NaN-filled one to catch unwritten elements)."""
+    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+def _doc_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the [start, end) of its document, as two int32 (B, T) tensors. Documents are contiguous runs."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.where(first, idx, 0).cummax(dim=1).values
+    end = torch.where(last, idx + 1, T).flip(1).cummin(dim=1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the head dimension with stride 1; any other stride is free."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))  # tl.dot wants every dimension >= 16
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, doc_ids, causal: bool, scale: float):
+        q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+        B, T, hq, d = q.shape
+        group = hq // k.shape[2]
+        starts, ends = _doc_bounds(doc_ids) if doc_ids is not None else (q, q)  # (q, q): unused placeholders
+        o = _empty(B, T, hq, d, like=q)
+        lse = _empty(B, hq, T, like=q, dtype=torch.float32)
+
+        def grid(meta):
+            return (triton.cdiv(T, meta["BLOCK_M"]), B * hq)
+
+        _attn_fwd[grid](
+            q, k, v, o, lse, starts, ends,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            T, hq, scale * LOG2E,
+            GROUP=group, HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=causal, HAS_DOCS=doc_ids is not None,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, o, lse, starts, ends)
+        ctx.causal, ctx.scale, ctx.has_docs = causal, scale, doc_ids is not None
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, starts, ends = ctx.saved_tensors
+        do = _unit_stride(do)
+        B, T, hq, d = q.shape
+        hkv = k.shape[2]
+        common = dict(HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=ctx.causal, HAS_DOCS=ctx.has_docs)
+
+        delta = _empty(B, hq, T, like=q, dtype=torch.float32)
+        _attn_bwd_delta[(triton.cdiv(T, 64), B * hq)](
+            o, do, delta, *o.stride()[:3], *do.stride()[:3], T, hq,
+            HEAD_D=d, BLOCK_D=_block_d(d), BLOCK_M=64,
+        )  # fmt: skip
+
+        dk, dv = _empty(*k.shape, like=k), _empty(*v.shape, like=v)
+        _attn_bwd_dkdv[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * hkv)](
+            q, k, v, do, lse, delta, dk, dv, starts, ends,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3],
+            T, hkv, ctx.scale, ctx.scale * LOG2E, GROUP=hq // hkv, **common,
+        )  # fmt: skip
+
+        dq = _empty(*q.shape, like=q)
+        _attn_bwd_dq[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * hq)](
+            q, k, v, do, lse, delta, dq, starts, ends,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+            T, hq, ctx.scale, ctx.scale * LOG2E, GROUP=hq // hkv, **common,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def _configs(names: tuple[str, str], shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """Autotune candidates (block sizes, warps, stages); one small config under the CPU interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        shapes = [(16, 16, 1, 1)]
+    return [triton.Config({names[0]: a, names[1]: b}, num_warps=w, num_stages=s) for a, b, w, s in shapes]
+
+
+_TUNE_KEY = ["HEAD_D", "GROUP", "CAUSAL", "HAS_DOCS"]
+# Known-good Hopper shapes (FlashAttention-2 / Triton's fused-attention tutorial): big query blocks in the
+# forward and dQ passes, big key blocks in the dK/dV pass.
+_FWD_CONFIGS = _configs(
+    ("BLOCK_M", "BLOCK_N"),
+    [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
+)
+_DKDV_CONFIGS = _configs(
+    ("BLOCK_M", "BLOCK_N"),
+    [(32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+)
+_DQ_CONFIGS = _configs(
+    ("BLOCK_M", "BLOCK_N"),
+    [(128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+)
+
+
+@triton.jit
+def _split_range(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Cut [lo, hi) into block-aligned pieces [a, b) masked, [b, c) unmasked, [c, hi) masked.
+
+    Every block of [b, c) lies inside [full_lo, full_hi), the range that needs no mask.
+    """
+    a = lo // BLOCK * BLOCK
+    b = tl.minimum(tl.maximum((full_lo + BLOCK - 1) // BLOCK * BLOCK, a), hi)
+    c = tl.minimum(tl.maximum(full_hi // BLOCK * BLOCK, b), hi)
+    return a, b, c
+
+
+@triton.jit
+def _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """Keys that rows [m0, m0+BLOCK_M) may see: [lo, hi); every row sees all of [full_lo, full_hi)."""
+    m_last = tl.minimum(m0 + BLOCK_M, T) - 1
+    if HAS_DOCS:  # doc starts and ends are non-decreasing along the row
+        lo = tl.load(STARTS + m0)
+        full_lo = tl.load(STARTS + m_last)
+        full_hi = tl.load(ENDS + m0)
+        hi = tl.load(ENDS + m_last)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = T
+        hi = T
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, m0 + 1)
+        hi = tl.minimum(hi, m_last + 1)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """Queries that may see keys [n0, n0+BLOCK_N): [lo, hi); all of [full_lo, full_hi) see every key."""
+    n_last = tl.minimum(n0 + BLOCK_N, T) - 1
+    if HAS_DOCS:
+        lo = tl.load(STARTS + n0)
+        full_lo = tl.load(STARTS + n_last)
+        full_hi = tl.load(ENDS + n0)
+        hi = tl.load(ENDS + n_last)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = T
+        hi = T
+    if CAUSAL:
+        lo = tl.maximum(lo, n0)
+        full_lo = tl.maximum(full_lo, n_last)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _visible(offs_q, offs_k, q_start, q_end, T, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """(len(offs_q), len(offs_k)) mask: key in range, not in the future, in the query's document.
+
+    Rows past T are never stored; they see in-range keys so that their softmax stays finite."""
+    keep = offs_k[None, :] < T
+    if CAUSAL:
+        keep &= offs_k[None, :] <= offs_q[:, None]
+    if HAS_DOCS:
+        keep &= (offs_k[None, :] >= q_start[:, None]) & (offs_k[None, :] < q_end[:, None])
+    return keep
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, lo, hi, T, qk_scale,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = offs_d[:, None] < HEAD_D
+        if MASKED:
+            kv_ok &= offs_n[None, :] < T
+        kt = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=kv_ok, other=0.0)  # (D, N)
+        s = tl.dot(q, kt) * qk_scale  # scores in log2 units
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE, STARTS, ENDS,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
+    T, H, qk_scale,
+    GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + (h // GROUP) * stride_kh
+    V += b * stride_vb + (h // GROUP) * stride_vh
+    O += b * stride_ob + h * stride_oh
+    STARTS += b * T
+    ENDS += b * T
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    if HAS_DOCS:
+        q_start = tl.load(STARTS + offs_m, mask=row_ok, other=0)
+        q_end = tl.load(ENDS + offs_m, mask=row_ok, other=T)
+    else:
+        q_start = 0
+        q_end = 0
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
+    a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
+    args = (q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, a, b_, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, b_, c, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, c, hi, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+
+    tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=io_mask)
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_delta(
+    O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh, T, H,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """delta[b, h, t] = sum_d dO * O, the correction term of the softmax backward."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < T) & (offs_d[None, :] < HEAD_D)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dt + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < T)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n, k_start, k_end, lo, hi, T, qk_scale,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """Works on transposed scores (keys x queries) so that dK and dV come out as (BLOCK_N, D)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q_ok = offs_d[:, None] < HEAD_D
+        if MASKED:
+            q_ok &= offs_m[None, :] < T
+        qt = tl.load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], mask=q_ok, other=0.0)  # (D, M)
+        lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
+        pt = tl.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])  # (N, M) probabilities
+        if MASKED:
+            # key j is visible to query i iff query i is visible to key j: _visible with the roles swapped
+            pt = tl.where(_visible(offs_n, offs_m, k_start, k_end, T, False, HAS_DOCS), pt, 0.0)
+            if CAUSAL:
+                pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+        do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=tl.trans(q_ok), other=0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
+        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY)
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, STARTS, ENDS,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+    T, HKV, scale, qk_scale,
+    GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    n0 = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    hk = bh % HKV
+    STARTS += b * T
+    ENDS += b * T
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    io_mask = (offs_n[:, None] < T) & (offs_d[None, :] < HEAD_D)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=io_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=io_mask, other=0.0)
+    if HAS_DOCS:
+        k_start = tl.load(STARTS + offs_n, mask=offs_n < T, other=0)
+        k_end = tl.load(ENDS + offs_n, mask=offs_n < T, other=0)
+    else:
+        k_start = 0
+        k_end = 0
+
+    lo, full_lo, full_hi, hi = _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N, CAUSAL, HAS_DOCS)
+    a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_M)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):  # every query head that reads this kv head
+        h = hk * GROUP + g
+        Qh = Q + b * stride_qb + h * stride_qh
+        DOh = DO + b * stride_dob + h * stride_doh
+        LSEh = LSE + (b * HKV * GROUP + h) * T
+        DELTAh = DELTA + (b * HKV * GROUP + h) * T
+        args = (k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, a, b_, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, b_, c, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, c, hi, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+
+    offs = offs_n[:, None] * stride_dkt + offs_d[None, :]
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs, (dk * scale).to(DK.dtype.element_ty), mask=io_mask)
+    offs = offs_n[:, None] * stride_dvt + offs_d[None, :]
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs, dv.to(DV.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, lo, hi, T, qk_scale,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = offs_d[:, None] < HEAD_D
+        if MASKED:
+            kv_ok &= offs_n[None, :] < T
+        kt = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=kv_ok, other=0.0)  # (D, N)
+        vt = tl.load(V + offs_n[None, :] * stride_vt + offs_d[:, None], mask=kv_ok, other=0.0)
+        p = tl.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), p, 0.0)
+        ds = p * (tl.dot(do, vt) - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+    return dq
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY)
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ, STARTS, ENDS,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+    T, H, scale, qk_scale,
+    GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    K += b * stride_kb + (h // GROUP) * stride_kh
+    V += b * stride_vb + (h // GROUP) * stride_vh
+    STARTS += b * T
+    ENDS += b * T
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=io_mask, other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+    if HAS_DOCS:
+        q_start = tl.load(STARTS + offs_m, mask=row_ok, other=0)
+        q_end = tl.load(ENDS + offs_m, mask=row_ok, other=T)
+    else:
+        q_start = 0
+        q_end = 0
+
+    lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
+    a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    args = (q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end)
+    dq = _attn_bwd_dq_inner(dq, *args, a, b_, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    dq = _attn_bwd_dq_inner(dq, *args, b_, c, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
+    dq = _attn_bwd_dq_inner(dq, *args, c, hi, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    offs = offs_m[:, None] * stride_dqt + offs_d[None, :]
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)

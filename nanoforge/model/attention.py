@@ -1,0 +1,86 @@
+"""The attention backend interface: how a layer's q, k, v become its output.
+
+The Transformer computes q, k, v (projected, normalised, rotated) and hands
+them to a backend together with its layer index. The backend decides where K
+and V live and which keys each query sees:
+
+- `DenseAttention`: whole sequences at once (training, scoring). Causal, with
+  optional document masking for packed sequences (`doc_ids`).
+- `KVCache`: a contiguous per-layer cache for the reference generator: each
+  call appends the new tokens' K/V at `self.length` and attends over all
+  cached keys (causal within the new chunk).
+- The serving engine's paged backend (`nanoforge.serve.model_runner`)
+  implements the same one method over block tables.
+
+Each backend is an explicit argument to `Transformer.forward`; there is no
+hidden global attention state.
+
+Shapes: q (B, T, Hq, D); k, v (B, T, Hkv, D); the result (B, T, Hq, D).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoforge.kernels.flash_attention import attention as flash_attention
+
+
+class AttentionBackend:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseAttention(AttentionBackend):
+    """Causal attention over whole sequences; `doc_ids` (B, T) keeps packed documents apart."""
+
+    def __init__(self, doc_ids: torch.Tensor | None = None):
+        self.doc_ids = doc_ids
+
+    def attend(self, layer, q, k, v):
+        return flash_attention(q, k, v, doc_ids=self.doc_ids, causal=True)
+
+
+class KVCache(AttentionBackend):
+    """A preallocated contiguous KV cache (batch, max_len) per layer, for the reference generator.
+
+    The generator calls the model with the new tokens, then `advance(T)`.
+    All rows of the batch share one length (the generator runs prompts of equal
+    length, or one prompt at a time).
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 device=None, dtype=torch.float32):
+        shape = (n_layers, batch_size, max_len, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def attend(self, layer, q, k, v):
+        T = q.shape[1]
+        start, end = self.length, self.length + T
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {end} tokens > {self.max_len}")
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
+        keys, values = self.k[layer, :, :end], self.v[layer, :, :end]
+        # Query i (absolute position start+i) sees keys 0..start+i: bottom-right aligned causal.
+        mask = None
+        if T > 1:
+            qpos = torch.arange(start, end, device=q.device)[:, None]
+            mask = torch.arange(end, device=q.device)[None, :] <= qpos
+        return sdpa(q, keys, values, mask)
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
+def sdpa(q, k, v, mask=None):
+    """scaled_dot_product_attention in (B, T, H, D) layout with grouped-query heads."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=2)
+        v = v.repeat_interleave(groups, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return o.transpose(1, 2)

@@ -1,0 +1,206 @@
+"""One Transformer for the GPT-2 / Llama 3 / Qwen2 / Qwen3 family.
+
+Read top to bottom: norms, rotary embeddings, attention, MLP, block, model.
+`ModelConfig` switches decide the family:
+
+    GPT-2   learned positions, LayerNorm, GELU MLP, biases everywhere, tied head
+    Llama 3 RoPE (+ 3.1 frequency scaling), RMSNorm, SwiGLU, GQA, no biases
+    Qwen2   Llama + bias on q, k, v
+    Qwen3   Llama + RMSNorm over each head of q and k (before RoPE)
+
+Attention goes through an `AttentionBackend` (model/attention.py) passed to
+`forward`, so training (dense, document-masked) and serving (paged KV cache)
+run the same modules. q, k, v are projected by one fused matrix; gate and up
+by another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels.rmsnorm import rms_norm
+from nanoforge.model.attention import AttentionBackend, DenseAttention
+from nanoforge.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.is_gpt2:
+        return nn.LayerNorm(dim, eps=cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps)
+
+
+# --- rotary position embeddings ----------------------------------------------------------------
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/D), with Llama 3.1's long-context rescaling if configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # as HF computes it
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    else:
+        raise NanoforgeError(f"unsupported rope_scaling type {kind!r}; nanoforge supports default, linear and llama3",
+                             param="rope_scaling")
+    return inv_freq
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (i, i + D/2) of each head (the Hugging Face layout), x: (B, T, H, D)."""
+    return x * cos + rotate_half(x) * sin
+
+
+# --- attention and MLP -------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.split = (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)
+        self.wqkv = nn.Linear(cfg.d_model, sum(self.split), bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.out_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, rope, attn: AttentionBackend):
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.attend(self.layer_idx, q, k, v)
+        return self.wo(o.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """GELU (GPT-2, tanh approximation) or SwiGLU (Llama, Qwen) with gate and up fused."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = not cfg.is_gpt2
+        self.w_in = nn.Linear(cfg.d_model, cfg.d_ff * (2 if self.swiglu else 1), bias=cfg.mlp_bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        h = self.w_in(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.w_out(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = make_norm(cfg, cfg.d_model)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, attn):
+        x = x + self.attn(self.attn_norm(x), rope, attn)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.learned_positions else None
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg, cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", None if cfg.learned_positions else rope_inv_freq(cfg), persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: residual projections get std / sqrt(2 * n_layers).
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w_out.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def reset_buffers(self, device=None) -> None:
+        """Recompute non-persistent buffers (after building on the meta device and loading weights)."""
+        if not self.cfg.learned_positions:
+            self.inv_freq = rope_inv_freq(self.cfg).to(device or self.embed.weight.device)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin of shape (B, T, 1, D) for the given positions, computed in fp32 then cast."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attn: AttentionBackend | None = None, *, return_hidden: bool = False) -> torch.Tensor:
+        """input_ids and positions (B, T); returns logits (B, T, V), or the final hidden states.
+
+        Without `positions`, tokens are at 0..T-1; without `attn`, plain causal attention.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if attn is None:
+            attn = DenseAttention()
+        x = self.embed(input_ids)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            rope = self.rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, attn)
+        x = self.norm(x)
+        return x if return_hidden else self.lm_head(x)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
