@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.runtime import pick_device, pick_dtype
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,28 +25,6 @@ def _positive_int(s: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
     return v
-
-
-def pick_device(name: str = "auto"):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise NanoforgeError(f"--device {name}: no CUDA GPU is available", param="device")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise NanoforgeError(f"--dtype {name!r} is not one of auto, fp32, bf16, fp16", param="dtype")
-    return table[name]
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -80,7 +59,7 @@ def cmd_generate(args) -> int:
     if args.chat:
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
-        ids = tok.encode(args.prompt)
+        ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
     stop = set(tok.stop_ids)
     decoder = IncrementalDecoder(tok)
     for t in generate_stream(model, ids, max_new_tokens=args.max_tokens, temperature=args.temperature,
@@ -89,8 +68,20 @@ def cmd_generate(args) -> int:
             break
         sys.stdout.write(decoder.push(t))
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write(decoder.flush() + "\n")
     return 0
+
+
+# --- data prepare ------------------------------------------------------------------------------
+
+def _add_data(sub):
+    from nanoforge.data import prepare
+
+    data = sub.add_parser("data", help="prepare training data")
+    verbs = data.add_subparsers(dest="data_verb", required=True, parser_class=_Parser)
+    p = verbs.add_parser("prepare", help="tokenize text/JSONL/Parquet into train.bin / val.bin shards")
+    prepare.add_cli_arguments(p)
+    p.set_defaults(func=prepare.run_cli)
 
 
 # --- entry point -------------------------------------------------------------------------------
@@ -99,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nanoforge", description="Pretrain, fine-tune and serve GPTs.")
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
     _add_generate(sub)
+    _add_data(sub)
     return parser
 
 

@@ -90,7 +90,7 @@ class Tokenizer:
             vocab_size=vocab_size,
             special_tokens=list(SPECIAL_TOKENS),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
-            show_progress=False,
+            show_progress=True,  # a bar on the terminal for large corpora
         )
         backend.train_from_iterator(texts, trainer)
         return cls(backend, eos_token=ENDOFTEXT, eot_token=IM_END)
@@ -211,9 +211,10 @@ class Tokenizer:
         backend = self.backend if allow_special else self._literal_backend
         try:
             return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
-        except Exception as e:  # only vocabularies without an unk token (char-level) fail
+        except Exception as e:  # vocabularies without an unk token (char-level) fail on unknown characters
             unknown = sorted({c for t in texts for c in set(t) if self.backend.token_to_id(c) is None})[:10]
-            raise NanoforgeError(f"text has characters outside the tokenizer's vocabulary: {unknown!r}") from e
+            problem = f"characters outside the tokenizer's vocabulary: {unknown!r}" if unknown else str(e)
+            raise NanoforgeError(f"cannot tokenize the text: {problem}") from e
 
     def encode_with_offsets(self, text: str, *, allow_special: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids plus each token's (start, end) character span in `text`."""
@@ -235,13 +236,18 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise NanoforgeError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
-        return self._compiled_template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eot_token,  # what HF calls eos_token in a chat model's config
-            pad_token=self.eos_token,
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return self._compiled_template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eot_token,  # what HF calls eos_token in a chat model's config
+                pad_token=self.eos_token,
+            )
+        except TemplateError as e:  # templates reject e.g. roles that do not alternate
+            raise NanoforgeError(f"chat template rejected the messages: {e}", param="messages") from e
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat. As in HF, special-token strings inside message

@@ -13,6 +13,8 @@ import functools
 import importlib
 import inspect
 import re
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # Standard-library modules whose docstrings we read: importing them has no side
@@ -83,13 +85,19 @@ def _signature(name: str, obj) -> str:
 @functools.cache
 def _api_docs() -> tuple[_ApiDoc, ...]:
     """Docstrings of the modules above, their public functions and classes, and the classes' methods."""
-    docs, seen = [], set()
+    with warnings.catch_warnings():  # reading e.g. typing.io warns that it is deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return tuple(d for d in _read_api_docs() if d.doc)
+
+
+def _read_api_docs() -> Iterator[_ApiDoc]:
+    seen = set()
     for module_name in _MODULES:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        docs.append(_ApiDoc(module_name, module_name, "", inspect.getdoc(module) or "", "module"))
+        yield _ApiDoc(module_name, module_name, "", inspect.getdoc(module) or "", "module")
         for name, obj in sorted(vars(module).items()):
             # Public names defined in this module (not re-exported from another one).
             if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
@@ -99,12 +107,11 @@ def _api_docs() -> tuple[_ApiDoc, ...]:
             seen.add(id(obj))  # aliases (array.ArrayType is array.array) appear once
             qualified = name if module_name == "builtins" else f"{module_name}.{name}"
             kind = "class" if inspect.isclass(obj) else "function"
-            docs.append(_ApiDoc(module_name, qualified, _signature(qualified, obj), inspect.getdoc(obj) or "", kind))
+            yield _ApiDoc(module_name, qualified, _signature(qualified, obj), inspect.getdoc(obj) or "", kind)
             if inspect.isclass(obj):
                 for attr, member in sorted(vars(obj).items()):
                     if not attr.startswith("_") and inspect.isroutine(member) and member.__doc__:
-                        docs.append(_ApiDoc(module_name, f"{qualified}.{attr}", _signature(f"{qualified}.{attr}", member), inspect.getdoc(member) or "", "function"))
-    return tuple(d for d in docs if d.doc)
+                        yield _ApiDoc(module_name, f"{qualified}.{attr}", _signature(f"{qualified}.{attr}", member), inspect.getdoc(member) or "", "function")
 
 
 def default_corpus() -> list[str]:

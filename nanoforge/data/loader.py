@@ -42,8 +42,8 @@ class Batch:
     loss_mask: torch.Tensor | None = None  # bool, SFT only: True on trained (answer) tokens
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Batch(**{k: v if v is None else v.to(device, non_blocking=non_blocking) for k, v in moved.items()})
+        tensors = (getattr(self, f.name) for f in fields(self))
+        return Batch(*(t if t is None else t.to(device, non_blocking=non_blocking) for t in tensors))
 
 
 def doc_ids_and_positions(input_ids: torch.Tensor, eot_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,11 +180,8 @@ def _pieces(text: str) -> list[str]:
     """
     pieces, start = [], 0
     while len(text) - start > _PIECE_CHARS:
-        end = start + _PIECE_CHARS
-        cut = None
-        for cut in _LINE_START.finditer(text, start + _PIECE_CHARS // 2, end):
-            pass
-        end = cut.end() if cut else end
+        # The last line start in the second half of the window, else a hard cut (a very long line).
+        end = max((m.end() for m in _LINE_START.finditer(text, start + _PIECE_CHARS // 2, start + _PIECE_CHARS)), default=start + _PIECE_CHARS)
         pieces.append(text[start:end])
         start = end
     pieces.append(text[start:])
@@ -223,6 +220,7 @@ def _tokenize_to_file(docs, tokenizer: Tokenizer, path: Path, dtype, total_bytes
                 n_tokens += len(doc)
             bar.update(sum(size for _, size in batch))
             bar.set_postfix(docs=len(spans), tokens=n_tokens)
+        bar.update(max(0, bar.total - bar.n))  # the bytes of JSON/Parquet records are estimates
     return np.array(spans, dtype=np.int64).reshape(-1, 2), empty
 
 

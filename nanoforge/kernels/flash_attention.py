@@ -168,10 +168,7 @@ class _FlashAttention(torch.autograd.Function):
         o = _empty(B, T, hq, d, like=q)
         lse = _empty(B, hq, T, like=q, dtype=torch.float32)
 
-        def grid(meta):
-            return (triton.cdiv(T, meta["BLOCK_M"]), B * hq)
-
-        _attn_fwd[grid](
+        _attn_fwd[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
             q, k, v, o, lse, starts, ends,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             T, hq, scale * LOG2E,
@@ -196,7 +193,7 @@ class _FlashAttention(torch.autograd.Function):
         )  # fmt: skip
 
         dk, dv = _empty(*k.shape, like=k), _empty(*v.shape, like=v)
-        _attn_bwd_dkdv[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * hkv)](
+        _attn_bwd_dkdv[lambda meta: (B * hkv, triton.cdiv(T, meta["BLOCK_N"]))](
             q, k, v, do, lse, delta, dk, dv, starts, ends,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3],
@@ -204,7 +201,7 @@ class _FlashAttention(torch.autograd.Function):
         )  # fmt: skip
 
         dq = _empty(*q.shape, like=q)
-        _attn_bwd_dq[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * hq)](
+        _attn_bwd_dq[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
             q, k, v, do, lse, delta, dq, starts, ends,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
             T, hq, ctx.scale, ctx.scale * LOG2E, GROUP=hq // hkv, **common,
@@ -342,8 +339,8 @@ def _attn_fwd(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: heaviest query blocks first
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = bh % H
     Q += b * stride_qb + h * stride_qh
@@ -435,8 +432,8 @@ def _attn_bwd_dkdv(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    n0 = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    n0 = tl.program_id(1) * BLOCK_N  # causal: the first key blocks have the most queries, so they go first
+    bh = tl.program_id(0)
     b = (bh // HKV).to(tl.int64)
     hk = bh % HKV
     STARTS += b * T
@@ -506,8 +503,8 @@ def _attn_bwd_dq(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    m0 = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: heaviest query blocks first
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = bh % H
     K += b * stride_kb + (h // GROUP) * stride_kh
@@ -538,3 +535,79 @@ def _attn_bwd_dq(
     dq = _attn_bwd_dq_inner(dq, *args, c, hi, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
     offs = offs_m[:, None] * stride_dqt + offs_d[None, :]
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark rows (for nanoforge.kernels.bench)
+# ----------------------------------------------------------------------------------------------
+
+
+def time_ms(fn, grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of fn() on the GPU (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+
+
+def bench_row(kernel: str, shape: str, ours_ms: float, base_ms: float, baseline: str, flops: float, nbytes: float) -> dict:
+    """One row in the format of nanoforge.kernels.bench."""
+    return {
+        "kernel": kernel, "shape": shape, "ours_ms": ours_ms, "base_ms": base_ms, "baseline": baseline,
+        "ratio": base_ms / ours_ms, "flops": flops, "bytes": nbytes,
+        "ours_tflops": flops / ours_ms / 1e9, "ours_gbps": nbytes / ours_ms / 1e6,
+    }  # fmt: skip
+
+
+def _sdpa_flash(q, k, v, causal: bool):
+    """The baseline: PyTorch SDPA restricted to its FlashAttention-2 backend, on the same (B, T, H, D) tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=q.shape[2] != k.shape[2]
+        )
+    return out.transpose(1, 2)
+
+
+def _visible_pairs(T: int, doc_lens: list[int] | None) -> int:
+    """(query, key) pairs that causal attention computes in one row (per head)."""
+    return sum(n * (n + 1) // 2 for n in (doc_lens or [T]))
+
+
+def bench_rows(quick: bool) -> list[dict]:
+    """Forward and forward+backward vs SDPA (flash backend), and document masking vs the same kernel without it."""
+    if not torch.cuda.is_available():
+        raise NanoforgeError("flash attention benchmarks need a CUDA GPU", param="kinds")
+    dtype = torch.bfloat16
+    # (B, T, Hq, Hkv, D, documents per row or None)
+    shapes = [(16, 1024, 12, 12, 64, None), (16, 1024, 12, 12, 64, 4)]
+    if not quick:
+        shapes += [(2, 4096, 32, 8, 128, None), (2, 4096, 32, 8, 128, 8)]
+    rows = []
+    for B, T, hq, hkv, d, ndocs in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (
+            torch.randn(B, T, h, d, device="cuda", dtype=dtype, generator=gen).requires_grad_(i < 3)
+            for i, h in enumerate((hq, hkv, hkv, hq))
+        )
+        doc_ids, doc_lens = None, None
+        if ndocs:
+            doc_lens = [T // ndocs] * ndocs
+            doc_ids = torch.arange(T, device="cuda").div(T // ndocs, rounding_mode="floor").expand(B, T)
+
+        def ours():
+            return attention(q, k, v, doc_ids=doc_ids)
+
+        def base():  # with documents, the same kernel without them: masking should pay for itself
+            return attention(q, k, v) if ndocs else _sdpa_flash(q, k, v, causal=True)
+
+        baseline = "same kernel, no doc mask" if ndocs else "SDPA flash backend"
+        shape = f"B{B} T{T} Hq{hq} Hkv{hkv} D{d} causal" + (f" {ndocs} docs" if ndocs else "")
+        flops = 4 * B * hq * d * _visible_pairs(T, doc_lens)
+        io = B * T * (2 * hq + 2 * hkv) * d * (torch.finfo(dtype).bits // 8)  # forward: read q, k, v; write o
+        rows.append(bench_row("flash_fwd", shape, time_ms(ours), time_ms(base), baseline, flops, io))
+        # The backward does 5 matmuls to the forward's 2; it reads q, k, v, o, dO and writes dq, dk, dv.
+        ours_ms = time_ms(lambda: ours().backward(do), grad_to_none=[q, k, v])
+        base_ms = time_ms(lambda: base().backward(do), grad_to_none=[q, k, v])
+        rows.append(bench_row("flash_fwd_bwd", shape, ours_ms, base_ms, baseline, 3.5 * flops, 3 * io))
+    return rows

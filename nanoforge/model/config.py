@@ -28,6 +28,7 @@ class ModelConfig:
     d_ff: int = 1376
     max_seq_len: int = 2048
     norm_eps: float = 1e-5
+    dropout: float = 0.0  # residual/embedding dropout for training small models (nanoGPT); not saved to HF
     # positions
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # Llama 3.1: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
@@ -139,7 +140,7 @@ PRESETS: dict[str, ModelConfig] = {
                               tie_embeddings=True, bos_token_id=151643, eos_token_id=151645),
     # nanoGPT's baby GPT for Tiny Shakespeare (character level) and its CPU variant.
     "shakespeare-char": ModelConfig(arch="gpt2", vocab_size=65, d_model=384, n_layers=6, n_heads=6, d_ff=1536,
-                                    max_seq_len=256, tie_embeddings=True),
+                                    max_seq_len=256, tie_embeddings=True, dropout=0.2),
     "shakespeare-char-cpu": ModelConfig(arch="gpt2", vocab_size=65, d_model=128, n_layers=4, n_heads=4, d_ff=512,
                                         max_seq_len=64, tie_embeddings=True),
     # Tiny shapes for tests and the offline default run.

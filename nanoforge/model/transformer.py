@@ -92,6 +92,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.out_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope, attn: AttentionBackend):
         B, T, _ = x.shape
@@ -105,7 +106,7 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn.attend(self.layer_idx, q, k, v)
-        return self.wo(o.reshape(B, T, -1))
+        return self.dropout(self.wo(o.reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
@@ -116,6 +117,7 @@ class MLP(nn.Module):
         self.swiglu = not cfg.is_gpt2
         self.w_in = nn.Linear(cfg.d_model, cfg.d_ff * (2 if self.swiglu else 1), bias=cfg.mlp_bias)
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
         h = self.w_in(x)
@@ -124,7 +126,7 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.w_out(h)
+        return self.dropout(self.w_out(h))
 
 
 class Block(nn.Module):
@@ -148,6 +150,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.learned_positions else None
+        self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -197,6 +200,7 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(positions)
         else:
             rope = self.rope(positions, x.dtype)
+        x = self.drop(x)
         for layer in self.layers:
             x = layer(x, rope, attn)
         x = self.norm(x)

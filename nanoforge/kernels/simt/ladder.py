@@ -70,10 +70,8 @@ def numba_cuda():
 
 def simulator_active() -> bool:
     """True when numba.cuda is the CPU simulator rather than a real GPU target."""
-    numba_cuda()
-    from numba.core import config
-
-    return bool(config.ENABLE_CUDASIM)
+    # Ask the module we got, not the environment: whoever imported numba.cuda first decided.
+    return numba_cuda().jit.__module__.startswith("numba.cuda.simulator")
 
 
 # --------------------------------------------------------------------------- tile sizes
@@ -281,7 +279,9 @@ def _as_device(x, name: str, ndim: int):
     cuda = numba_cuda()
     if isinstance(x, np.ndarray):
         dev, from_host = cuda.to_device(np.ascontiguousarray(x)), True
-    elif cuda.is_cuda_array(x):
+    elif getattr(x, "__cuda_ndarray__", False):  # a Numba device array (real or simulated)
+        dev, from_host = x, False
+    elif hasattr(x, "__cuda_array_interface__"):  # e.g. a CUDA torch tensor
         dev, from_host = cuda.as_cuda_array(x), False
     else:
         raise NanoforgeError(f"{name} must be a numpy array or a CUDA device array, not {type(x).__name__}", param=name)

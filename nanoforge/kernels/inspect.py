@@ -1,0 +1,430 @@
+"""Look inside a compiled kernel: registers, shared memory, spills, occupancy, PTX and SASS.
+
+`inspect_kernel(name, out_dir)` compiles one of the project's kernels and follows
+it down the pipeline that every CUDA kernel takes:
+
+    Python (Numba / Triton) -> PTX (virtual ISA, text) -> cubin (ptxas) -> SASS (the real ISA)
+
+It writes NAME.ptx and NAME.sass, reads the resource usage that ptxas recorded
+in the cubin (registers per thread, local memory per thread = spills + stack),
+takes the shared memory per block from what the kernel declares (the PTX for
+Numba's static arrays, the launch metadata for Triton's dynamic buffer), and
+turns those into theoretical occupancy with `theoretical_occupancy`, NVIDIA's
+occupancy-calculator rules for sm_90 (H100/H200).
+
+No GPU is needed: Triton compiles for a `GPUTarget` and Numba's `compile_ptx`
+emits PTX for a compute capability, and ptxas/cuobjdump are ordinary programs
+(the triton wheel bundles them). On a GPU the target is the current device,
+and Numba's cubin is the one its driver linker made for the launch.
+
+Names: the SIMT ladder's kernels (`vector_add`, `sgemm_<rung>`) and the Triton
+kernels in `TRITON_KERNELS`; `register_triton_kernel` adds one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanoforge.errors import NanoforgeError
+
+# --------------------------------------------------------------------------- occupancy
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """Per-SM resource limits of one GPU architecture (NVIDIA's occupancy calculator inputs)."""
+
+    name: str = "sm_90 (H100/H200)"
+    warp_size: int = 32
+    max_threads_per_block: int = 1024
+    max_warps_per_sm: int = 64  # 2048 threads
+    max_blocks_per_sm: int = 32
+    registers_per_sm: int = 65536
+    registers_per_block: int = 65536
+    max_registers_per_thread: int = 255
+    register_alloc_unit: int = 256  # a warp's registers come in chunks of 256 (8 per thread)
+    sub_partitions: int = 4  # the register file is split between the SM's 4 schedulers
+    shared_per_sm: int = 228 * 1024
+    max_shared_per_block: int = 227 * 1024
+    shared_alloc_unit: int = 128
+    reserved_shared_per_block: int = 1024  # the CUDA runtime keeps 1 KB of every block's shared memory
+
+
+SM90 = SMLimits()
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    blocks_per_sm: int
+    warps_per_sm: int
+    max_warps_per_sm: int
+    occupancy: float  # warps_per_sm / max_warps_per_sm
+    limiter: str  # which limit(s) set blocks_per_sm
+    blocks_by: dict[str, int] = field(default_factory=dict)  # blocks per SM each limit alone allows
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+def theoretical_occupancy(
+    threads_per_block: int,
+    registers_per_thread: int,
+    shared_bytes_per_block: int,
+    limits: SMLimits = SM90,
+) -> Occupancy:
+    """Resident blocks and warps per SM for a kernel, by the CUDA occupancy calculator's rules.
+
+    Each limit gives a number of blocks per SM; the smallest wins:
+      warps      max warps per SM // warps per block;
+      registers  a warp's registers are rounded up to the allocation unit, and each
+                 of the 4 sub-partitions holds a whole number of warps, so
+                 (regs per SM / 4 // regs per warp) * 4 // warps per block; a block
+                 whose registers exceed the per-block limit cannot launch at all;
+      shared     (declared + the runtime's reserved 1 KB), rounded up to 128 B,
+                 into the SM's 228 KB; more than 227 KB declared cannot launch;
+      blocks     at most 32 resident blocks per SM.
+    """
+    if not 0 < threads_per_block <= limits.max_threads_per_block:
+        raise NanoforgeError(
+            f"threads_per_block must be in 1..{limits.max_threads_per_block}, got {threads_per_block}",
+            param="threads_per_block",
+        )
+    if not 0 <= registers_per_thread <= limits.max_registers_per_thread:
+        raise NanoforgeError(
+            f"registers_per_thread must be in 0..{limits.max_registers_per_thread}, got {registers_per_thread}",
+            param="registers_per_thread",
+        )
+    if shared_bytes_per_block < 0:
+        raise NanoforgeError(f"shared_bytes_per_block must be >= 0, got {shared_bytes_per_block}")
+
+    warps = math.ceil(threads_per_block / limits.warp_size)
+    by_warps = limits.max_warps_per_sm // warps
+
+    regs_per_warp = _round_up(registers_per_thread * limits.warp_size, limits.register_alloc_unit)
+    if regs_per_warp == 0:
+        by_regs = limits.max_blocks_per_sm
+    elif regs_per_warp * _round_up(warps, limits.sub_partitions) > limits.registers_per_block:
+        by_regs = 0  # the hardware check assumes the block's warps fill all sub-partitions evenly
+    else:
+        warps_per_partition = (limits.registers_per_sm // limits.sub_partitions) // regs_per_warp
+        by_regs = warps_per_partition * limits.sub_partitions // warps
+
+    if shared_bytes_per_block > limits.max_shared_per_block:
+        by_smem = 0
+    else:
+        smem = _round_up(shared_bytes_per_block + limits.reserved_shared_per_block, limits.shared_alloc_unit)
+        by_smem = limits.shared_per_sm // smem
+
+    blocks_by = {"warps": by_warps, "registers": by_regs, "shared memory": by_smem, "blocks": limits.max_blocks_per_sm}
+    blocks = min(blocks_by.values())
+    return Occupancy(
+        blocks_per_sm=blocks,
+        warps_per_sm=blocks * warps,
+        max_warps_per_sm=limits.max_warps_per_sm,
+        occupancy=blocks * warps / limits.max_warps_per_sm,
+        limiter=", ".join(k for k, v in blocks_by.items() if v == blocks),
+        blocks_by=blocks_by,
+    )
+
+
+# --------------------------------------------------------------------------- CUDA tools
+
+
+def _tool_candidates(tool: str) -> list[str]:
+    """Where `tool` (ptxas, cuobjdump) may live: PATH, the CUDA toolkit, the triton wheel."""
+    dirs = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    paths = [shutil.which(tool)] + [os.path.join(d, "bin", tool) for d in dirs if d]
+    try:
+        import triton
+
+        paths.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool))
+    except ImportError:
+        pass
+    found = []
+    for p in paths:
+        if p and os.path.isfile(p) and os.access(p, os.X_OK) and p not in found:
+            found.append(p)
+    return found
+
+
+def _run_tool(tool: str, args: list[str], what: str) -> str:
+    """Run the first copy of `tool` that succeeds (a newer PTX needs a newer ptxas); return stdout."""
+    errors = []
+    for exe in _tool_candidates(tool):
+        proc = subprocess.run([exe, *args], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return proc.stdout
+        errors.append(f"{exe}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    if not errors:
+        raise NanoforgeError(f"{what} needs {tool} (from the CUDA toolkit or the triton wheel); none found")
+    raise NanoforgeError(f"{what} failed: " + "; ".join(errors))
+
+
+def _ptx_to_cubin(ptx: str, cc: tuple[int, int]) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "kernel.ptx"), Path(tmp, "kernel.cubin")
+        src.write_text(ptx)
+        _run_tool("ptxas", [f"-arch=sm_{cc[0]}{cc[1]}", str(src), "-o", str(dst)], "assembling PTX with ptxas")
+        return dst.read_bytes()
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "kernel.cubin")
+        path.write_bytes(cubin)
+        return _run_tool("cuobjdump", [flag, str(path)], f"cuobjdump {flag}")
+
+
+_RES_USAGE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)")
+
+
+def _resource_usage(cubin: bytes, kernel_name: str) -> dict[str, int]:
+    """Registers per thread and local (spill + stack) bytes per thread that ptxas recorded."""
+    functions = {m[1]: m for m in _RES_USAGE.finditer(_cuobjdump(cubin, "-res-usage"))}
+    matches = [m for name, m in functions.items() if kernel_name in name] or list(functions.values())
+    if len(matches) != 1:
+        raise NanoforgeError(f"cannot find kernel {kernel_name!r} in the cubin (functions: {', '.join(functions)})")
+    m = matches[0]
+    return {"registers_per_thread": int(m[2]), "stack_bytes_per_thread": int(m[3]), "local_bytes_per_thread": int(m[4])}
+
+
+_PTX_SHARED = re.compile(r"^\s*(?:\.visible\s+)?\.shared\s+(?:\.align\s+\d+\s+)?\.[a-z](\d+)\s+\w+\[(\d+)\]", re.M)
+
+
+def _ptx_static_shared_bytes(ptx: str) -> int:
+    """Bytes of statically sized `.shared` arrays the PTX declares (Numba's cuda.shared.array)."""
+    return sum(int(bits) // 8 * int(count) for bits, count in _PTX_SHARED.findall(ptx))
+
+
+def _target_cc() -> tuple[int, int]:
+    """The current GPU's compute capability, or sm_90 (H100/H200) on a machine without one."""
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@dataclass(frozen=True)
+class TritonKernel:
+    """How to compile a @triton.jit kernel without launching it."""
+
+    fn: Any  # the @triton.jit function, or "package.module:attribute" imported on first use
+    signature: dict[str, str]  # runtime argument -> Triton type, e.g. {"x_ptr": "*fp32", "n": "i32"}
+    constexprs: dict[str, Any] = field(default_factory=dict)  # tl.constexpr argument -> value
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _i32(*names: str) -> dict[str, str]:
+    return dict.fromkeys(names, "i32")
+
+
+# The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
+TRITON_KERNELS: dict[str, TritonKernel] = {
+    "matmul": TritonKernel(
+        "nanoforge.kernels.matmul:_matmul_tiled_kernel",
+        {"a": "*bf16", "b": "*bf16", "c": "*bf16", "bias": "*bf16",
+         **_i32("M", "N", "K", "M_BUCKET", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "HAS_BIAS": False, "ACTIVATION": "none",
+         "USE_TMA": False, "B_NK": False},
+        num_warps=8,
+    ),
+    "flash_attention_fwd": TritonKernel(
+        "nanoforge.kernels.flash_attention:_attn_fwd",
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "STARTS": "*i32", "ENDS": "*i32",
+         **_i32(*(f"stride_{t}{d}" for t in "qkvo" for d in "bth"), "T", "H"), "qk_scale": "fp32"},
+        {"GROUP": 1, "HEAD_D": 128, "BLOCK_D": 128, "CAUSAL": True, "HAS_DOCS": True, "BLOCK_M": 128, "BLOCK_N": 64},
+        num_warps=8,
+    ),
+    "rmsnorm_fwd": TritonKernel(
+        "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",
+        {"x": "*bf16", "res": "*bf16", "w": "*bf16", "y": "*bf16", "h": "*bf16", "rstd": "*fp32",
+         **_i32("N", "stride_x", "stride_r", "stride_y", "stride_h"), "eps": "fp32"},
+        {"BLOCK_N": 4096, "HAS_RESIDUAL": True},
+        num_warps=8,
+    ),
+}
+
+
+def register_triton_kernel(
+    name: str,
+    fn: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any] | None = None,
+    *,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> None:
+    """Make `inspect_kernel(name)` compile `fn` with these argument types and constants."""
+    TRITON_KERNELS[name] = TritonKernel(fn, signature, constexprs or {}, num_warps, num_stages)
+
+
+def simt_kernels() -> dict[str, tuple[Any, str, int]]:
+    """SIMT ladder kernels: name -> (Python kernel, Numba signature, threads per block)."""
+    from nanoforge.kernels.simt import ladder
+
+    kernels = {"vector_add": (ladder.vector_add_kernel, ladder.VECTOR_ADD_SIGNATURE, ladder.VECTOR_ADD_THREADS)}
+    for rung in ladder.RUNGS.values():
+        kernels[rung.kernel.__name__] = (rung.kernel, ladder.SGEMM_SIGNATURE, rung.threads_per_block)
+    return kernels
+
+
+def kernel_names() -> list[str]:
+    return [*simt_kernels(), *TRITON_KERNELS]
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+@dataclass
+class Compiled:
+    """What inspection needs from a compiled kernel, whoever compiled it."""
+
+    name: str
+    source: str  # "numba" or "triton"
+    arch: str
+    ptx: str
+    cubin: bytes
+    entry: str  # (part of) the kernel's symbol name in the cubin
+    threads_per_block: int
+    shared_bytes_per_block: int
+
+
+def _compile_numba(name: str, fn, signature: str, threads: int) -> Compiled:
+    from nanoforge.kernels.simt.ladder import numba_cuda, simulator_active
+
+    cuda = numba_cuda()
+    if simulator_active():
+        raise NanoforgeError(
+            f"inspecting {name} needs Numba's real CUDA compiler, but NUMBA_ENABLE_CUDASIM=1 selected the simulator"
+        )
+    cc = _target_cc()
+    try:
+        if cuda.is_available():  # the PTX and cubin that a launch on this GPU uses
+            (kernel,) = cuda.jit(signature)(fn).overloads.values()
+            ptx, cubin = kernel.inspect_asm(cc), kernel.library.get_cubin(cc)
+        else:
+            ptx, _ = cuda.compile_ptx(fn, signature, cc=cc)
+            cubin = _ptx_to_cubin(ptx, cc)
+    except NanoforgeError:
+        raise
+    except Exception as e:  # NVVM missing, driver errors: say which step failed, in one line
+        raise NanoforgeError(f"compiling {name} with Numba failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+    return Compiled(name, "numba", f"sm_{cc[0]}{cc[1]}", ptx, cubin, fn.__name__, threads, _ptx_static_shared_bytes(ptx))
+
+
+def _compile_triton(name: str, spec: TritonKernel) -> Compiled:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = spec.fn
+    if isinstance(fn, str):
+        module, _, attr = fn.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+    while isinstance(fn, (triton.runtime.Autotuner, triton.runtime.Heuristics)):  # @autotune / @heuristics
+        fn = fn.fn
+    missing = [a for a in fn.arg_names if a not in spec.signature and a not in spec.constexprs]
+    if missing:
+        raise NanoforgeError(f"Triton kernel {name}: no type or constexpr value for argument(s) {', '.join(missing)}")
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise NanoforgeError(
+            f"inspecting {name} needs Triton's compiler, but TRITON_INTERPRET=1 selected the CPU interpreter"
+        )
+    signature = {a: "constexpr" if a in spec.constexprs else spec.signature[a] for a in fn.arg_names}
+    cc = _target_cc()
+    compiled = triton.compile(
+        triton.compiler.ASTSource(fn, signature, spec.constexprs),
+        target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32),
+        options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
+    )
+    return compiled_triton(name, compiled)
+
+
+def compiled_triton(name: str, compiled) -> Compiled:
+    """Wrap a Triton CompiledKernel: from `triton.compile`, or the object a launch returns on a GPU."""
+    md = compiled.metadata
+    return Compiled(
+        name,
+        "triton",
+        f"sm_{md.target.arch}",
+        compiled.asm["ptx"],
+        compiled.asm["cubin"],
+        md.name,
+        md.num_warps * 32,  # NVIDIA warps are 32 threads
+        md.shared,  # Triton's one dynamic shared-memory buffer, sized at compile time
+    )
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def report(compiled: Compiled, out_dir: str | os.PathLike) -> dict:
+    """Resource usage + occupancy of a compiled kernel; writes NAME.ptx and NAME.sass; prints a table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    usage = _resource_usage(compiled.cubin, compiled.entry)
+    occupancy = theoretical_occupancy(
+        compiled.threads_per_block, usage["registers_per_thread"], compiled.shared_bytes_per_block
+    )
+    ptx_path, sass_path = out / f"{compiled.name}.ptx", out / f"{compiled.name}.sass"
+    ptx_path.write_text(compiled.ptx)
+    sass_path.write_text(_cuobjdump(compiled.cubin, "-sass"))
+    result = {
+        "name": compiled.name,
+        "source": compiled.source,
+        "arch": compiled.arch,
+        "threads_per_block": compiled.threads_per_block,
+        **usage,
+        "shared_bytes_per_block": compiled.shared_bytes_per_block,
+        "occupancy": asdict(occupancy),
+        "ptx": str(ptx_path),
+        "sass": str(sass_path),
+    }
+    _print_report(result)
+    return result
+
+
+def _print_report(r: dict) -> None:
+    occ = r["occupancy"]
+    rows = [
+        ("kernel", f"{r['name']} ({r['source']}, {r['arch']})"),
+        ("threads / block", r["threads_per_block"]),
+        ("registers / thread", r["registers_per_thread"]),
+        ("shared memory / block", f"{r['shared_bytes_per_block']} B (+1024 B reserved by the runtime)"),
+        ("local memory / thread", f"{r['local_bytes_per_thread']} B (spills + stack; 0 = all in registers)"),
+        (
+            "theoretical occupancy",
+            f"{occ['blocks_per_sm']} blocks/SM = {occ['warps_per_sm']}/{occ['max_warps_per_sm']} warps "
+            f"= {occ['occupancy']:.0%} (limited by {occ['limiter']})",
+        ),
+        ("PTX", r["ptx"]),
+        ("SASS", r["sass"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def inspect_kernel(name: str, out_dir: str | os.PathLike = "out") -> dict:
+    """Compile kernel `name` and report its registers, shared memory, spills and occupancy."""
+    simt = simt_kernels()
+    if name in simt:
+        compiled = _compile_numba(name, *simt[name])
+    elif name in TRITON_KERNELS:
+        compiled = _compile_triton(name, TRITON_KERNELS[name])
+    else:
+        raise NanoforgeError(f"unknown kernel {name!r}; choose one of {', '.join(kernel_names())}", param="name")
+    return report(compiled, out_dir)

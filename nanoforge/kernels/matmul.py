@@ -1,0 +1,465 @@
+"""Matrix multiplication C = act(A @ B + bias) in Triton: bf16/fp16 in, fp32 accumulate.
+
+One tile computation (`_mac`: a BLOCK_M x BLOCK_N tile of C over a range of
+K-iterations) and one epilogue (`_epilogue_store`: bias, activation, cast,
+store) are shared by four schedules, i.e. ways of handing tiles to programs:
+
+- "tiled": one program per output tile, tiles visited in grouped ("swizzled")
+  order so that consecutive programs share rows of A and columns of B in L2.
+- "persistent": one program per SM, each looping over tiles SM-stride apart.
+- "streamk": the K-iterations of *all* tiles, flattened into one list, are cut
+  into one contiguous range per SM (Osama et al., "Stream-K", PPoPP 2023).
+  Every SM gets the same amount of work whatever the tile count, at the cost
+  of a fix-up where a tile's K-range is split between programs.
+- "hybrid": full waves of tiles run data-parallel (as "persistent"); only the
+  tiles of the last, partial wave are split Stream-K style. This removes the
+  wave-quantization tail without paying fix-ups on every tile.
+
+"auto" picks "tiled" unless the tile count leaves the last wave mostly idle,
+in which case it picks "hybrid" (see `_pick_schedule`).
+
+Stream-K fix-up (design choice). A tile whose K-range is split between
+programs is finished by its *owner*, the program that computes its last
+K-iteration. Every other program touching the tile (a *contributor*) writes
+its fp32 partial tile to a per-program slot of a workspace and raises a flag;
+the owner waits for the flags, adds the partials, and runs the epilogue. The
+iteration ranges are contiguous and handed out in program order, so a
+program's range can end inside a tile (it is a contributor there, its only
+one) and otherwise only contains tiles it owns. Each program first computes
+and publishes its contributor segment, then its owned tiles. Hence an owner
+only ever waits for programs with a smaller id that have nothing to wait for
+before publishing: no wait chains on a GPU (all programs are resident, one per
+SM), and no deadlock under TRITON_INTERPRET=1, which runs programs one after
+another in id order. The owner resets each flag it consumes, so the workspace
+needs no clearing between launches (it is cached per device; do not run two
+Stream-K matmuls concurrently on different streams of one device).
+Deterministic: partials are summed in a fixed order, no float atomics.
+
+Dispatch: `nanoforge.kernels.dispatch.use_fast` decides between Triton and
+the torch reference. The Triton path covers float16/bfloat16 inputs without
+autograd; anything else (float32/float64, tensors that need gradients, empty
+shapes) goes to `matmul_ref`, i.e. cuBLAS on a GPU.
+
+On a CUDA GPU, block shapes are autotuned per (bucketed M, N, K). On Hopper
+and newer, A, B and C are addressed through TMA tensor descriptors when their
+strides allow it (16-byte aligned rows); otherwise through plain pointers.
+Under TRITON_INTERPRET=1 (CPU tests) one small fixed config is used and both
+addressing modes are exercised.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels.dispatch import use_fast
+
+ACTIVATIONS = (None, "gelu_tanh", "silu", "relu")
+SCHEDULES = ("auto", "tiled", "persistent", "streamk", "hybrid")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer path only
+    TensorDescriptor = None
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+               activation: str | None = None) -> torch.Tensor:
+    """act(a @ b + bias) with torch ops, in a's dtype (float64 in -> float64 out)."""
+    out = a @ b
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    if activation == "relu":
+        out = torch.relu(out)
+    elif activation == "silu":
+        out = F.silu(out)
+    elif activation == "gelu_tanh":
+        out = F.gelu(out, approximate="tanh")
+    return out
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+           activation: str | None = None, schedule: str = "auto",
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(a @ b + bias) for a: (M, K), b: (K, N), bias: (N,); returns (M, N) in a's dtype.
+
+    activation: None, "gelu_tanh", "silu" or "relu". schedule: "auto", "tiled",
+    "persistent", "streamk" or "hybrid" (ignored on the reference path).
+    `out`, if given, is an (M, N) tensor of a's dtype that receives the result.
+    """
+    _check_args(a, b, bias, activation, schedule, out)
+    fast = (use_fast(a, b) and a.dtype in _TRITON_DTYPES and a.numel() > 0 and b.numel() > 0
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias))))
+    if not fast:
+        result = matmul_ref(a, b, bias=bias, activation=activation)
+        return result if out is None else out.copy_(result)
+    return _matmul_triton(a, b, bias, activation, schedule, out)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias for torch-layout weights (out_features, in_features); any leading dims of x."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise NanoforgeError(
+            f"linear: x has shape {tuple(x.shape)} but weight has shape {tuple(weight.shape)}; "
+            f"expected x (..., in_features) and weight (out_features, in_features)", param="weight")
+    y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _check_args(a, b, bias, activation, schedule, out) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise NanoforgeError(f"matmul: a has shape {tuple(a.shape)} and b has shape {tuple(b.shape)}; "
+                             f"expected a (M, K) and b (K, N)", param="b")
+    if a.dtype != b.dtype or a.device != b.device:
+        raise NanoforgeError(f"matmul: a is {a.dtype} on {a.device} but b is {b.dtype} on {b.device}; "
+                             f"they must match", param="b")
+    if bias is not None and (bias.shape != (b.shape[1],) or bias.device != a.device):
+        raise NanoforgeError(f"matmul: bias has shape {tuple(bias.shape)} on {bias.device}; "
+                             f"expected ({b.shape[1]},) on {a.device}", param="bias")
+    if activation not in ACTIVATIONS:
+        raise NanoforgeError(f"matmul: activation must be one of {ACTIVATIONS}, not {activation!r}",
+                             param="activation")
+    if schedule not in SCHEDULES:
+        raise NanoforgeError(f"matmul: schedule must be one of {SCHEDULES}, not {schedule!r}", param="schedule")
+    if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != a.dtype
+                            or out.device != a.device):
+        raise NanoforgeError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
+                             f"({a.shape[0]}, {b.shape[1]}) {a.dtype} on {a.device}", param="out")
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+# Triton's CPU interpreter keeps bfloat16 as raw 16-bit integers (numpy has no
+# bfloat16) and its tl.dot multiplies those bits. Under the interpreter only,
+# bfloat16 tiles are widened to float32 (exactly) before the dot.
+_WIDEN_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _dot(x, y, acc):
+    if _WIDEN_BF16_DOT and x.dtype == tl.bfloat16:
+        x = x.to(tl.float32)
+        y = y.to(tl.float32)
+    return tl.dot(x, y, acc)
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: walk GROUP_M tile-rows column by column, so that
+    the programs running together reuse the same A rows and B columns in L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % tiles_per_group) % group_rows
+    pid_n = (tile_id % tiles_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mac(a, b, pid_m, pid_n, k_lo, k_hi, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+         USE_TMA: tl.constexpr, B_NK: tl.constexpr):
+    """fp32 tile (pid_m, pid_n) of A @ B summed over K-iterations [k_lo, k_hi)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        # Descriptors zero-fill out-of-bounds reads, so ragged edges need no masks.
+        for ki in range(k_lo, k_hi):
+            a_blk = a.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            if B_NK:  # b is the (N, K) weight seen through .t(): load (BN, BK), use transposed
+                b_blk = b.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
+            else:
+                b_blk = b.load([ki * BLOCK_K, pid_n * BLOCK_N])
+            acc = _dot(a_blk, b_blk, acc)
+    else:
+        # Rows/columns past the edge are clamped to 0 instead of masked: they
+        # compute garbage that the store masks off, and the loads stay unmasked
+        # except along K. Row offsets in int64: M * K may pass 2**31.
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a + rm[:, None].to(tl.int64) * stride_am + (k_lo * BLOCK_K + rk)[None, :] * stride_ak
+        b_ptrs = b + (k_lo * BLOCK_K + rk)[:, None] * stride_bk + rn[None, :] * stride_bn
+        for ki in range(k_lo, k_hi):
+            k_left = K - ki * BLOCK_K
+            a_blk = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b_blk = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            acc = _dot(a_blk, b_blk, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _activate(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "silu":
+        x = x * tl.sigmoid(x)
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3)
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    return x
+
+
+@triton.jit
+def _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, USE_TMA: tl.constexpr):
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    acc = _activate(acc, ACTIVATION)
+    if USE_TMA:  # the descriptor clips the out-of-bounds part of edge tiles
+        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c.dtype))
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        c_ptrs = c + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M_BUCKET"])
+def _matmul_tiled_kernel(a, b, c, bias, M, N, K, M_BUCKET,
+                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                         USE_TMA: tl.constexpr, B_NK: tl.constexpr):
+    # M_BUCKET is only the autotune key (a bucketed M).
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    acc = _mac(a, b, pid_m, pid_n, 0, tl.cdiv(K, BLOCK_K), M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+               BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+    _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
+                    ACTIVATION, USE_TMA)
+
+
+@triton.jit
+def _sk_start(worker, workers, sk_iters):
+    """First K-iteration of a Stream-K worker: sk_iters split as evenly as possible."""
+    per_worker = sk_iters // workers
+    return worker * per_worker + tl.minimum(worker, sk_iters % workers)
+
+
+@triton.jit(do_not_specialize=["M_BUCKET", "NUM_SMS"])
+def _matmul_persistent_kernel(a, b, c, bias, partials, flags, M, N, K, M_BUCKET, NUM_SMS,
+                              stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr, SK_ITERS: tl.constexpr, MODE: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                              USE_TMA: tl.constexpr, B_NK: tl.constexpr):
+    """MODE "persistent", "streamk" or "hybrid"; one program per SM (grid <= NUM_SMS)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    # Tiles [0, dp_tiles) run data-parallel; the rest are split Stream-K.
+    if MODE == "persistent":
+        dp_tiles = num_tiles
+    elif MODE == "streamk":
+        dp_tiles = 0
+    else:  # hybrid: all full waves data-parallel
+        dp_tiles = (num_tiles // NUM_SMS) * NUM_SMS
+
+    for tile in range(pid, dp_tiles, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = _mac(a, b, pid_m, pid_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+        _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
+                        ACTIVATION, USE_TMA)
+
+    if MODE != "persistent":
+        sk_tiles = num_tiles - dp_tiles
+        sk_iters = sk_tiles * k_tiles
+        if MODE == "streamk":
+            workers = tl.minimum(NUM_SMS, sk_iters)
+        else:
+            # Split each tail tile into ~k_tiles/SK_ITERS pieces, not NUM_SMS/tail
+            # pieces: each split costs its owner one serial partial-tile read.
+            splits = tl.maximum(k_tiles // SK_ITERS, 1)
+            workers = tl.minimum(tl.minimum(NUM_SMS, sk_tiles * splits), sk_iters)
+        if pid < workers:
+            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            start = _sk_start(pid, workers, sk_iters)
+            end = _sk_start(pid + 1, workers, sk_iters)
+            owned_end = end
+            # 1) Contributor segment first: the range ends inside tile t, whose
+            #    last K-iteration belongs to a later program. Publish it.
+            if end % k_tiles != 0:
+                t = (end - 1) // k_tiles
+                t_begin = t * k_tiles
+                lo = tl.maximum(start, t_begin)
+                pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                acc = _mac(a, b, pid_m, pid_n, lo - t_begin, end - t_begin, M, N, K, stride_am, stride_ak,
+                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+                tl.store(partials + pid * BLOCK_M * BLOCK_N + offs, acc, cache_modifier=".cg")
+                tl.debug_barrier()  # every thread's partial is written before the flag goes up
+                tl.atomic_xchg(flags + pid, 1, sem="release")
+                owned_end = end
+            # 2) Owned segments: each ends at its tile's last K-iteration.
+            it = start
+            while it < owned_end:
+                t = it // k_tiles
+                t_begin = t * k_tiles
+                pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                acc = _mac(a, b, pid_m, pid_n, it - t_begin, k_tiles, M, N, K, stride_am, stride_ak,
+                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+                # Fix-up: the tile's first iterations were done by workers
+                # pid-1, pid-2, ... back to the one whose range holds t_begin.
+                q = pid
+                q_start = it
+                while q_start > t_begin:
+                    q -= 1
+                    while tl.atomic_cas(flags + q, 1, 0, sem="acquire") != 1:  # take the flag, reset it
+                        pass
+                    tl.debug_barrier()
+                    acc += tl.load(partials + q * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
+                    q_start = _sk_start(q, workers, sk_iters)
+                _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                                HAS_BIAS, ACTIVATION, USE_TMA)
+                it = t_begin + k_tiles
+
+
+# --------------------------------------------------------------------------- configs and launch
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps): the Triton tutorials'
+# known-good Hopper shapes, plus a BLOCK_M=64 one for few-token GEMMs.
+_GPU_TILES = [
+    (128, 256, 64, 3, 8),
+    (128, 256, 64, 4, 8),
+    (256, 128, 64, 3, 8),
+    (128, 128, 64, 4, 4),
+    (128, 128, 128, 3, 8),
+    (64, 128, 64, 4, 4),
+]
+# Hybrid tail: aim for at least this many K-iterations per Stream-K piece.
+_SK_ITERS = 16
+# Under the interpreter: tiny, non-square tiles (catches swapped M/N indexing)
+# and short Stream-K pieces so that small test shapes split tiles many ways.
+_INTERPRET_CONFIG = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=3)
+_INTERPRET_SK_ITERS = 2
+_INTERPRET_NUM_SMS = 4
+_MAX_TILE_ELEMS = max([bm * bn for bm, bn, *_ in _GPU_TILES] + [32 * 16])
+
+
+def _set_tma_block_shapes(nargs: dict) -> None:
+    """Autotune pre-hook: give the TMA descriptors the block shape of the config being run."""
+    if not nargs["USE_TMA"]:
+        return
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a"].block_shape = [bm, bk]
+    nargs["b"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
+    nargs["c"].block_shape = [bm, bn]
+
+
+def _gpu_configs(**extra) -> list:
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, **extra),
+                          num_stages=s, num_warps=w, pre_hook=_set_tma_block_shapes)
+            for bm, bn, bk, s, w in _GPU_TILES]
+
+
+_KEY = ["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "USE_TMA", "B_NK"]
+_tiled_tuned = triton.autotune(_gpu_configs(), key=_KEY)(_matmul_tiled_kernel)
+_persistent_tuned = triton.autotune(_gpu_configs(SK_ITERS=_SK_ITERS), key=_KEY + ["MODE", "NUM_SMS"])(
+    _matmul_persistent_kernel)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    """Programs of the persistent schedules: one per SM on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRET_NUM_SMS
+
+
+@functools.cache
+def _workspace(device: torch.device, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream-K partial tiles (one slot per program) and their flags (kept zero between launches)."""
+    partials = torch.empty(programs * _MAX_TILE_ELEMS, device=device, dtype=torch.float32)
+    flags = torch.zeros(programs, device=device, dtype=torch.int32)
+    return partials, flags
+
+
+def _pick_schedule(M: int, N: int, num_sms: int) -> str:
+    """'hybrid' when, with 128x128 tiles, data-parallel waves would leave over a
+    quarter of the SM slots idle (e.g. 1.1 waves run as 2); else 'tiled'."""
+    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+    waves = triton.cdiv(tiles, num_sms)
+    return "hybrid" if tiles < 0.75 * waves * num_sms else "tiled"
+
+
+def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """TMA needs Hopper+, a last dim of stride 1, and 16-byte-aligned base and row strides."""
+    if TensorDescriptor is None or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9):
+        return False
+    es = a.element_size()
+    row_major = [(a, a.stride(0), a.stride(1)), (c, c.stride(0), c.stride(1))]
+    if b.stride(1) == 1:
+        row_major.append((b, b.stride(0), 1))
+    elif b.stride(0) == 1:
+        row_major.append((b, b.stride(1), 1))
+    else:
+        return False
+    return all(inner == 1 and (outer * es) % 16 == 0 and t.data_ptr() % 16 == 0 for t, outer, inner in row_major)
+
+
+def _matmul_triton(a, b, bias, activation, schedule, out):
+    M, K = a.shape
+    N = b.shape[1]
+    c = out if out is not None else torch.empty((M, N), device=a.device, dtype=a.dtype)
+    num_sms = _num_sms(a.device)
+    if schedule == "auto":
+        schedule = _pick_schedule(M, N, num_sms)
+    tuned = a.is_cuda and not _interpreting()
+    cfg = {} if tuned else _INTERPRET_CONFIG
+    use_tma = _tma_ok(a, b, c)
+    b_nk = use_tma and b.stride(1) != 1
+    if use_tma:
+        # Real block shapes come from the autotune pre-hook (GPU) or the fixed config.
+        bm, bn, bk = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg else (1, 1, 1)
+        a_arg = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
+        b_arg = (TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [bn, bk]) if b_nk
+                 else TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn]))
+        c_arg = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
+    else:
+        a_arg, b_arg, c_arg = a, b, c
+    common = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "none", USE_TMA=use_tma, B_NK=b_nk, **cfg)
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    bias_arg = bias if bias is not None else c  # any pointer; never read without HAS_BIAS
+    m_bucket = triton.next_power_of_2(M)  # autotune once per power-of-two token count
+
+    if schedule == "tiled":
+        kernel = _tiled_tuned if tuned else _matmul_tiled_kernel
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        kernel[grid](a_arg, b_arg, c_arg, bias_arg, M, N, K, m_bucket, *strides, **common)
+    else:
+        kernel = _persistent_tuned if tuned else _matmul_persistent_kernel
+        if not tuned:
+            common["SK_ITERS"] = _INTERPRET_SK_ITERS
+        partials, flags = _workspace(a.device, num_sms)
+        if schedule == "persistent":
+            grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
+        else:
+            grid = (num_sms,)
+        kernel[grid](a_arg, b_arg, c_arg, bias_arg, partials, flags, M, N, K, m_bucket, num_sms, *strides,
+                     MODE=schedule, **common)
+    return c

@@ -1,0 +1,381 @@
+"""Paged attention for serving: decode and chunked prefill over a block-table KV cache (Triton).
+
+The KV cache of one layer is `k_cache`, `v_cache`: (num_blocks, block_size, Hkv, D). Sequence i owns the
+blocks `block_tables[i, :]` (logical block j of the sequence is physical block block_tables[i, j]) and has
+`seq_lens[i]` tokens of context, which INCLUDE its new query tokens (their K/V are already written, see
+`write_kv`). Its query tokens are q[cu_seqlens_q[i] : cu_seqlens_q[i+1]], the last positions of its
+context, and attention is causal. Decode is the case where every sequence has one query token.
+
+The Triton kernel (one for decode and chunked prefill) gives each program a tile of query tokens of one
+sequence, times all the query heads of one kv head: the rows of its score matrix are (token, head) pairs,
+so K and V are read once per kv head however many query heads share it. Keys are gathered token by
+token through the block table, so any cache block size works. For decode (one token, few rows) the
+context is also split across programs, flash-decoding style: each split writes a partial output and its
+log-sum-exp, and a small second kernel combines them. Launch shapes depend only on tensor shapes and
+`max_q_len`, never on tensor values, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.flash_attention import LOG2E, bench_row, time_ms
+
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q (total_q, Hq, D) over each sequence's paged context; returns (total_q, Hq, D).
+
+    `max_q_len` must be at least the number of query tokens of every sequence (1 for decode); it sizes the
+    launch grid, so it is taken as given, not checked. It defaults to total_q, which is always safe but
+    launches many idle programs for a batch of several sequences.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not use_fast(q, k_cache, v_cache):
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)
+    max_q_len = q.shape[0] if max_q_len is None else int(max_q_len)
+    block_m, block_q, block_n, num_warps, num_stages = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2])
+    tiles = seq_lens.shape[0] * triton.cdiv(max_q_len, block_q) * k_cache.shape[2]
+    num_splits = _num_splits(tiles, block_tables.shape[1] * k_cache.shape[1], q.device)
+    return _paged_attention_triton(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
+        block_m=block_m, block_q=block_q, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """The definition of correct: gather each sequence's blocks and run SDPA (any dtype, float64 too).
+
+    `max_q_len` is accepted for signature parity and unused.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(q)  # tokens outside every sequence (none, for a well-formed batch) stay 0
+    bounds = cu_seqlens_q.tolist()
+    for i, ctx in enumerate(seq_lens.tolist()):
+        q0, q1 = bounds[i], bounds[i + 1]
+        if q1 == q0:
+            continue
+        blocks = block_tables[i, : triton.cdiv(ctx, block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # (Hkv, ctx, D)
+        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)  # the query tokens' positions
+        mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != hkv
+        )
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k, v (N, Hkv, D) into the cache at slots slot_mapping (N,), slot = block_id * block_size + offset."""
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != k.shape[:1]:
+        raise NanoforgeError(
+            f"write_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must be (N, Hkv, D) matching the cache "
+            f"{tuple(k_cache.shape)}, with slot_mapping (N,), got {tuple(slot_mapping.shape)}",
+            param="slot_mapping",
+        )
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise NanoforgeError(
+            f"paged attention wants q (total_q, Hq, D) and k_cache, v_cache (num_blocks, block_size, Hkv, D), got "
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}",
+            param="q",
+        )
+    if q.shape[1] % k_cache.shape[2]:
+        raise NanoforgeError(
+            f"paged attention: {q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} kv heads",
+            param="k_cache",
+        )
+    n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if block_tables.dim() != 2 or block_tables.shape[0] != n or cu_seqlens_q.shape != (n + 1,):
+        raise NanoforgeError(
+            f"paged attention: block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and "
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be (num_seqs, max_blocks), (num_seqs,), (num_seqs+1,)",
+            param="block_tables",
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration and launcher
+# ----------------------------------------------------------------------------------------------
+
+_PROGRAMS_PER_SM = 8  # split the context until there are about this many programs per SM...
+_MIN_SPLIT_TOKENS = 1024  # ...but give every split at least this much context (of the cache's capacity)
+_MAX_SPLITS = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tile_config(max_q_len: int, group: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_Q, BLOCK_N keys, num_warps, num_stages)."""
+    if _interpreting():
+        block_m = max(16, triton.next_power_of_2(group))
+        return block_m, 1 if max_q_len == 1 else block_m // group, 16, 1, 1
+    if max_q_len == 1:  # decode: one token's heads; memory-bound, so small tiles and deep pipelining
+        block_m = max(16, triton.next_power_of_2(group))
+        return block_m, 1, 64, 4, 3
+    block_m = max(64, triton.next_power_of_2(group))  # chunked prefill: compute-bound, big tiles
+    return block_m, block_m // group, 64, 4, 3
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_splits(programs: int, max_context: int, device: torch.device) -> int:
+    """How many pieces to cut each context into, from launch shapes only (never from tensor values)."""
+    if device.type != "cuda":
+        return 1
+    want = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), programs)
+    return max(1, min(want, triton.cdiv(max_context, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+
+
+def _paged_attention_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float, max_q_len: int, *,
+    block_m: int, block_q: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
+) -> torch.Tensor:  # fmt: skip
+    """Launch with an explicit configuration (the benchmark sweeps these)."""
+    total_q, hq, d = q.shape
+    hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = hq // hkv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise NanoforgeError("paged attention: the KV cache's head dimension must be contiguous", param="k_cache")
+    block_tables, seq_lens, cu_seqlens_q = (x.to(torch.int32) for x in (block_tables, seq_lens, cu_seqlens_q))
+    out = _empty(total_q, hq, d, like=q)
+    if num_splits > 1:
+        o_part = _empty(total_q, hq, num_splits, d, like=q, dtype=torch.float32)
+        lse_part = _empty(total_q, hq, num_splits, like=q, dtype=torch.float32)
+    else:  # the kernel writes `out` directly; the partial buffers are unused
+        o_part = lse_part = out
+    q_tiles = triton.cdiv(max_q_len, block_q)
+    block_d = max(16, triton.next_power_of_2(d))
+    _paged_attn_kernel[(seq_lens.shape[0] * q_tiles, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, o_part, lse_part,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        out.stride(0), out.stride(1), scale * LOG2E, q_tiles,
+        GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits[(total_q, hq)](
+            o_part, lse_part, out, out.stride(0), out.stride(1), hq,
+            HEAD_D=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+    return out
+
+
+def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every kernel output is allocated here (tests swap it for a NaN-filled one to catch unwritten elements)."""
+    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, O, O_PART, LSE_PART,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_ot, stride_oh, qk_scale, q_tiles,
+    GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0) // q_tiles
+    tok0 = (tl.program_id(0) % q_tiles) * BLOCK_Q  # this tile's first query token, within the sequence
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    q_begin = tl.load(CU_Q + seq)
+    q_len = tl.load(CU_Q + seq + 1) - q_begin
+    if tok0 >= q_len:
+        return
+    seq_len = tl.load(SEQ_LENS + seq)
+
+    # Row r of the tile is query token tok0 + r // GROUP, query head hk * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    tok = tok0 + rows // GROUP
+    head = hk * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    pos = seq_len - q_len + tok  # each row's position in the context: it sees keys 0..pos
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    q_rows = (q_begin + tok).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+
+    # The keys the tile needs are [0, kv_hi); this split takes one contiguous, BLOCK_N-aligned share.
+    kv_hi = tl.minimum(seq_len, seq_len - q_len + tok0 + BLOCK_Q)
+    share = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = split * share
+    hi = tl.minimum(lo + share, kv_hi)
+    TABLE = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
+    K += hk * stride_kh
+    V += hk * stride_vh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        block = tl.load(TABLE + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        kv_mask = n_ok[None, :] & d_ok[:, None]
+        kt = tl.load(K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0)
+        s = tl.dot(q, kt) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :],
+                    mask=tl.trans(kv_mask), other=0.0)  # fmt: skip
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
+    o = acc / l_safe[:, None]
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=io_mask)  # fmt: skip
+    else:  # partials are (total_q, Hq, NUM_SPLITS, HEAD_D) and (total_q, Hq, NUM_SPLITS), contiguous
+        part = (q_rows * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(O_PART + part[:, None] * HEAD_D + offs_d[None, :], o, mask=io_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(LSE_PART + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits(
+    O_PART, LSE_PART, O, stride_ot, stride_oh, H,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):  # fmt: skip
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the softmax over the whole context."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    part = (t * H + h) * NUM_SPLITS + offs_s
+    lse = tl.load(LSE_PART + part, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(O_PART + part[:, None] * HEAD_D + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_D)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark rows (for nanoforge.kernels.bench)
+# ----------------------------------------------------------------------------------------------
+
+HBM_COPY_TBPS = 4.17  # H200 device-to-device copy rate measured on the project's machine
+
+
+def make_paged_batch(
+    context_lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int, block_size: int,
+    dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+) -> dict:  # fmt: skip
+    """A random batch: shuffled cache blocks, block tables padded to the longest context, random K/V/q."""
+    gen = torch.Generator().manual_seed(seed)
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_seq = [triton.cdiv(n, block_size) for n in context_lens]
+    max_blocks = max(blocks_per_seq)
+    perm = torch.randperm(sum(blocks_per_seq) + 1, generator=gen)  # +1: a spare block, never read
+    tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    cache_shape = (perm.numel(), block_size, hkv, d)
+    k_cache = torch.randn(cache_shape, generator=dev_gen, device=device, dtype=dtype)
+    v_cache = torch.randn(cache_shape, generator=dev_gen, device=device, dtype=dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=dev_gen, device=device, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables.to(device),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device), cu_seqlens_q=cu.to(device),
+    )  # fmt: skip
+
+
+def _kv_bytes(context_lens: list[int], hkv: int, d: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V that attention must read (every context token, every kv head, K and V)."""
+    return 2 * sum(context_lens) * hkv * d * torch.finfo(dtype).bits // 8
+
+
+def bench_rows(quick: bool) -> list[dict]:
+    """Decode at batch 64 with Llama-8B heads over 4k-32k contexts, and one chunked prefill, vs the torch reference."""
+    if not torch.cuda.is_available():
+        raise NanoforgeError("paged attention benchmarks need a CUDA GPU", param="kinds")
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    cases = [("decode", [4096] * 64, [1] * 64), ("decode", torch.randint(4096, 32769, (64,), generator=gen).tolist(), [1] * 64)]
+    if not quick:
+        cases += [("decode", [32768] * 64, [1] * 64), ("prefill", [8192] * 8, [512] * 8)]
+    rows = []
+    for kind, ctx, qlens in cases:
+        batch = make_paged_batch(ctx, qlens, hq, hkv, d, 16, dtype, "cuda")
+        max_q = max(qlens)
+        ours = time_ms(lambda: paged_attention(**batch, max_q_len=max_q))
+        base = time_ms(lambda: paged_attention_ref(**batch))
+        kv = _kv_bytes(ctx, hkv, d, dtype)
+        # causal pairs: each query token sees its prefix
+        pairs = sum(sum(c - j for j in range(n)) for c, n in zip(ctx, qlens))
+        shape = f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max_q} Hq{hq} Hkv{hkv} D{d} bf16"
+        row = bench_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", 4 * pairs * hq * d, kv)
+        row["hbm_fraction"] = row["ours_gbps"] / (HBM_COPY_TBPS * 1000)
+        rows.append(row)
+        del batch
+    return rows

@@ -1,0 +1,237 @@
+"""LLMEngine: requests in, tokens out, one `step()` at a time.
+
+    add_request() -> Scheduler.add()          validate, queue
+    step():  Scheduler.schedule()             which chunks run now (continuous batching)
+             ModelRunner.execute()            block ops, one forward over all chunks, sampling
+             Scheduler.update()               append tokens, check stops, free finished blocks
+             detokenize, check stop strings   build RequestOutputs
+    abort()  -> Scheduler.abort()             free blocks at once
+
+The HTTP server drives the same object from a background loop; `LLM`
+(serve/llm.py) drives it to completion for offline batches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.model.hf import load_model
+from nanoforge.model.transformer import Transformer
+from nanoforge.runtime import pick_device, pick_dtype
+from nanoforge.serve.model_runner import ModelRunner, kv_bytes_per_block
+from nanoforge.serve.sampling_params import SamplingParams
+from nanoforge.serve.scheduler import Scheduler, SchedulerConfig
+from nanoforge.serve.sequence import Sequence, SequenceGroup
+from nanoforge.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # default: the model's context
+    num_gpu_blocks: int | None = None  # default: sized from the memory budget below
+    kv_cache_memory: int | None = None  # bytes for the KV cache; default: see _kv_budget
+    gpu_memory_utilization: float = 0.90
+    swap_space: int = 0  # bytes of CPU memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    use_cuda_graphs: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finish_time (monotonic seconds)
+    error: str | None = None
+
+
+class _Detok:
+    """Per-sequence text state: incremental decoding and stop-string search."""
+
+    def __init__(self, tok: Tokenizer):
+        self.decoder = IncrementalDecoder(tok)
+        self.text = ""
+        self.consumed = 0  # output tokens already decoded
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.cfg
+        self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        dtype = model.embed.weight.dtype
+        per_block = kv_bytes_per_block(model, config.block_size, dtype)
+        num_gpu_blocks = config.num_gpu_blocks or max(1, self._kv_budget() // per_block)
+        num_cpu_blocks = config.swap_space // per_block
+        if config.preemption_mode == "swap" and num_cpu_blocks == 0:
+            raise NanoforgeError("preemption_mode 'swap' needs swap_space (bytes of CPU memory) for at least one block",
+                                 param="swap_space")
+        eos = set(tokenizer.stop_ids)
+        if cfg.eos_token_id is not None:
+            eos |= set(cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id])
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_model_len=self.max_model_len, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
+            eos_token_ids=tuple(sorted(eos)), vocab_size=cfg.vocab_size))
+        self.runner = ModelRunner(model, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
+                                  num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, use_cuda_graphs=config.use_cuda_graphs)
+        self._detok: dict[int, _Detok] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._first_token: dict[str, float] = {}
+        self._next_id = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None) -> "LLMEngine":
+        config = config or EngineConfig()
+        device = pick_device(config.device)
+        model = load_model(model_dir, device=device, dtype=pick_dtype(config.dtype, device))
+        return cls(model, Tokenizer.load(model_dir), config)
+
+    def _kv_budget(self) -> int:
+        c = self.config
+        if c.kv_cache_memory:
+            return c.kv_cache_memory
+        dev = self.model.embed.weight.device
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            used_by_others = total - free
+            # leave (1 - utilization) of the card, plus room for one full batch of activations
+            act = 64 * c.max_num_batched_tokens * self.model.cfg.d_model * 4
+            return max(0, int(total * c.gpu_memory_utilization) - used_by_others - act)
+        # CPU: enough for max_num_seqs sequences of 512 tokens, at most 1 GiB
+        cfg = self.model.cfg
+        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * self.model.embed.weight.element_size()
+        return min(1 << 30, per_token * c.max_num_seqs * min(512, self.max_model_len))
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises NanoforgeError naming the bad field (nothing is queued then).
+
+        The scheduler checks the prompt's ids and the sampling parameters; here, what needs the tokenizer."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if len(ids) >= self.max_model_len:
+            raise NanoforgeError(f"prompt is {len(ids)} tokens; the context is {self.max_model_len} "
+                                 f"(prompt + at least one generated token must fit)", param="prompt", status=400)
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        self.scheduler.add(SequenceGroup(request_id, ids, params, arrival_time))
+        self._prompts[request_id] = text
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        group = self.scheduler.abort(request_id)
+        if group is None:
+            return False
+        self._forget(group)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    # --- the step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return an output for every request that progressed or finished."""
+        out = self.scheduler.schedule()
+        sampled, logprobs = self.runner.execute(out)
+        finished = {g.request_id: g for g in self.scheduler.update(out, sampled, logprobs)}
+        finished.update({g.request_id: g for g in out.finished})
+        now = time.monotonic()
+        touched: dict[str, SequenceGroup] = {}
+        for item in out.scheduled:
+            if item.num_samples:
+                group = finished.get(item.seq.request_id) or self.scheduler.get_group(item.seq.request_id)
+                if group is not None:
+                    touched[group.request_id] = group
+                    self._first_token.setdefault(group.request_id, now)
+        touched.update(finished)
+        results = []
+        for rid, group in touched.items():
+            for seq in group.seqs:
+                if self._update_text(seq) and not seq.is_finished:
+                    done = self.scheduler.finish_seq(seq, "stop")
+                    if done is not None:
+                        finished[rid] = done
+            results.append(self._output(group, rid in finished or group.is_finished, now))
+        for rid, group in finished.items():
+            self._forget(group)
+        return results
+
+    def _update_text(self, seq: Sequence) -> bool:
+        """Decode new tokens; True if a stop string appeared (the text is cut before it)."""
+        st = self._detok.get(seq.seq_id)
+        if st is None:
+            st = self._detok[seq.seq_id] = _Detok(self.tokenizer)
+        params = seq.sampling_params
+        out_ids = seq.output_token_ids
+        for tok in out_ids[st.consumed:]:
+            if tok in self.scheduler.config.eos_token_ids and not params.ignore_eos:
+                continue  # the end token is not part of the text
+            st.text += st.decoder.push(tok)
+        st.consumed = len(out_ids)
+        if seq.is_finished:
+            st.text += st.decoder.flush()
+        if params.stop:
+            cut = min((i for i in (st.text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                st.text = st.text[:cut]
+                return True
+        return False
+
+    def _output(self, group: SequenceGroup, finished: bool, now: float) -> RequestOutput:
+        rid = group.request_id
+        outs = [CompletionOutput(s.index, self._detok[s.seq_id].text if s.seq_id in self._detok else "",
+                                 list(s.output_token_ids), s.finish_reason,
+                                 list(s.output_logprobs) if s.sampling_params.logprobs is not None else None)
+                for s in sorted(group.seqs, key=lambda s: s.index)]
+        metrics = {"arrival_time": group.arrival_time, "first_token_time": self._first_token.get(rid)}
+        if finished:
+            metrics["finish_time"] = now
+        return RequestOutput(rid, self._prompts.get(rid), group.prompt_token_ids, outs, finished,
+                             num_cached_tokens=group.seqs[0].num_cached_tokens, metrics=metrics, error=group.error)
+
+    def _forget(self, group: SequenceGroup) -> None:
+        for s in group.seqs:
+            self._detok.pop(s.seq_id, None)
+        self._prompts.pop(group.request_id, None)
+        self._first_token.pop(group.request_id, None)
+        self.runner.release(group.request_id, len(group.seqs))

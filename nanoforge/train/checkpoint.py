@@ -1,0 +1,88 @@
+"""Checkpoints: a Hugging Face model folder plus the trainer's state, published atomically.
+
+A run's output folder is itself a loadable model (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json: `nanoforge generate --model runs/pretrain`
+and `transformers` read it as is) with `trainer_state.pt` beside it: the
+optimizer, the step, the RNG states, the data position, the TrainConfig and
+the loss history, all that an exact resume needs.
+
+Publishing is two-phase so that a crash never leaves a mix that looks good:
+  1. write every file into `.checkpoint.tmp/`;
+  2. rename it to `.checkpoint.ready/` (one atomic rename: the commit point);
+  3. move the files into the output folder and remove `.checkpoint.ready/`.
+`finish_pending` runs before anything reads a folder: it completes step 3 of a
+committed checkpoint and deletes an uncommitted one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.model.hf import save_model
+from nanoforge.model.transformer import Transformer
+from nanoforge.tokenizer import Tokenizer
+
+STATE_FILE = "trainer_state.pt"
+_WRITING = ".checkpoint.tmp"
+_COMMITTED = ".checkpoint.ready"
+
+
+def finish_pending(out_dir: str | os.PathLike) -> None:
+    """Complete a committed but unpublished checkpoint; drop one that was never committed."""
+    out = Path(out_dir)
+    shutil.rmtree(out / _WRITING, ignore_errors=True)
+    ready = out / _COMMITTED
+    if ready.is_dir():
+        for f in ready.iterdir():
+            os.replace(f, out / f.name)
+        ready.rmdir()
+
+
+def save_checkpoint(out_dir: str | os.PathLike, model: Transformer, tokenizer: Tokenizer, state: dict) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    finish_pending(out)
+    tmp = out / _WRITING
+    tmp.mkdir()
+    save_model(model, tmp)
+    tokenizer.save(tmp)
+    torch.save(state, tmp / STATE_FILE)
+    os.replace(tmp, out / _COMMITTED)
+    finish_pending(out)
+
+
+def has_checkpoint(out_dir: str | os.PathLike) -> bool:
+    out = Path(out_dir)
+    if not out.is_dir():
+        return False
+    finish_pending(out)
+    return (out / STATE_FILE).is_file()
+
+
+def load_state(out_dir: str | os.PathLike) -> dict:
+    """The trainer state of a checkpoint folder (tensors on the CPU)."""
+    path = Path(out_dir) / STATE_FILE
+    if not has_checkpoint(out_dir):
+        raise NanoforgeError(f"{path}: not found; {out_dir} holds no training checkpoint to resume", param="resume")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise NanoforgeError(f"{path}: cannot read the trainer state ({str(e).splitlines()[0]})", param="resume") from None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

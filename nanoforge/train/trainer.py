@@ -1,0 +1,282 @@
+"""The training loop, shared by pretraining and SFT. Read `train` top to bottom.
+
+Each optimizer step draws `grad_accum` micro-batches, runs forward and
+backward under bf16 autocast (on GPU), clips the gradient norm and steps
+AdamW at the scheduled learning rate. Every `eval_interval` steps it measures
+the validation loss and writes a checkpoint (model, optimizer, step, RNG,
+data position), the JSON log and the loss-curve PNG.
+
+Losses stay on the device until a log step, so the GPU is not stalled every
+step; they are read back at each log step and before each checkpoint, and a
+non-finite one stops the run before anything is saved, keeping the last good
+checkpoint.
+
+Exact resume: the batches are a function of the data position, the learning
+rate a function of the step, and dropout draws from the restored RNG, so a
+resumed run continues with the same numbers as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from nanoforge.data.loader import Batch
+from nanoforge.errors import NanoforgeError
+from nanoforge.model.attention import AttentionBackend, DenseAttention
+from nanoforge.model.transformer import Transformer
+from nanoforge.tokenizer import Tokenizer
+from nanoforge.train.checkpoint import restore_rng, rng_state, save_checkpoint
+from nanoforge.train.config import TrainConfig
+from nanoforge.train.optim import lr_at, make_optimizer
+from nanoforge.train.progress import format_mfu, peak_flops, plot_losses, train_flops_per_token, write_json
+
+IGNORE_INDEX = -100  # cross_entropy's ignore_index: targets that take no loss
+AttentionFor = Callable[[Batch], AttentionBackend]  # which attention a batch gets
+
+
+@dataclass
+class RunData:
+    """Where a run's batches come from.
+
+    `train` is an endless, resumable iterator of batches (state_dict / load_state_dict);
+    `eval_batches(n)` gives n validation batches, always the same ones (None: the whole split).
+    """
+
+    train: Iterator[Batch]
+    eval_batches: Callable[[int | None], Iterable[Batch]]
+
+
+# --- devices and precision ----------------------------------------------------------------------
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise NanoforgeError(f"device {name}: no CUDA GPU is available", param="device")
+    return torch.device(name)
+
+
+def autocast(device: torch.device, dtype: str):
+    """bf16 autocast on GPU by default (weights and optimizer stay fp32); fp32 on CPU."""
+    if dtype == "auto":
+        dtype = "bf16" if device.type == "cuda" else "fp32"
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    raise NanoforgeError(f"dtype {dtype!r} cannot be trained in; choose auto, bf16 or fp32 "
+                         "(fp16 would need loss scaling)", param="dtype")
+
+
+# --- the loss -----------------------------------------------------------------------------------
+
+def trained_targets(batch: Batch) -> torch.Tensor:
+    """Targets, with IGNORE_INDEX wherever no loss is taken.
+
+    For SFT the loss mask decides: a target outside it is ignored whatever it holds.
+    """
+    if batch.loss_mask is None:
+        return batch.targets
+    return batch.targets.masked_fill(~batch.loss_mask, IGNORE_INDEX)
+
+
+def document_attention(batch: Batch) -> AttentionBackend:
+    """Packed documents never see each other (and their positions restart, as the loader gives them)."""
+    return DenseAttention(batch.doc_ids)
+
+
+def causal_attention(batch: Batch) -> AttentionBackend:
+    """A row is one causal sequence (with --no-doc-masking the loader numbers positions 0..T-1)."""
+    return DenseAttention(None)
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = document_attention) -> torch.Tensor:
+    """Summed cross-entropy (fp32) over the trained tokens of a batch; the caller divides by their count."""
+    logits = model(batch.input_ids, batch.positions, attention(batch))
+    return F.cross_entropy(logits.flatten(0, 1).float(), trained_targets(batch).flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_trained(batch: Batch) -> int:
+    return int((trained_targets(batch) != IGNORE_INDEX).sum())
+
+
+def train_step(forward: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               micro: list[Batch], *, lr: float, grad_clip: float, amp, attention: AttentionFor) -> torch.Tensor:
+    """One optimizer step over micro-batches (CPU tensors); returns the step's mean loss, on the device.
+
+    `forward` is the model or its compiled version. The loss is the mean over every trained token
+    of the step, so gradient accumulation gives the gradient one big batch would.
+    """
+    device = model.embed.weight.device
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    n_trained = max(sum(count_trained(b) for b in micro), 1)  # counted on the CPU: no device sync
+    step_loss = torch.zeros((), device=device)
+    for batch in micro:
+        with amp:
+            loss = batch_loss(forward, batch.to(device, non_blocking=True), attention) / n_trained
+        loss.backward()
+        step_loss += loss.detach()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[Batch], *, device, amp,
+             attention: AttentionFor = document_attention) -> float:
+    """Mean loss per trained token over the batches (dropout off)."""
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), device=device), 0
+    for batch in batches:
+        count += count_trained(batch)
+        with amp:
+            total += batch_loss(model, batch.to(device), attention)
+    model.train(was_training)
+    if count == 0:
+        raise NanoforgeError("the validation data holds no trained tokens", param="data")
+    return total.item() / count
+
+
+def set_dropout(model: torch.nn.Module, p: float) -> None:
+    """Dropout is a training setting, not saved in the Hugging Face config: set it on a loaded model."""
+    model.cfg = model.cfg.replace(dropout=p)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunData, out_dir: str | Path, *,
+          resume: dict | None = None, title: str = "train") -> dict:
+    """Train `model` (already on its device) to cfg.max_steps; checkpoints and logs go to out_dir.
+
+    `resume` is a checkpoint's trainer state: the optimizer, data position, RNG, step and history
+    continue from it. Returns the run's summary (also in out_dir/log.json).
+    """
+    out_dir = Path(out_dir)
+    device = model.embed.weight.device
+    amp = autocast(device, cfg.dtype)
+    seq_len = cfg.seq_len or model.cfg.max_seq_len
+    optimizer = make_optimizer(model, cfg)
+    step, history = 0, {"train": [], "val": []}
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        data.train.load_state_dict(resume["data"])
+        restore_rng(resume["rng"])
+        step, history = resume["step"], resume["history"]
+    start_step, last_saved = step, (step if resume is not None else None)
+    attention = document_attention if cfg.doc_masking else causal_attention
+    compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    forward = torch.compile(model) if compiled else model
+    model.train()
+
+    # Throughput: tokens (padding included) per second of training steps, evaluation excluded.
+    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
+    flops_per_token, peak = train_flops_per_token(model.cfg, seq_len), peak_flops(device)
+    timing = {"steps": 0, "seconds": 0.0, "first_interval": None}  # first interval: compile and warm-up
+    pending: list[tuple[int, torch.Tensor, float]] = []  # (step, loss on the device, lr) not yet read back
+    wall_start = time.perf_counter()
+
+    def summary() -> dict:
+        steady_steps, steady_s = timing["steps"], timing["seconds"]
+        if timing["first_interval"] and steady_steps > timing["first_interval"][0]:
+            steady_steps -= timing["first_interval"][0]
+            steady_s -= timing["first_interval"][1]
+        tok_s = tokens_per_step * steady_steps / steady_s if steady_s else None
+        vals = [r["loss"] for r in history["val"]]
+        return {"title": title, "step": step, "max_steps": cfg.max_steps, "last_checkpoint_step": last_saved,
+                "val_loss": vals[-1] if vals else None, "best_val_loss": min(vals) if vals else None,
+                "wall_time_s": time.perf_counter() - wall_start,
+                "ms_per_step": 1000 * steady_s / steady_steps if steady_steps else None,
+                "tokens_per_s": tok_s, "mfu": tok_s * flops_per_token / peak if tok_s and peak else None,
+                "device": str(device), "compiled": compiled, "model": model.cfg.to_dict(), "config": cfg.to_dict()}
+
+    def write_log(extra: dict | None = None) -> dict:
+        log = summary() | (extra or {})
+        write_json(out_dir / "log.json", log | {"history": history})
+        plot_losses(out_dir / "loss.png", history, f"{title}: {model.cfg.arch}, {model.num_params() / 1e6:.1f}M params")
+        return log
+
+    def read_back_losses() -> float | None:
+        """Move pending losses into the history; stop the run at the first non-finite one."""
+        for s, loss, lr in pending:
+            value = loss.item()
+            history["train"].append({"step": s, "loss": value, "lr": lr})
+            if not math.isfinite(value):
+                bar.close()
+                write_log({"stopped": f"non-finite loss at step {s}"})
+                kept = (f"the last good checkpoint (step {last_saved}) is kept in {out_dir}" if last_saved is not None
+                        else "no checkpoint had been written")
+                raise NanoforgeError(f"step {s}: training loss is {value}; stopped, and {kept}; "
+                                     f"try a lower --lr or more --warmup-steps", param="lr")
+        pending.clear()
+        return history["train"][-1]["loss"] if history["train"] else None
+
+    bar = tqdm(total=cfg.max_steps, initial=step, desc=title, unit="step", dynamic_ncols=True, mininterval=1.0)
+    interval_steps, interval_s, tick = 0, 0.0, time.perf_counter()  # training steps and seconds since the last log
+    while True:
+        done = step >= cfg.max_steps
+        # --- validate and checkpoint (not again at the step a resumed run starts from) ---
+        if (step % cfg.eval_interval == 0 or done) and not (resume is not None and step == start_step):
+            interval_s += time.perf_counter() - tick  # evaluation and saving are not training time
+            read_back_losses()
+            val = evaluate(forward, data.eval_batches(cfg.eval_iters), device=device, amp=amp, attention=attention)
+            history["val"].append({"step": step, "loss": val})
+            if not math.isfinite(val):
+                bar.close()
+                write_log({"stopped": f"non-finite validation loss at step {step}"})
+                raise NanoforgeError(f"step {step}: validation loss is {val}; stopped, and the last good checkpoint "
+                                     f"(step {last_saved}) is kept in {out_dir}", param="lr")
+            saved = step > start_step
+            if saved:
+                save_checkpoint(out_dir, model, tokenizer, {
+                    "step": step, "config": cfg.to_dict(), "optimizer": optimizer.state_dict(),
+                    "data": data.train.state_dict(), "rng": rng_state(), "history": history})
+                last_saved = step
+            write_log()
+            bar.write(f"step {step}: val loss {val:.4f}" + (f", saved to {out_dir}" if saved else ""))
+            tick = time.perf_counter()
+        if done:
+            break
+
+        # --- one optimizer step over grad_accum micro-batches ---
+        lr = lr_at(step, cfg)
+        micro = [next(data.train) for _ in range(cfg.grad_accum)]
+        step_loss = train_step(forward, model, optimizer, micro, lr=lr, grad_clip=cfg.grad_clip, amp=amp,
+                               attention=attention)
+        step += 1
+        interval_steps += 1
+        pending.append((step, step_loss, lr))
+
+        # --- progress: read losses back, throughput since the last log step ---
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            loss_now = read_back_losses()
+            interval_s += time.perf_counter() - tick
+            timing["steps"] += interval_steps
+            timing["seconds"] += interval_s
+            timing["first_interval"] = timing["first_interval"] or (interval_steps, interval_s)
+            tok_s = tokens_per_step * interval_steps / interval_s
+            history["train"][-1] |= {"tokens_per_s": tok_s}
+            bar.set_postfix_str(f"loss {loss_now:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s, "
+                                f"MFU {format_mfu(tok_s * flops_per_token / peak if peak else None)}")
+            bar.update(interval_steps)
+            interval_steps, interval_s, tick = 0, 0.0, time.perf_counter()
+    bar.close()
+
+    final = evaluate(forward, data.eval_batches(None), device=device, amp=amp, attention=attention)
+    return write_log({"final_val_loss_full_split": final})

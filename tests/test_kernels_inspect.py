@@ -1,0 +1,168 @@
+"""Kernel inspection: occupancy arithmetic, and compiling real kernels down to SASS without a GPU.
+
+The occupancy cases are worked by hand with the CUDA occupancy calculator's
+rules for sm_90: 64 warps, 32 blocks, 64K registers (allocated per warp in
+units of 256, split over 4 sub-partitions) and 228 KB of shared memory per
+SM, with 1 KB reserved per block and 128 B allocation units.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import inspect as ki
+
+# (threads, regs, smem) -> (blocks/SM, limiter)
+OCCUPANCY_CASES = [
+    # 8 warps/block: 64 // 8 = 8 blocks; 32 regs -> 1024/warp -> 16 warps per sub-partition -> 64 warps -> 8.
+    ((256, 32, 0), (8, "warps, registers")),
+    # 64 regs -> 2048/warp -> 8 warps per sub-partition -> 32 warps -> 4 blocks of 8 warps (50%).
+    ((256, 64, 0), (4, "registers")),
+    # 37 regs -> 1184 -> rounded to 1280/warp; 16384 // 1280 = 12 -> 48 warps -> 12 blocks of 4 (75%).
+    ((128, 37, 0), (12, "registers")),
+    # regtile_2d: 126 regs -> 4096/warp -> 4 per sub-partition -> 16 warps -> 2 blocks; smem 9 KB allows 25.
+    ((256, 126, 8192), (2, "registers")),
+    # 48 KB + 1 KB reserved = 50176 B; 233472 // 50176 = 4 blocks (regs would allow 16, warps 16).
+    ((128, 32, 48 * 1024), (4, "shared memory")),
+    # 1 warp/block, 16 regs: warps and registers would allow 64+, the 32-block cap wins (50%).
+    ((32, 16, 0), (32, "blocks")),
+    # 1024 threads x 64 regs = exactly the 64K per-block register limit: 1 block (50%).
+    ((1024, 64, 0), (1, "registers")),
+    # 65 regs -> 2304/warp x 32 warps = 73728 > 65536: cannot launch.
+    ((1024, 65, 0), (0, "registers")),
+    # 96 threads = 3 warps: registers allow (16384 // 1280) * 4 = 48 warps -> 16 blocks; warps allow 21.
+    ((96, 40, 0), (16, "registers")),
+    # the largest shared allocation, 227 KB (+1 KB reserved = all 228 KB): 1 block; one byte more: none.
+    ((128, 32, 227 * 1024), (1, "shared memory")),
+    ((128, 32, 227 * 1024 + 1), (0, "shared memory")),
+]
+
+
+@pytest.mark.parametrize("args, expected", OCCUPANCY_CASES)
+def test_theoretical_occupancy_matches_hand_worked_cases(args, expected):
+    threads, regs, smem = args
+    occ = ki.theoretical_occupancy(threads, regs, smem)
+    warps = -(-threads // 32)
+    assert (occ.blocks_per_sm, occ.limiter) == expected
+    assert occ.warps_per_sm == expected[0] * warps
+    assert occ.occupancy == pytest.approx(expected[0] * warps / 64)
+
+
+@pytest.mark.parametrize("args", [(0, 32, 0), (1025, 32, 0), (128, 256, 0), (128, 32, -1)])
+def test_theoretical_occupancy_rejects_impossible_kernels(args):
+    with pytest.raises(NanoforgeError):
+        ki.theoretical_occupancy(*args)
+
+
+def test_unknown_kernel_name_lists_the_choices():
+    with pytest.raises(NanoforgeError, match="sgemm_regtile_2d"):
+        ki.inspect_kernel("no_such_kernel", "unused")
+
+
+def _need_cuda_tools():
+    missing = [t for t in ("ptxas", "cuobjdump") if not ki._tool_candidates(t)]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (CUDA toolkit or the triton wheel)")
+
+
+def test_triton_kernel_compiles_to_sass_without_a_gpu(tmp_path, capsys):
+    """triton.compile for sm_90 works on a CPU machine; the report must match the cubin and the rules."""
+    _need_cuda_tools()
+    triton = pytest.importorskip("triton")
+    tl = triton.language
+
+    @triton.jit
+    def scale_kernel(x, out, n, alpha, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(out + offs, tl.load(x + offs, mask=mask) * alpha, mask=mask)
+
+    ki.register_triton_kernel(
+        "test_scale", scale_kernel, {"x": "*fp32", "out": "*fp32", "n": "i32", "alpha": "fp32"}, {"BLOCK": 1024},
+        num_warps=8,
+    )
+    try:
+        r = ki.inspect_kernel("test_scale", tmp_path)
+    finally:
+        del ki.TRITON_KERNELS["test_scale"]
+    assert r["source"] == "triton" and r["threads_per_block"] == 256
+    assert 0 < r["registers_per_thread"] <= 255 and r["local_bytes_per_thread"] == 0
+    expected = ki.theoretical_occupancy(256, r["registers_per_thread"], r["shared_bytes_per_block"])
+    assert r["occupancy"]["blocks_per_sm"] == expected.blocks_per_sm
+    assert ".entry scale_kernel" in (tmp_path / "test_scale.ptx").read_text()
+    sass = (tmp_path / "test_scale.sass").read_text()
+    assert "LDG" in sass and "STG" in sass and "FMUL" in sass  # load, scale, store in the real ISA
+    assert "registers / thread" in capsys.readouterr().out
+
+
+def test_triton_kernel_with_missing_argument_type_is_rejected():
+    triton = pytest.importorskip("triton")
+
+    @triton.jit
+    def copy_kernel(x, out, BLOCK: triton.language.constexpr):
+        pass
+
+    ki.register_triton_kernel("test_copy", copy_kernel, {"x": "*fp32"}, {"BLOCK": 128})
+    try:
+        with pytest.raises(NanoforgeError, match="argument\\(s\\) out"):
+            ki.inspect_kernel("test_copy", "unused")
+    finally:
+        del ki.TRITON_KERNELS["test_copy"]
+
+
+def test_numba_kernels_under_the_simulator_refuse_with_a_reason():
+    from nanoforge.kernels.simt import ladder
+
+    if not ladder.simulator_active():
+        pytest.skip("numba.cuda is the real target in this process")
+    with pytest.raises(NanoforgeError, match="NUMBA_ENABLE_CUDASIM"):
+        ki.inspect_kernel("vector_add", "unused")
+
+
+_INSPECT_IN_SUBPROCESS = """
+import json, sys
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels.inspect import inspect_kernel
+try:
+    print(json.dumps([inspect_kernel(n, sys.argv[1]) for n in ("vector_add", "sgemm_regtile_2d")]))
+except NanoforgeError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def test_simt_kernels_compile_to_sass_and_register_tiles_stay_in_registers(tmp_path):
+    """Numba's compiler is off in a simulator process, so this runs in a fresh one without it.
+
+    The 2-D register-tiled SGEMM keeps 8x8 accumulators + 8 + 8 operands in
+    `cuda.local.array`s; they must live in registers (> 80 of them) with no
+    local memory, and its shared memory is exactly its two tiles.
+    """
+    _need_cuda_tools()
+    from nanoforge.kernels.simt import ladder
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    repo = str(Path(ki.__file__).parents[2])  # so the child imports this checkout of nanoforge
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _INSPECT_IN_SUBPROCESS, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if isinstance(out, dict):
+        if "NVVM" in out["error"] or "nvvm" in out["error"]:
+            pytest.skip(f"Numba cannot find NVVM here: {out['error']}")
+        pytest.fail(out["error"])
+    vec, sgemm = out
+    assert vec["shared_bytes_per_block"] == 0 and vec["threads_per_block"] == ladder.VECTOR_ADD_THREADS
+    assert sgemm["shared_bytes_per_block"] == 4 * (ladder.BM2 * ladder.BK2 + ladder.BK2 * ladder.BN2)
+    assert sgemm["local_bytes_per_thread"] == 0, "register tiles spilled to local memory"
+    assert 80 < sgemm["registers_per_thread"] <= 255
+    assert sgemm["threads_per_block"] == ladder.THREADS2
+    sass = (tmp_path / "sgemm_regtile_2d.sass").read_text()
+    assert sass.count("FFMA") >= ladder.TM2 * ladder.TN2  # the unrolled outer product
+    assert "STL" not in sass and "LDL" not in sass  # no local-memory traffic

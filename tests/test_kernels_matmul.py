@@ -1,0 +1,187 @@
+"""Triton GEMM (every schedule, epilogues, linear) against a float64 torch reference.
+
+CPU tests run the kernels under TRITON_INTERPRET=1 (tests/conftest.py sets it
+on machines without CUDA) with small ragged shapes; the interpreter uses one
+small non-square tile config (32x16x16), so these shapes cut tiles and K-ranges
+unevenly. Output buffers are poisoned with NaN so an element the kernel fails to
+write fails the comparison. `gpu` tests repeat the checks at full size.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import matmul as mm
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU-interpreter test (TRITON_INTERPRET=1); gpu tests cover the compiled kernels")
+
+# Relative tolerance: one unit in the last place of the output dtype (the
+# interpreter truncates float32 -> bfloat16 instead of rounding, so a full ulp).
+RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+@pytest.fixture
+def force_triton(monkeypatch):
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+
+
+def _inputs(M, N, K, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g).to(dtype).to(device)
+    b = torch.randn(K, N, generator=g).to(dtype).to(device)
+    bias = torch.randn(N, generator=g).to(dtype).to(device)
+    return a, b, bias
+
+
+def _assert_matches(out, ref, dtype):
+    """|out - ref| <= rtol * |ref| + atol, elementwise; NaN (an unwritten element) fails."""
+    atol = 1e-4 * max(1.0, ref.abs().max().item())  # fp32-accumulation noise on values that cancel to ~0
+    torch.testing.assert_close(out.double(), ref, rtol=RTOL[dtype], atol=atol)
+
+
+def _run(a, b, **kw):
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device)
+    result = mm.matmul(a, b, out=out, **kw)
+    assert result is out
+    return out
+
+
+# (M, N, K, uses TMA descriptors): the first two are 16-byte aligned, the others are not.
+SHAPES = [(64, 48, 64, True), (40, 56, 72, True), (37, 45, 70, False), (150, 40, 33, False), (1, 16, 5, False)]
+
+
+@interpreter
+@pytest.mark.parametrize("schedule", mm.SCHEDULES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K,tma", SHAPES)
+def test_matmul_matches_float64(force_triton, schedule, dtype, M, N, K, tma):
+    a, b, _ = _inputs(M, N, K, dtype)
+    out = _run(a, b, schedule=schedule)
+    assert mm._tma_ok(a, b, out) == tma  # both addressing modes are covered
+    _assert_matches(out, a.double() @ b.double(), dtype)
+
+
+@interpreter
+@pytest.mark.parametrize("schedule", ["tiled", "hybrid"])
+@pytest.mark.parametrize("activation", mm.ACTIVATIONS)
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_fused_epilogue(force_triton, schedule, activation, use_bias):
+    a, b, bias = _inputs(45, 70, 40, torch.bfloat16, seed=1)
+    bias = bias if use_bias else None
+    out = _run(a, b, bias=bias, activation=activation, schedule=schedule)
+    ref = mm.matmul_ref(a.double(), b.double(), bias=None if bias is None else bias.double(), activation=activation)
+    _assert_matches(out, ref, torch.bfloat16)
+
+
+@interpreter
+@pytest.mark.parametrize("num_sms", [1, 3, 4, 7])
+@pytest.mark.parametrize("schedule", ["persistent", "streamk", "hybrid"])
+@pytest.mark.parametrize("M,N,K", [(32, 16, 80), (70, 50, 48), (96, 64, 200)])
+def test_streamk_splits(force_triton, monkeypatch, num_sms, schedule, M, N, K):
+    """Vary the program count so that tiles are split 1..7 ways, including ranges that
+    neither start nor end a tile; stale workspace contents (NaN) must never be read,
+    and every flag must be reset for the next launch."""
+    monkeypatch.setattr(mm, "_INTERPRET_NUM_SMS", num_sms)
+    partials, flags = mm._workspace(torch.device("cpu"), num_sms)
+    partials.fill_(float("nan"))
+    a, b, bias = _inputs(M, N, K, torch.float16, seed=num_sms)
+    out = _run(a, b, bias=bias, schedule=schedule)
+    _assert_matches(out, a.double() @ b.double() + bias.double(), torch.float16)
+    assert flags.eq(0).all()
+
+
+@interpreter
+@pytest.mark.parametrize("K", [64, 36])  # 64: weight read through a transposed TMA descriptor; 36: pointers
+def test_linear(force_triton, K):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, K, generator=g).bfloat16()
+    w = torch.randn(24, K, generator=g).bfloat16()
+    bias = torch.randn(24, generator=g).bfloat16()
+    y = mm.linear(x, w, bias)
+    assert y.shape == (2, 9, 24) and y.dtype == torch.bfloat16
+    _assert_matches(y, F.linear(x.double(), w.double(), bias.double()), torch.bfloat16)
+
+
+@interpreter
+def test_strided_operands(force_triton):
+    """Transposed views (a column-major, b row-major and vice versa) go through the pointer path."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(40, 50, generator=g).half().t()  # (50, 40), strides (1, 50)
+    b = torch.randn(30, 40, generator=g).half().t()  # (40, 30), strides (1, 40)
+    out = _run(a, b, schedule="streamk")
+    _assert_matches(out, a.double() @ b.double(), torch.float16)
+
+
+def test_pick_schedule():
+    # 1024x4352 with 128x128 tiles: 272 tiles = 2.06 waves on 132 SMs -> hybrid
+    assert mm._pick_schedule(1024, 4352, 132) == "hybrid"
+    # 8192x8192: 4096 tiles = 31.03 waves, the tail costs ~3% -> data-parallel
+    assert mm._pick_schedule(8192, 8192, 132) == "tiled"
+    # one tile on a big GPU: Stream-K spreads its K-loop
+    assert mm._pick_schedule(64, 64, 132) == "hybrid"
+
+
+def test_reference_path_and_autograd(monkeypatch):
+    """NANOFORGE_KERNELS=torch, and tensors that need a gradient, use the differentiable reference."""
+    monkeypatch.setenv("NANOFORGE_KERNELS", "torch")
+    a, b, bias = _inputs(9, 7, 5, torch.bfloat16)
+    assert torch.equal(mm.matmul(a, b, bias=bias, activation="silu"), F.silu(a @ b + bias))
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    x = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
+    mm.linear(x, w).float().square().sum().backward()
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    F.linear(x2, w2).float().square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_empty_k_gives_bias(force_triton):
+    a = torch.empty(3, 0, dtype=torch.bfloat16)
+    b = torch.empty(0, 4, dtype=torch.bfloat16)
+    bias = torch.arange(4.0).bfloat16()
+    assert torch.equal(mm.matmul(a, b, bias=bias), bias.expand(3, 4))
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(4, 5)), "(2, 3)"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5, dtype=torch.float16)), "float16"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), bias=torch.zeros(4)), "bias"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), activation="gelu"), "activation"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), schedule="splitk"), "schedule"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), out=torch.zeros(5, 2)), "out"),
+    (lambda: mm.linear(torch.zeros(2, 3), torch.zeros(3, 5)), "weight"),
+])
+def test_bad_arguments_raise_clear_errors(call, words):
+    with pytest.raises(NanoforgeError, match=re.escape(words)):
+        call()
+
+
+# --------------------------------------------------------------------------- GPU, full size
+
+GPU_CASES = [  # (M, N, K): aligned (TMA) square, ragged (pointers), wave-quantized on 132 SMs
+    (4096, 4096, 4096), (3001, 5003, 1037), (1024, 4352, 8192),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", mm.SCHEDULES)
+@pytest.mark.parametrize("M,N,K", GPU_CASES)
+def test_gpu_full_size(schedule, M, N, K):
+    a, b, bias = _inputs(M, N, K, torch.bfloat16, device="cuda")
+    out = _run(a, b, bias=bias, activation="gelu_tanh", schedule=schedule)
+    ref = mm.matmul_ref(a.double(), b.double(), bias=bias.double(), activation="gelu_tanh")
+    _assert_matches(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_full_size():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 2048, 768, generator=g).bfloat16().cuda()
+    w = torch.randn(3072, 768, generator=g).bfloat16().cuda()
+    _assert_matches(mm.linear(x, w), F.linear(x.double(), w.double()), torch.bfloat16)
