@@ -84,6 +84,106 @@ def _add_data(sub):
     p.set_defaults(func=prepare.run_cli)
 
 
+# --- bench --------------------------------------------------------------------------------------
+
+def _add_bench(sub):
+    bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON")
+    verbs = bench.add_subparsers(dest="bench_verb", required=True, parser_class=_Parser)
+    p = verbs.add_parser("throughput", help="offline generation throughput: engine vs HF transformers")
+    p.add_argument("--model-preset", default="qwen3-0.6b", help="model shape (random weights)")
+    p.add_argument("--num-requests", type=_positive_int, default=256)
+    p.add_argument("--max-input", type=_positive_int, default=1024)
+    p.add_argument("--max-output", type=_positive_int, default=1024)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--hf-batch", type=_positive_int, default=64)
+    p.add_argument("--hf-prompt", type=_positive_int, default=512)
+    p.add_argument("--hf-new", type=_positive_int, default=256)
+    p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--out", default="runs/bench", help="directory for throughput.json")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(func=cmd_bench_throughput)
+    return verbs
+
+
+def cmd_bench_throughput(args) -> int:
+    from pathlib import Path
+
+    from nanoforge.serve.bench_throughput import bench_throughput
+
+    if args.max_input < 100 or args.max_output < 100:
+        raise NanoforgeError("--max-input and --max-output must be >= 100 (the workload draws lengths from 100 up)")
+    device = pick_device(args.device)
+    bench_throughput(model_preset=args.model_preset, num_requests=args.num_requests, max_input=args.max_input,
+                     max_output=args.max_output, hf_batch=args.hf_batch, hf_prompt=args.hf_prompt,
+                     hf_new=args.hf_new, max_num_seqs=args.max_num_seqs, baseline=not args.no_baseline,
+                     out_dir=Path(args.out), device=device, dtype=pick_dtype(args.dtype, device))
+    return 0
+
+
+# --- train, sft, bench train -------------------------------------------------------------------
+
+def _add_train(sub):
+    from nanoforge.train import commands
+
+    p = sub.add_parser("train", help="pretrain a GPT (default: a small Llama on the built-in corpus)")
+    commands.add_train_arguments(p)
+    p.set_defaults(func=commands.run_train)
+
+
+def _add_sft(sub):
+    from nanoforge.train import commands
+
+    p = sub.add_parser("sft", help="fine-tune a pretrained model on instructions (loss on answers only)")
+    commands.add_sft_arguments(p)
+    p.set_defaults(func=commands.run_sft)
+
+
+def _add_bench_train(bench_verbs):
+    from nanoforge.train import commands
+
+    p = bench_verbs.add_parser("train", help="training-step throughput: flash attention + document masking vs SDPA")
+    commands.add_bench_train_arguments(p)
+    p.set_defaults(func=commands.run_bench_train)
+
+
+# --- kernels --------------------------------------------------------------------------------------
+
+def _add_kernels(sub):
+    kernels = sub.add_parser("kernels", help="GPU kernels: benchmarks, the SIMT ladder, compiled-code inspection")
+    verbs = kernels.add_subparsers(dest="kernels_verb", required=True, parser_class=_Parser)
+    p = verbs.add_parser("ladder", help="SIMT SGEMM ladder (Numba CUDA) next to cuBLAS")
+    p.add_argument("--sizes", type=_positive_int, nargs="+", default=[1024, 4096])
+    p.add_argument("--out", default="runs/kernels")
+    p.set_defaults(func=lambda a: _run_ladder(a))
+    p = verbs.add_parser("inspect", help="registers, shared memory, spills, occupancy; writes PTX and SASS")
+    p.add_argument("name", help="a kernel name (see `nanoforge kernels inspect list`)")
+    p.add_argument("--out", default="runs/kernels")
+    p.set_defaults(func=lambda a: _run_inspect(a))
+    return verbs
+
+
+def _run_ladder(args) -> int:
+    from nanoforge.kernels.simt.bench import run_ladder
+
+    run_ladder(args.sizes, args.out)
+    return 0
+
+
+def _run_inspect(args) -> int:
+    from nanoforge.kernels.inspect import inspect_kernel, kernel_names
+
+    names = kernel_names()
+    if args.name == "list":
+        print("\n".join(names))
+        return 0
+    if args.name not in names:
+        raise NanoforgeError(f"no kernel named {args.name!r}; `nanoforge kernels inspect list` shows them",
+                             param="name")
+    inspect_kernel(args.name, args.out)
+    return 0
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_data(sub)
+    _add_bench_train(_add_bench(sub))
+    _add_train(sub)
+    _add_sft(sub)
+    _add_kernels(sub)
     return parser
 
 

@@ -70,37 +70,7 @@ def _need_cuda_tools():
         pytest.skip(f"needs {' and '.join(missing)} (CUDA toolkit or the triton wheel)")
 
 
-def test_triton_kernel_compiles_to_sass_without_a_gpu(tmp_path, capsys):
-    """triton.compile for sm_90 works on a CPU machine; the report must match the cubin and the rules."""
-    _need_cuda_tools()
-    triton = pytest.importorskip("triton")
-    tl = triton.language
-
-    @triton.jit
-    def scale_kernel(x, out, n, alpha, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(out + offs, tl.load(x + offs, mask=mask) * alpha, mask=mask)
-
-    ki.register_triton_kernel(
-        "test_scale", scale_kernel, {"x": "*fp32", "out": "*fp32", "n": "i32", "alpha": "fp32"}, {"BLOCK": 1024},
-        num_warps=8,
-    )
-    try:
-        r = ki.inspect_kernel("test_scale", tmp_path)
-    finally:
-        del ki.TRITON_KERNELS["test_scale"]
-    assert r["source"] == "triton" and r["threads_per_block"] == 256
-    assert 0 < r["registers_per_thread"] <= 255 and r["local_bytes_per_thread"] == 0
-    expected = ki.theoretical_occupancy(256, r["registers_per_thread"], r["shared_bytes_per_block"])
-    assert r["occupancy"]["blocks_per_sm"] == expected.blocks_per_sm
-    assert ".entry scale_kernel" in (tmp_path / "test_scale.ptx").read_text()
-    sass = (tmp_path / "test_scale.sass").read_text()
-    assert "LDG" in sass and "STG" in sass and "FMUL" in sass  # load, scale, store in the real ISA
-    assert "registers / thread" in capsys.readouterr().out
-
-
-def test_triton_kernel_with_missing_argument_type_is_rejected():
+def test_triton_kernel_missing_an_argument_type_is_rejected():
     triton = pytest.importorskip("triton")
 
     @triton.jit
@@ -115,54 +85,119 @@ def test_triton_kernel_with_missing_argument_type_is_rejected():
         del ki.TRITON_KERNELS["test_copy"]
 
 
-def test_numba_kernels_under_the_simulator_refuse_with_a_reason():
+def test_interpreters_and_simulators_are_refused_with_a_reason():
+    """In-process tests run kernels under NUMBA_ENABLE_CUDASIM / TRITON_INTERPRET; inspect needs compilers."""
     from nanoforge.kernels.simt import ladder
 
-    if not ladder.simulator_active():
-        pytest.skip("numba.cuda is the real target in this process")
-    with pytest.raises(NanoforgeError, match="NUMBA_ENABLE_CUDASIM"):
-        ki.inspect_kernel("vector_add", "unused")
+    checked = 0
+    if ladder.simulator_active():
+        with pytest.raises(NanoforgeError, match="NUMBA_ENABLE_CUDASIM"):
+            ki.inspect_kernel("vector_add", "unused")
+        checked += 1
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        with pytest.raises(NanoforgeError, match="TRITON_INTERPRET"):
+            ki.inspect_kernel("rmsnorm_fwd", "unused")
+        checked += 1
+    if not checked:
+        pytest.skip("real compilers in this process")
 
 
-_INSPECT_IN_SUBPROCESS = """
+# --------------------------------------------------------------------------- compiling for real, no GPU needed
+
+_TINY_TRITON_KERNEL = """
 import json, sys
+import triton
+import triton.language as tl
 from nanoforge.errors import NanoforgeError
-from nanoforge.kernels.inspect import inspect_kernel
-try:
-    print(json.dumps([inspect_kernel(n, sys.argv[1]) for n in ("vector_add", "sgemm_regtile_2d")]))
-except NanoforgeError as e:
-    print(json.dumps({"error": str(e)}))
+from nanoforge.kernels import inspect as ki
+
+
+@triton.jit
+def scale_kernel(x, out, n, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out + offs, tl.load(x + offs, mask=mask) * alpha, mask=mask)
+
+
+ki.register_triton_kernel(
+    "test_scale", scale_kernel, {"x": "*fp32", "out": "*fp32", "n": "i32", "alpha": "fp32"}, {"BLOCK": 1024},
+    num_warps=8,
+)
+results = {}
+for name in ["vector_add", "sgemm_regtile_2d", *ki.TRITON_KERNELS]:
+    try:
+        results[name] = ki.inspect_kernel(name, sys.argv[1])
+    except NanoforgeError as e:
+        results[name] = {"error": str(e)}
+print(json.dumps(results))
 """
 
 
-def test_simt_kernels_compile_to_sass_and_register_tiles_stay_in_registers(tmp_path):
-    """Numba's compiler is off in a simulator process, so this runs in a fresh one without it.
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Inspect SIMT and Triton kernels in a child process with the real compilers (no simulator/interpreter).
 
-    The 2-D register-tiled SGEMM keeps 8x8 accumulators + 8 + 8 operands in
-    `cuda.local.array`s; they must live in registers (> 80 of them) with no
-    local memory, and its shared memory is exactly its two tiles.
+    Returns (name -> report or {"error": ...}, output directory).
     """
     _need_cuda_tools()
-    from nanoforge.kernels.simt import ladder
-
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    tmp = tmp_path_factory.mktemp("inspect")
+    script = tmp / "inspect_all.py"  # a file, not -c: @triton.jit reads the kernel's source
+    script.write_text(_TINY_TRITON_KERNEL)
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
     repo = str(Path(ki.__file__).parents[2])  # so the child imports this checkout of nanoforge
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _INSPECT_IN_SUBPROCESS, str(tmp_path)], env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if isinstance(out, dict):
-        if "NVVM" in out["error"] or "nvvm" in out["error"]:
-            pytest.skip(f"Numba cannot find NVVM here: {out['error']}")
-        pytest.fail(out["error"])
-    vec, sgemm = out
+    proc = subprocess.run([sys.executable, str(script), str(tmp)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), tmp
+
+
+def _report(results: dict, name: str) -> dict:
+    r = results[name]
+    if "error" in r:
+        if "nvvm" in r["error"].lower():
+            pytest.skip(f"Numba cannot find NVVM here: {r['error']}")
+        pytest.fail(r["error"])
+    return r
+
+
+def test_simt_kernels_compile_to_sass_and_register_tiles_stay_in_registers(compiled):
+    """The 2-D register-tiled SGEMM keeps 8x8 accumulators + 8 + 8 operands in `cuda.local.array`s;
+    they must live in registers (> 80 of them) with no local memory, and its shared memory is exactly
+    its two tiles."""
+    from nanoforge.kernels.simt import ladder
+
+    results, out = compiled
+    vec, sgemm = _report(results, "vector_add"), _report(results, "sgemm_regtile_2d")
+    assert vec["source"] == "numba" and vec["arch"] == "sm_90"
     assert vec["shared_bytes_per_block"] == 0 and vec["threads_per_block"] == ladder.VECTOR_ADD_THREADS
     assert sgemm["shared_bytes_per_block"] == 4 * (ladder.BM2 * ladder.BK2 + ladder.BK2 * ladder.BN2)
     assert sgemm["local_bytes_per_thread"] == 0, "register tiles spilled to local memory"
     assert 80 < sgemm["registers_per_thread"] <= 255
     assert sgemm["threads_per_block"] == ladder.THREADS2
-    sass = (tmp_path / "sgemm_regtile_2d.sass").read_text()
+    expected = ki.theoretical_occupancy(ladder.THREADS2, sgemm["registers_per_thread"], sgemm["shared_bytes_per_block"])
+    assert sgemm["occupancy"]["blocks_per_sm"] == expected.blocks_per_sm
+    sass = (out / "sgemm_regtile_2d.sass").read_text()
     assert sass.count("FFMA") >= ladder.TM2 * ladder.TN2  # the unrolled outer product
     assert "STL" not in sass and "LDL" not in sass  # no local-memory traffic
+    assert "ld.shared" in (out / "sgemm_regtile_2d.ptx").read_text()
+
+
+def test_triton_kernel_compiles_to_sass_without_a_gpu(compiled):
+    results, out = compiled
+    r = _report(results, "test_scale")
+    assert r["source"] == "triton" and r["threads_per_block"] == 256
+    assert 0 < r["registers_per_thread"] <= 255 and r["local_bytes_per_thread"] == 0
+    expected = ki.theoretical_occupancy(256, r["registers_per_thread"], r["shared_bytes_per_block"])
+    assert r["occupancy"]["blocks_per_sm"] == expected.blocks_per_sm
+    assert ".entry scale_kernel" in (out / "test_scale.ptx").read_text()
+    sass = (out / "test_scale.sass").read_text()
+    assert "LDG" in sass and "STG" in sass and "FMUL" in sass  # load, scale, store in the real ISA
+
+
+@pytest.mark.parametrize("name", list(ki.TRITON_KERNELS))
+def test_project_triton_kernels_compile_at_their_inspect_configuration(compiled, name):
+    """Keeps TRITON_KERNELS in step with the kernels' argument lists."""
+    results, out = compiled
+    r = _report(results, name)
+    assert 0 < r["registers_per_thread"] <= 255 and r["threads_per_block"] % 32 == 0
+    assert (out / f"{name}.sass").stat().st_size > 0

@@ -113,15 +113,16 @@ def test_num_blocks_needed_is_exact():
             seqs.append(c)
         for s in seqs:
             s.append_token(rng.randrange(5))
-        fresh = make_seq(base + [1] * rng.randrange(3))
-        all_seqs = seqs + [fresh]
-        news = [rng.randrange(1, 9) for _ in all_seqs]
-        news[-1] = min(news[-1], fresh.num_tokens)
-        prefixes = [[]] * len(seqs) + [bm.match_prefix(fresh)]
-        news[-1] = min(news[-1], fresh.num_tokens - len(prefixes[-1]) * BS)
+        # two new sequences that may hit the same cached (possibly evictable) blocks
+        fresh = [make_seq(base + [1] * rng.randrange(3)) for _ in range(2)]
+        all_seqs = seqs + fresh
+        prefixes = [[]] * len(seqs) + [bm.match_prefix(f) for f in fresh]
+        news = [rng.randrange(1, 9) for _ in seqs] + [
+            min(rng.randrange(1, 9), f.num_tokens - len(p) * BS) for f, p in zip(fresh, prefixes[-2:])]
         predicted = bm.num_blocks_needed(all_seqs, news, prefixes)
         before = bm.num_free_blocks
-        bm.attach_prefix(fresh, prefixes[-1])
+        for f, p in zip(fresh, prefixes[-2:]):
+            bm.attach_prefix(f, p)
         for s, n in zip(all_seqs, news):
             bm.append_slots(s, n)
         assert before - bm.num_free_blocks == predicted, trial

@@ -130,9 +130,12 @@ def run_to_completion(s: Scheduler, arrivals: dict[int, list[SequenceGroup]] | N
         check_invariants(s)
         if not s.has_unfinished() and step > last_arrival:
             return finished, runner
+        was_waiting, preemptions = {g.request_id for g in s.waiting}, s.stats()["preemptions"]
         out = s.schedule()
         done(out.finished)
         check_invariants(s)
+        if s.stats()["preemptions"] > preemptions:  # a step that preempts admits nothing new
+            assert not was_waiting & {g.request_id for g in s.running}
         sampled = runner.step(out)
         done(s.update(out, sampled))
         check_invariants(s)
@@ -218,6 +221,8 @@ def test_preempted_work_gives_the_same_tokens(mode):
         finished, _ = run_to_completion(s, arrivals)
         check_finished_groups(finished, [g.request_id for gs in arrivals.values() for g in gs], 64, allow_abort=False)
         assert_all_blocks_returned(s)
+        # each prompt counted once, however often it was recomputed
+        assert s.stats()["prompt_tokens"] == sum(len(g.prompt_token_ids) for g in finished.values())
         results[name] = ({rid: [q.token_ids for q in g.seqs] for rid, g in finished.items()}, s.stats())
     assert results["roomy"][1]["preemptions"] == 0 and results["tiny"][1]["preemptions"] > 0
     assert results["tiny"][0] == results["roomy"][0]

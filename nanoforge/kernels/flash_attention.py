@@ -36,6 +36,7 @@ import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 
 LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(-inf - _NEG_BIG) is 0, never NaN
@@ -277,7 +278,7 @@ def _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N: tl.constexpr, CAUSAL: tl
     if HAS_DOCS:
         lo = tl.load(STARTS + n0)
         full_lo = tl.load(STARTS + n_last)
-        full_hi = tl.load(ENDS + n0)
+        full_hi = tl.load(ENDS + n_last)
         hi = tl.load(ENDS + n_last)
     else:
         lo = 0
@@ -316,7 +317,7 @@ def _attn_fwd_inner(
         if MASKED:
             kv_ok &= offs_n[None, :] < T
         kt = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=kv_ok, other=0.0)  # (D, N)
-        s = tl.dot(q, kt) * qk_scale  # scores in log2 units
+        s = _dot(q, kt, None) * qk_scale  # scores in log2 units
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -324,7 +325,7 @@ def _attn_fwd_inner(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 
@@ -408,17 +409,17 @@ def _attn_bwd_dkdv_inner(
             q_ok &= offs_m[None, :] < T
         qt = tl.load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], mask=q_ok, other=0.0)  # (D, M)
         lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
-        pt = tl.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])  # (N, M) probabilities
+        pt = tl.exp2(_dot(k, qt, None) * qk_scale - lse[None, :])  # (N, M) probabilities
         if MASKED:
             # key j is visible to query i iff query i is visible to key j: _visible with the roles swapped
             pt = tl.where(_visible(offs_n, offs_m, k_start, k_end, T, False, HAS_DOCS), pt, 0.0)
             if CAUSAL:
                 pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
         do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=tl.trans(q_ok), other=0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv)
+        dv = _dot(pt.to(do.dtype), do, dv)
         delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
-        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+        dst = pt * (_dot(v, tl.trans(do), None) - delta[None, :])
+        dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk)
     return dk, dv
 
 
@@ -485,11 +486,11 @@ def _attn_bwd_dq_inner(
             kv_ok &= offs_n[None, :] < T
         kt = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=kv_ok, other=0.0)  # (D, N)
         vt = tl.load(V + offs_n[None, :] * stride_vt + offs_d[:, None], mask=kv_ok, other=0.0)
-        p = tl.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])
+        p = tl.exp2(_dot(q, kt, None) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), p, 0.0)
-        ds = p * (tl.dot(do, vt) - delta[:, None])
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+        ds = p * (_dot(do, vt, None) - delta[:, None])
+        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq)
     return dq
 
 

@@ -6,7 +6,7 @@ it down the pipeline that every CUDA kernel takes:
     Python (Numba / Triton) -> PTX (virtual ISA, text) -> cubin (ptxas) -> SASS (the real ISA)
 
 It writes NAME.ptx and NAME.sass, reads the resource usage that ptxas recorded
-in the cubin (registers per thread, local memory per thread = spills + stack),
+in the cubin (registers per thread; local memory per thread, where spills go),
 takes the shared memory per block from what the kernel declares (the PTX for
 Numba's static arrays, the launch metadata for Triton's dynamic buffer), and
 turns those into theoretical occupancy with `theoretical_occupancy`, NVIDIA's
@@ -188,13 +188,18 @@ _RES_USAGE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d
 
 
 def _resource_usage(cubin: bytes, kernel_name: str) -> dict[str, int]:
-    """Registers per thread and local (spill + stack) bytes per thread that ptxas recorded."""
+    """Registers and local-memory bytes per thread that ptxas recorded in the cubin.
+
+    Local memory is the STACK frame (where ptxas puts spilled registers and
+    local arrays it could not keep in registers) plus any other LOCAL data:
+    what the driver reports as CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES.
+    """
     functions = {m[1]: m for m in _RES_USAGE.finditer(_cuobjdump(cubin, "-res-usage"))}
     matches = [m for name, m in functions.items() if kernel_name in name] or list(functions.values())
     if len(matches) != 1:
         raise NanoforgeError(f"cannot find kernel {kernel_name!r} in the cubin (functions: {', '.join(functions)})")
     m = matches[0]
-    return {"registers_per_thread": int(m[2]), "stack_bytes_per_thread": int(m[3]), "local_bytes_per_thread": int(m[4])}
+    return {"registers_per_thread": int(m[2]), "local_bytes_per_thread": int(m[3]) + int(m[4])}
 
 
 _PTX_SHARED = re.compile(r"^\s*(?:\.visible\s+)?\.shared\s+(?:\.align\s+\d+\s+)?\.[a-z](\d+)\s+\w+\[(\d+)\]", re.M)
@@ -235,7 +240,8 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
     "matmul": TritonKernel(
         "nanoforge.kernels.matmul:_matmul_tiled_kernel",
         {"a": "*bf16", "b": "*bf16", "c": "*bf16", "bias": "*bf16",
-         **_i32("M", "N", "K", "M_BUCKET", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")},
+         **_i32("M", "N", "K", "M_BUCKET"),
+         **_i32("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")},
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "HAS_BIAS": False, "ACTIVATION": "none",
          "USE_TMA": False, "B_NK": False},
         num_warps=8,
@@ -246,6 +252,15 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
          **_i32(*(f"stride_{t}{d}" for t in "qkvo" for d in "bth"), "T", "H"), "qk_scale": "fp32"},
         {"GROUP": 1, "HEAD_D": 128, "BLOCK_D": 128, "CAUSAL": True, "HAS_DOCS": True, "BLOCK_M": 128, "BLOCK_N": 64},
         num_warps=8,
+    ),
+    "paged_attention_decode": TritonKernel(
+        "nanoforge.kernels.paged_attention:_paged_attn_kernel",
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
+         "O": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32",
+         **_i32("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs"),
+         **_i32("stride_vh", "stride_bt", "stride_ot", "stride_oh"), "qk_scale": "fp32", "q_tiles": "i32"},
+        {"GROUP": 4, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
+         "NUM_SPLITS": 4},
     ),
     "rmsnorm_fwd": TritonKernel(
         "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",
@@ -321,7 +336,8 @@ def _compile_numba(name: str, fn, signature: str, threads: int) -> Compiled:
         raise
     except Exception as e:  # NVVM missing, driver errors: say which step failed, in one line
         raise NanoforgeError(f"compiling {name} with Numba failed: {type(e).__name__}: {e}".splitlines()[0]) from e
-    return Compiled(name, "numba", f"sm_{cc[0]}{cc[1]}", ptx, cubin, fn.__name__, threads, _ptx_static_shared_bytes(ptx))
+    arch = f"sm_{cc[0]}{cc[1]}"
+    return Compiled(name, "numba", arch, ptx, cubin, fn.__name__, threads, _ptx_static_shared_bytes(ptx))
 
 
 def _compile_triton(name: str, spec: TritonKernel) -> Compiled:
@@ -403,8 +419,8 @@ def _print_report(r: dict) -> None:
         ("kernel", f"{r['name']} ({r['source']}, {r['arch']})"),
         ("threads / block", r["threads_per_block"]),
         ("registers / thread", r["registers_per_thread"]),
-        ("shared memory / block", f"{r['shared_bytes_per_block']} B (+1024 B reserved by the runtime)"),
-        ("local memory / thread", f"{r['local_bytes_per_thread']} B (spills + stack; 0 = all in registers)"),
+        ("shared memory / block", f"{r['shared_bytes_per_block']} B (+{SM90.reserved_shared_per_block} B runtime)"),
+        ("local memory / thread", f"{r['local_bytes_per_thread']} B (spills, stack; 0 = all in registers)"),
         (
             "theoretical occupancy",
             f"{occ['blocks_per_sm']} blocks/SM = {occ['warps_per_sm']}/{occ['max_warps_per_sm']} warps "

@@ -311,7 +311,7 @@ def _matmul_persistent_kernel(a, b, c, bias, partials, flags, M, N, K, M_BUCKET,
                 tl.store(partials + pid * BLOCK_M * BLOCK_N + offs, acc, cache_modifier=".cg")
                 tl.debug_barrier()  # every thread's partial is written before the flag goes up
                 tl.atomic_xchg(flags + pid, 1, sem="release")
-                owned_end = end
+                owned_end = lo
             # 2) Owned segments: each ends at its tile's last K-iteration.
             it = start
             while it < owned_end:

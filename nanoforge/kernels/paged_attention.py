@@ -28,6 +28,7 @@ import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 from nanoforge.kernels.flash_attention import LOG2E, bench_row, time_ms
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
@@ -274,7 +275,7 @@ def _paged_attn_kernel(
         slot = offs_n % BLOCK_SIZE
         kv_mask = n_ok[None, :] & d_ok[:, None]
         kt = tl.load(K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, kt) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
+        s = _dot(q, kt, None) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
         s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -282,7 +283,7 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :],
                     mask=tl.trans(kv_mask), other=0.0)  # fmt: skip
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0

@@ -78,7 +78,8 @@ class _Detok:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, config: EngineConfig | None = None):
+        """`tokenizer=None` serves token ids only (no text, no stop strings): benchmarks use that."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -91,7 +92,7 @@ class LLMEngine:
         if config.preemption_mode == "swap" and num_cpu_blocks == 0:
             raise NanoforgeError("preemption_mode 'swap' needs swap_space (bytes of CPU memory) for at least one block",
                                  param="swap_space")
-        eos = set(tokenizer.stop_ids)
+        eos = set(tokenizer.stop_ids) if tokenizer is not None else set()
         if cfg.eos_token_id is not None:
             eos |= set(cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id])
         self.scheduler = Scheduler(SchedulerConfig(
@@ -139,6 +140,8 @@ class LLMEngine:
 
         The scheduler checks the prompt's ids and the sampling parameters; here, what needs the tokenizer."""
         params = params or SamplingParams()
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
+            raise NanoforgeError("this engine has no tokenizer: give token ids and no stop strings", param="prompt")
         if isinstance(prompt, str):
             text = prompt
             ids = self.tokenizer.encode(prompt)
@@ -198,6 +201,8 @@ class LLMEngine:
 
     def _update_text(self, seq: Sequence) -> bool:
         """Decode new tokens; True if a stop string appeared (the text is cut before it)."""
+        if self.tokenizer is None:
+            return False
         st = self._detok.get(seq.seq_id)
         if st is None:
             st = self._detok[seq.seq_id] = _Detok(self.tokenizer)

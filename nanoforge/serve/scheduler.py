@@ -107,6 +107,7 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
+        """One query token and one sample: a plain decode (what CUDA-graph batches are made of)."""
         return self.num_tokens == 1 and self.num_samples == 1
 
     @property
@@ -126,6 +127,12 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
+    """What the runner does this step, in this order: swap out, swap in, copy, then compute `scheduled`.
+
+    The order matters: a block swapped out (or preempted) in this step may be
+    handed to another sequence and written in the forward pass of the same step.
+    """
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # gpu block -> cpu block
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # cpu block -> gpu block

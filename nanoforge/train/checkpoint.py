@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.model.hf import save_model
+from nanoforge.model.hf import load_model, save_model
 from nanoforge.model.transformer import Transformer
 from nanoforge.tokenizer import Tokenizer
 
@@ -56,6 +56,15 @@ def save_checkpoint(out_dir: str | os.PathLike, model: Transformer, tokenizer: T
     finish_pending(out)
 
 
+def remove_checkpoint(out_dir: str | os.PathLike) -> None:
+    """Delete a run folder's checkpoint and logs (by name; anything else in the folder stays)."""
+    out = Path(out_dir)
+    finish_pending(out)
+    for name in (STATE_FILE, "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "log.json", "loss.png", "answers.json"):
+        (out / name).unlink(missing_ok=True)
+
+
 def has_checkpoint(out_dir: str | os.PathLike) -> bool:
     out = Path(out_dir)
     if not out.is_dir():
@@ -73,6 +82,20 @@ def load_state(out_dir: str | os.PathLike) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise NanoforgeError(f"{path}: cannot read the trainer state ({str(e).splitlines()[0]})", param="resume") from None
+
+
+def load_for_training(model_dir: str | os.PathLike, device: torch.device, dropout: float = 0.0) -> Transformer:
+    """A model folder as trainable fp32 weights, with the run's dropout (a training setting that the
+    Hugging Face config does not hold). Every parameter is made contiguous: GPT-2's transposed Conv1D
+    tensors load as strided views, which would round differently from the weights that were saved."""
+    model = load_model(model_dir, device=device, dtype=torch.float32)
+    for p in model.parameters():
+        p.data = p.data.contiguous()
+    model.cfg = model.cfg.replace(dropout=dropout)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = dropout
+    return model.train()
 
 
 def rng_state() -> dict:

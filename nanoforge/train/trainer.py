@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from nanoforge.data.loader import Batch
+from nanoforge.data.sft import IGNORE_INDEX
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.transformer import Transformer
@@ -39,7 +40,6 @@ from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import lr_at, make_optimizer
 from nanoforge.train.progress import format_mfu, peak_flops, plot_losses, train_flops_per_token, write_json
 
-IGNORE_INDEX = -100  # cross_entropy's ignore_index: targets that take no loss
 AttentionFor = Callable[[Batch], AttentionBackend]  # which attention a batch gets
 
 
@@ -65,16 +65,21 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def autocast(device: torch.device, dtype: str):
-    """bf16 autocast on GPU by default (weights and optimizer stay fp32); fp32 on CPU."""
+def compute_dtype(device: torch.device, dtype: str) -> str:
+    """"bf16" or "fp32": what the matmuls run in ("auto": bf16 on GPU, fp32 on CPU)."""
     if dtype == "auto":
-        dtype = "bf16" if device.type == "cuda" else "fp32"
-    if dtype == "fp32":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if dtype not in ("bf16", "fp32"):
+        raise NanoforgeError(f"dtype {dtype!r} cannot be trained in; choose auto, bf16 or fp32 "
+                             "(fp16 would need loss scaling)", param="dtype")
+    return dtype
+
+
+def autocast(device: torch.device, dtype: str):
+    """bf16 autocast (weights and optimizer state stay fp32), or nothing for fp32."""
+    if compute_dtype(device, dtype) == "fp32":
         return contextlib.nullcontext()
-    if dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    raise NanoforgeError(f"dtype {dtype!r} cannot be trained in; choose auto, bf16 or fp32 "
-                         "(fp16 would need loss scaling)", param="dtype")
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 # --- the loss -----------------------------------------------------------------------------------
@@ -100,10 +105,12 @@ def causal_attention(batch: Batch) -> AttentionBackend:
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = document_attention) -> torch.Tensor:
-    """Summed cross-entropy (fp32) over the trained tokens of a batch; the caller divides by their count."""
+    """Summed cross-entropy (in fp32 at least) over the trained tokens of a batch; the caller divides by
+    their count."""
     logits = model(batch.input_ids, batch.positions, attention(batch))
-    return F.cross_entropy(logits.flatten(0, 1).float(), trained_targets(batch).flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), trained_targets(batch).flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def count_trained(batch: Batch) -> int:
@@ -151,14 +158,6 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], *, device, amp,
     return total.item() / count
 
 
-def set_dropout(model: torch.nn.Module, p: float) -> None:
-    """Dropout is a training setting, not saved in the Hugging Face config: set it on a loaded model."""
-    model.cfg = model.cfg.replace(dropout=p)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = p
-
-
 # --- the loop -----------------------------------------------------------------------------------
 
 def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunData, out_dir: str | Path, *,
@@ -169,6 +168,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     continue from it. Returns the run's summary (also in out_dir/log.json).
     """
     out_dir = Path(out_dir)
+    if resume is None and cfg.lr_decay_steps is None:
+        cfg = cfg.replace(lr_decay_steps=cfg.max_steps)  # fixed now, so a resume with more steps keeps it
     device = model.embed.weight.device
     amp = autocast(device, cfg.dtype)
     seq_len = cfg.seq_len or model.cfg.max_seq_len
@@ -200,7 +201,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
         tok_s = tokens_per_step * steady_steps / steady_s if steady_s else None
         vals = [r["loss"] for r in history["val"]]
         return {"title": title, "step": step, "max_steps": cfg.max_steps, "last_checkpoint_step": last_saved,
-                "val_loss": vals[-1] if vals else None, "best_val_loss": min(vals) if vals else None,
+                "initial_val_loss": vals[0] if vals else None, "val_loss": vals[-1] if vals else None,
+                "best_val_loss": min(vals) if vals else None,
                 "wall_time_s": time.perf_counter() - wall_start,
                 "ms_per_step": 1000 * steady_s / steady_steps if steady_steps else None,
                 "tokens_per_s": tok_s, "mfu": tok_s * flops_per_token / peak if tok_s and peak else None,

@@ -31,20 +31,27 @@ def _require_gpu():
 
 
 def _median_ms(fn: Callable[[], None], repeats: int) -> float:
-    """Median time of `fn` in milliseconds by CUDA events, after one warm-up call."""
+    """Median time of `fn` in milliseconds by CUDA events, after one warm-up call.
+
+    All runs are queued before the one synchronize, so the host stays ahead of
+    the GPU and each event pair brackets the kernel, not the launch overhead.
+    """
     import torch
 
     fn()  # warm-up: JIT compilation, caches, clocks
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def _row(kernel: str, shape: str, ms: float, work: float, unit: str) -> dict:
+    """One table row; `work` is GB moved or GFLOP done, so rate is GB/s or GFLOP/s."""
+    return {"kernel": kernel, "shape": shape, "ms": ms, "rate": work / (ms / 1e3), "unit": unit}
 
 
 def _vector_add_rows(n: int, repeats: int) -> list[dict]:
@@ -60,8 +67,7 @@ def _vector_add_rows(n: int, repeats: int) -> list[dict]:
         ("torch add", lambda: torch.add(a, b, out=c)),
         ("vector_add", lambda: ladder.launch_vector_add(a_d, b_d, c_d)),
     ):
-        ms = _median_ms(fn, repeats)
-        rows.append({"kernel": name, "shape": f"n={n}", "ms": ms, "rate": gbytes / (ms / 1e3), "unit": "GB/s"})
+        rows.append(_row(name, f"n={n}", _median_ms(fn, repeats), gbytes, "GB/s"))
     return rows
 
 
@@ -81,12 +87,12 @@ def _sgemm_rows(size: int, repeats: int, naive_repeats: int) -> list[dict]:
         ms = _median_ms(lambda: torch.matmul(a, b, out=c), repeats)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    rows.append({"kernel": "cuBLAS", "shape": f"{size}^3", "ms": ms, "rate": gflop / (ms / 1e3), "unit": "GFLOP/s"})
+    rows.append(_row("cuBLAS", f"{size}^3", ms, gflop, "GFLOP/s"))
 
     for rung in ladder.RUNGS.values():
         reps = naive_repeats if rung.name == "naive" else repeats
         ms = _median_ms(lambda rung=rung: ladder.launch_sgemm(rung, a_d, b_d, c_d), reps)
-        rows.append({"kernel": rung.name, "shape": f"{size}^3", "ms": ms, "rate": gflop / (ms / 1e3), "unit": "GFLOP/s"})
+        rows.append(_row(rung.name, f"{size}^3", ms, gflop, "GFLOP/s"))
     return rows
 
 
@@ -110,7 +116,8 @@ def _print_table(groups: list[list[dict]]) -> None:
         for r in rows:
             prev = f"{r['speedup_vs_prev']:.2f}x" if r["speedup_vs_prev"] else "-"
             rate = f"{r['rate']:,.0f} {r['unit']}"
-            print(f"{r['kernel']:<12} {r['shape']:>14} {r['ms']:>10.3f} {rate:>18} {r['pct_of_baseline']:>13.1f}% {prev:>12}")
+            pct = f"{r['pct_of_baseline']:.1f}%"
+            print(f"{r['kernel']:<12} {r['shape']:>14} {r['ms']:>10.3f} {rate:>18} {pct:>14} {prev:>12}")
         print()
 
 

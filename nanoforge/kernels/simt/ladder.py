@@ -298,6 +298,8 @@ def _output(out, shape: tuple[int, ...]):
     cuda = numba_cuda()
     if out is None:
         return cuda.to_device(np.full(shape, np.nan, np.float32))
+    if isinstance(out, np.ndarray):
+        raise NanoforgeError("out must be a device array (numpy inputs get a new numpy result)", param="out")
     dev, _ = _as_device(out, "out", len(shape))
     if tuple(dev.shape) != shape:
         raise NanoforgeError(f"out has shape {tuple(dev.shape)}, expected {shape}", param="out")
@@ -326,7 +328,8 @@ def sgemm(a, b, rung: str, out=None):
     """C = A @ B in float32 with the given rung of the ladder.
 
     Numpy inputs give a numpy result; device inputs give a device array
-    (`out`, if given). The output is NaN-filled before the kernel runs.
+    (`out`, a device array, if given). The output is NaN-filled before the
+    kernel runs.
     """
     spec = get_rung(rung)
     a_dev, from_host = _as_device(a, "a", 2)

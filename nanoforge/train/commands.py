@@ -1,0 +1,179 @@
+"""The `train`, `sft` and `bench train` verbs: `add_<verb>_arguments(parser)` and `run_<verb>(args)`.
+
+Every training flag defaults to None, meaning "the preset's value" (or, with
+--resume, the checkpoint's), so a flag given on the command line always wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nanoforge.errors import NanoforgeError
+
+# flag -> TrainConfig field, for the flags both verbs share.
+_LOOP_FLAGS = {
+    "max_steps": (int, "optimizer steps"),
+    "batch_size": (int, "sequences per micro-batch"),
+    "seq_len": (int, "tokens per sequence (default: the model's context)"),
+    "grad_accum": (int, "micro-batches per optimizer step"),
+    "lr": (float, "peak learning rate"),
+    "min_lr": (float, "learning rate at the end of the cosine decay"),
+    "warmup_steps": (int, "linear warmup steps"),
+    "lr_decay_steps": (int, "steps of cosine decay (default: max_steps)"),
+    "weight_decay": (float, "AdamW weight decay of matrices and embeddings"),
+    "beta2": (float, "AdamW beta2"),
+    "grad_clip": (float, "clip the gradient norm to this (0: off)"),
+    "eval_interval": (int, "validate and checkpoint every this many steps"),
+    "eval_iters": (int, "validation batches per evaluation"),
+    "log_interval": (int, "steps between progress updates"),
+    "val_fraction": (float, "share of the data held out for validation"),
+    "seed": (int, "seed of initialisation, batches and dropout"),
+}
+
+
+def _add_loop_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
+    p.add_argument("--out", default=default_out, help=f"run folder: checkpoint, log.json, loss.png (default {default_out})")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out exactly where it stopped")
+    p.add_argument("--overwrite", action="store_true", help="start again even if --out holds a checkpoint")
+    for name, (kind, text) in _LOOP_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
+    p.add_argument("--device", default=None, help="auto (default: cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default=None, help="auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on GPU only)")
+
+
+def _overrides(args) -> dict:
+    """TrainConfig fields given on the command line."""
+    names = [*_LOOP_FLAGS, "device", "dtype", "compile", "tokenizer", "doc_masking"]
+    found = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if getattr(args, "data", None):
+        found["data"] = [str(p) for p in args.data]
+    return found
+
+
+def _check_out(out: Path, args) -> None:
+    from nanoforge.train.checkpoint import has_checkpoint, load_state, remove_checkpoint
+
+    if args.resume and args.overwrite:
+        raise NanoforgeError("--resume and --overwrite contradict each other; give one", param="resume")
+    if not args.resume and has_checkpoint(out):
+        if not args.overwrite:
+            step = load_state(out)["step"]
+            raise NanoforgeError(f"{out} already holds a checkpoint (step {step}); pass --resume to continue it, "
+                                 f"--overwrite to start again, or another --out", param="out")
+        remove_checkpoint(out)
+
+
+def _print_summary(s: dict) -> None:
+    from nanoforge.train.progress import format_mfu
+
+    rate = f"{s['ms_per_step']:.1f} ms/step, {s['tokens_per_s']:,.0f} tok/s" if s["ms_per_step"] else "no steps run"
+    print(f"{s['title']}: {s['step']} steps in {s['wall_time_s']:.1f} s wall time ({rate}, MFU {format_mfu(s['mfu'])})")
+    if s["val_loss"] is not None:
+        print(f"val loss {s['initial_val_loss']:.4f} at the start -> {s['val_loss']:.4f} at the end (best "
+              f"{s['best_val_loss']:.4f}; over the whole val split {s['final_val_loss_full_split']:.4f})")
+
+
+# --- train ---------------------------------------------------------------------------------------
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from nanoforge.train.config import PRESETS
+
+    p.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: default)")
+    p.add_argument("--data", nargs="+", type=Path, default=None,
+                   help="text files/folders, .jsonl/.json/.parquet, or a `nanoforge data prepare` folder "
+                        "(default: the built-in offline corpus)")
+    p.add_argument("--tokenizer", default=None, help="char | bpe:VOCAB | PATH, for raw --data (default: the preset's)")
+    p.add_argument("--dropout", type=float, default=None, help="dropout of the model (default: the preset's)")
+    p.add_argument("--no-doc-masking", dest="doc_masking", action="store_false", default=None,
+                   help="let packed documents attend to each other")
+    _add_loop_arguments(p, "runs/pretrain")
+
+
+def run_train(args) -> int:
+    from nanoforge.train.checkpoint import load_state
+    from nanoforge.train.config import TrainConfig, preset
+    from nanoforge.train.pretrain import pretrain
+
+    out = Path(args.out)
+    _check_out(out, args)
+    overrides = _overrides(args)
+    if args.resume:
+        cfg = TrainConfig.from_dict(load_state(out)["config"])
+        if args.preset:  # the checkpoint must hold this preset's model (pretrain checks the shapes)
+            chosen = preset(args.preset)
+            cfg = cfg.replace(model=chosen.model, model_overrides=chosen.model_overrides, pad_vocab=chosen.pad_vocab)
+        cfg = cfg.replace(**overrides)
+    else:
+        cfg = preset(args.preset or "default", **overrides)
+    if args.dropout is not None:
+        cfg = cfg.replace(model_overrides=cfg.model_overrides | {"dropout": args.dropout})
+    _print_summary(pretrain(cfg, out, resume=args.resume))
+    print(f"model, tokenizer and trainer state in {out}; log in {out / 'log.json'}, curve in {out / 'loss.png'}")
+    return 0
+
+
+# --- sft -----------------------------------------------------------------------------------------
+
+def add_sft_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--init", default=None, help="pretrained model folder to start from (default runs/pretrain)")
+    p.add_argument("--data", nargs=1, type=Path, default=None,
+                   help="instructions: a .json list or .jsonl of Alpaca {instruction, input, output} or chat "
+                        "{messages} records (default: the built-in offline set)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the examples when --max-steps is not given (default 3)")
+    p.add_argument("--answer-tokens", type=int, default=256, help="token limit of the held-out answers checked at the end")
+    p.add_argument("--eval-samples", type=int, default=100, help="held-out prompts answered at the end")
+    _add_loop_arguments(p, "runs/sft")
+
+
+def run_sft(args) -> int:
+    from nanoforge.train.checkpoint import load_state
+    from nanoforge.train.config import SFT_DEFAULTS, TrainConfig
+    from nanoforge.train.sft import finetune
+
+    out = Path(args.out)
+    _check_out(out, args)
+    overrides = _overrides(args) | {k: getattr(args, k) for k in ("init", "epochs") if getattr(args, k) is not None}
+    base = TrainConfig.from_dict(load_state(out)["config"]) if args.resume else SFT_DEFAULTS
+    result = finetune(base.replace(**overrides), out, resume=args.resume, max_steps_given=args.max_steps is not None,
+                      answer_tokens=args.answer_tokens, eval_samples=args.eval_samples)
+    _print_summary(result)
+    check = result["answers"]
+    print(f"held-out answers ending with the end-of-turn token within {check['max_new_tokens']} tokens: "
+          f"{check['ended_with_eot']}/{check['samples']} ({100 * check['eot_rate']:.1f}%)")
+    for ex in check["examples"]:
+        print(f"\n> {ex['prompt']}\n{ex['answer']}")
+    print(f"\nchat model in {out}: nanoforge generate --chat --model {out} --prompt '...'")
+    return 0
+
+
+# --- bench train ---------------------------------------------------------------------------------
+
+def add_bench_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="gpt2-124m", help="model preset (default gpt2-124m)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps first (compilation, autotuning)")
+    p.add_argument("--doc-len", type=int, default=512, help="mean document length of the packed batches")
+    p.add_argument("--variants", nargs="+", default=None, help="nanoforge, no-doc-mask, baseline (default: all)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 autocast on GPU), bf16 or fp32")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on GPU only")
+    p.add_argument("--json", type=Path, default=Path("runs/bench/train.json"), help="where to write the numbers")
+
+
+def run_bench_train(args) -> int:
+    from nanoforge.train.bench import bench_train, print_table
+    from nanoforge.train.progress import write_json
+
+    report = bench_train(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
+                         warmup=args.warmup, mean_doc_len=args.doc_len, variants=args.variants, device=args.device,
+                         dtype=args.dtype, compile=args.compile)
+    print_table(report)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.json, report)
+    print(f"wrote {args.json}")
+    return 0

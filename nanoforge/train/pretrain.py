@@ -1,0 +1,88 @@
+"""Pretraining: tokenize the corpus, build (or resume) the model, run the loop.
+
+The corpus is tokenized once into `<out>/data` (train.bin, val.bin, meta.json
+and the tokenizer, by `nanoforge.data.prepare`), unless --data names a folder
+that `nanoforge data prepare` already wrote. The model is the TrainConfig's
+model preset, with the tokenizer's vocabulary (rounded up to `pad_vocab`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from nanoforge.data.loader import PackedLoader
+from nanoforge.data.prepare import make_tokenizer, prepare
+from nanoforge.errors import NanoforgeError
+from nanoforge.model.config import ModelConfig
+from nanoforge.model.config import preset as model_preset
+from nanoforge.model.transformer import Transformer
+from nanoforge.tokenizer import Tokenizer
+from nanoforge.train.checkpoint import load_for_training, load_state
+from nanoforge.train.config import TrainConfig
+from nanoforge.train.trainer import RunData, resolve_device, train
+
+# Fields that do not change the weights' shapes or meaning.
+_NOT_ARCHITECTURE = {"dropout", "bos_token_id", "eos_token_id", "extra"}
+
+
+def model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The model a run trains: its preset with the tokenizer's vocabulary and special tokens."""
+    vocab = -(-tokenizer.vocab_size // cfg.pad_vocab) * cfg.pad_vocab
+    return model_preset(cfg.model, **cfg.model_overrides).replace(
+        vocab_size=vocab, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+
+
+def check_same_architecture(expected: ModelConfig, found: ModelConfig, where: str | Path) -> None:
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in _NOT_ARCHITECTURE and getattr(expected, f.name) != getattr(found, f.name):
+            raise NanoforgeError(f"{where} holds a checkpoint of another architecture: {f.name} is "
+                                 f"{getattr(found, f.name)!r} there, {getattr(expected, f.name)!r} in this run's "
+                                 f"preset", param="preset")
+
+
+def prepared_data(cfg: TrainConfig, out_dir: Path, resuming: bool) -> Path:
+    """The folder with train.bin / val.bin / meta.json / tokenizer.json that this run reads."""
+    if cfg.data and len(cfg.data) == 1 and (Path(cfg.data[0]) / "meta.json").is_file():
+        return Path(cfg.data[0])  # already prepared
+    target = out_dir / "data"
+    if resuming and (target / "meta.json").is_file():
+        return target
+    inputs = [Path(p) for p in cfg.data] if cfg.data else None
+    tokenizer = make_tokenizer(cfg.tokenizer, inputs)
+    meta = prepare(inputs, target, tokenizer, val_fraction=cfg.val_fraction)
+    print(f"tokenized {', '.join(meta['sources'])} with {cfg.tokenizer} (vocab {meta['vocab_size']:,}): "
+          f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens, in {target}")
+    return target
+
+
+def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
+    """Run (or resume, from the checkpoint in out_dir) a pretraining run; returns its summary."""
+    out_dir = Path(out_dir)
+    state = load_state(out_dir) if resume else None
+    device = resolve_device(cfg.device)
+    data_dir = prepared_data(cfg, out_dir, resuming=resume)
+    tokenizer = Tokenizer.load(data_dir)
+    expected = model_config(cfg, tokenizer)
+    seq_len = cfg.seq_len or expected.max_seq_len
+    if seq_len > expected.max_seq_len:
+        raise NanoforgeError(f"seq_len {seq_len} is longer than the model's context ({expected.max_seq_len})",
+                             param="seq_len")
+    if state is not None:
+        model = load_for_training(out_dir, device, expected.dropout)
+        check_same_architecture(expected, model.cfg, out_dir)
+    else:
+        torch.manual_seed(cfg.seed)
+        model = Transformer(expected).to(device)
+    eos = json.loads((data_dir / "meta.json").read_text())["eos_id"]
+    loader = PackedLoader(data_dir / "train.bin", cfg.batch_size, seq_len, seed=cfg.seed, eot_id=eos,
+                          doc_masking=cfg.doc_masking)
+    val = PackedLoader(data_dir / "val.bin", cfg.batch_size, seq_len, seed=cfg.seed, eot_id=eos,
+                       doc_masking=cfg.doc_masking)
+    print(f"pretraining {model.num_params() / 1e6:.2f}M parameters ({cfg.model}) on {device}: "
+          f"{cfg.batch_size} x {seq_len} tokens x {cfg.grad_accum} micro-batches per step, {cfg.max_steps} steps")
+    data = RunData(loader, lambda n: val.iter_eval(cfg.batch_size, seq_len, n))
+    return train(model, tokenizer, cfg, data, out_dir, resume=state, title="pretrain")

@@ -1,0 +1,116 @@
+"""Supervised fine-tuning: instruction records in, a chat model out.
+
+Starts from a pretrained model folder (`init`), holds out `val_fraction` of
+the records, renders each through the tokenizer's chat template with a loss
+mask on the assistant's answer (and its end-of-turn token), packs the
+examples with document masking and runs the shared training loop. At the end
+it answers the held-out prompts and counts how many answers end with the
+end-of-turn token within the token limit: the model has learnt to stop.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+
+from nanoforge.data.sft import SFTPacker, load_records, render, to_messages
+from nanoforge.errors import NanoforgeError
+from nanoforge.model.generate import generate
+from nanoforge.model.transformer import Transformer
+from nanoforge.tokenizer import Tokenizer
+from nanoforge.train.checkpoint import load_for_training, load_state
+from nanoforge.train.config import TrainConfig
+from nanoforge.train.progress import write_json
+from nanoforge.train.trainer import RunData, resolve_device, train
+
+
+def split_records(records: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """A seeded random (train, val) split; val gets round(n * val_fraction) records, at least one."""
+    order = np.random.default_rng(seed).permutation(len(records))
+    n_val = max(1, round(len(records) * val_fraction))
+    if n_val >= len(records):
+        raise NanoforgeError(f"{len(records)} records are too few to hold out {val_fraction:.0%} for validation",
+                             param="data")
+    return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
+
+
+def prompt_and_answer(record: dict) -> tuple[list[dict], str]:
+    """The conversation up to its last assistant message, and that message (the reference answer)."""
+    messages = to_messages(record)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:last], messages[last]["content"]
+
+
+def answer_eval(model: Transformer, tokenizer: Tokenizer, records: list[dict], max_new_tokens: int,
+                n_examples: int = 3) -> dict:
+    """Greedy answers to held-out prompts: the share that ends with the end-of-turn token within
+    max_new_tokens (and the context), plus a few examples to read."""
+    model.eval()
+    ended, examples = 0, []
+    for record in records:
+        prompt, reference = prompt_and_answer(record)
+        ids = tokenizer.encode_chat(prompt, add_generation_prompt=True)
+        out = (generate(model, ids, max_new_tokens=max_new_tokens, stop_ids=tokenizer.stop_ids)
+               if len(ids) < model.cfg.max_seq_len else [])
+        ok = bool(out) and out[-1] == tokenizer.eot_id
+        ended += ok
+        if len(examples) < n_examples:
+            answer = tokenizer.decode(out[:-1] if ok else out)
+            examples.append({"prompt": prompt[-1]["content"], "reference": reference, "answer": answer,
+                             "ended_with_eot": ok})
+    return {"samples": len(records), "ended_with_eot": ended, "eot_rate": ended / max(len(records), 1),
+            "max_new_tokens": max_new_tokens, "examples": examples}
+
+
+def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, max_steps_given: bool = False,
+             answer_tokens: int = 256, eval_samples: int | None = 100) -> dict:
+    """Run (or resume) SFT; returns the loop's summary plus the held-out answer check."""
+    out_dir = Path(out_dir)
+    state = load_state(out_dir) if resume else None
+    device = resolve_device(cfg.device)
+    source = out_dir if resume else Path(cfg.init or "runs/pretrain")
+    if not (source / "config.json").is_file():
+        raise NanoforgeError(f"{source}/config.json not found: SFT starts from a pretrained model folder "
+                             f"(run `nanoforge train` first, or pass --init)", param="init")
+    model = load_for_training(source, device)
+    tokenizer = Tokenizer.load(source)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise NanoforgeError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                             f"{model.cfg.vocab_size}; they are not from the same model", param="init")
+    # Generation (here and in transformers) should stop at the end of the assistant's turn.
+    model.cfg = model.cfg.replace(eos_token_id=sorted({tokenizer.eot_id, tokenizer.eos_id}))
+
+    records = load_records(cfg.data[0] if cfg.data else None)
+    train_records, val_records = split_records(records, cfg.val_fraction, cfg.seed)
+    seq_len = cfg.seq_len or model.cfg.max_seq_len
+    if seq_len > model.cfg.max_seq_len:
+        raise NanoforgeError(f"seq_len {seq_len} is longer than the model's context ({model.cfg.max_seq_len})",
+                             param="seq_len")
+    train_examples = [render(r, tokenizer) for r in train_records]
+    val_examples = [render(r, tokenizer) for r in val_records]
+    packer = SFTPacker(train_examples, seq_len, cfg.batch_size, seed=cfg.seed)
+
+    def steps_for(examples, passes: float) -> int:
+        """Batches that `passes` passes over the examples fill (each takes len - 1 slots of a row)."""
+        return max(1, math.ceil(passes * sum(len(ids) - 1 for ids, _ in examples) / (cfg.batch_size * seq_len)))
+
+    if state is None and cfg.epochs and not max_steps_given:
+        cfg = cfg.replace(max_steps=steps_for(train_examples, cfg.epochs))
+
+    def eval_batches(n: int | None):
+        """The same packed validation batches every time: about one pass, or the first n of it."""
+        one_pass = steps_for(val_examples, 1)
+        return islice(SFTPacker(val_examples, seq_len, cfg.batch_size, seed=cfg.seed), min(n or one_pass, one_pass))
+
+    print(f"fine-tuning {source} ({model.num_params() / 1e6:.2f}M parameters) on {device}: "
+          f"{len(train_records)} examples ({len(val_records)} held out), {cfg.batch_size} x {seq_len} tokens "
+          f"per step, {cfg.max_steps} steps")
+    summary = train(model, tokenizer, cfg, RunData(packer, eval_batches), out_dir, resume=state, title="sft")
+
+    held_out = val_records if eval_samples is None else val_records[:eval_samples]
+    check = answer_eval(model, tokenizer, held_out, answer_tokens)
+    write_json(out_dir / "answers.json", check)
+    return summary | {"answers": check}

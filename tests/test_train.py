@@ -1,0 +1,237 @@
+"""The pretraining loop: schedule, optimizer groups, gradient accumulation, exact resume,
+non-finite losses, checkpoints, bad input, and the training benchmark (tiny models on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanoforge.cli import main
+from nanoforge.data.loader import Batch, doc_ids_and_positions
+from nanoforge.model.config import preset as model_preset
+from nanoforge.model.hf import load_model
+from nanoforge.model.transformer import Transformer
+from nanoforge.train import trainer
+from nanoforge.train.config import TrainConfig
+from nanoforge.train.optim import lr_at, make_optimizer
+from nanoforge.train.progress import train_flops_per_token
+
+WORDS = "the king shall speak of war and love to thee my lord what now good night sweet prince".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small deterministic text file: random lines of a few words (about 24k characters)."""
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS, size=rng.integers(3, 9))) for _ in range(800)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_args(corpus, out, *extra):
+    """nanoGPT's CPU baby GPT (4 layers, 128 wide) with dropout on, char-level, 4 x 32 tokens, every step logged."""
+    return ["train", "--preset", "shakespeare-char-cpu", "--data", corpus, "--out", out, "--batch-size", "4",
+            "--seq-len", "32", "--eval-iters", "2", "--log-interval", "1", "--dropout", "0.1", *extra]
+
+
+def run_cli(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def history(out) -> dict:
+    return json.loads((out / "log.json").read_text())["history"]
+
+
+# --- schedule, optimizer, FLOPs ------------------------------------------------------------------
+
+def test_lr_schedule_is_warmup_then_cosine_then_floor():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, lr_decay_steps=110, max_steps=200)
+    assert lr_at(0, cfg) == pytest.approx(1e-3 / 11)
+    assert lr_at(9, cfg) == pytest.approx(1e-3 * 10 / 11)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)  # cosine starts at the peak
+    assert lr_at(60, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway: the midpoint
+    assert lr_at(110, cfg) == lr_at(199, cfg) == 1e-4
+    lrs = [lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_optimizer_decays_matrices_and_embeddings_only():
+    model = Transformer(model_preset("tiny-gpt2"))
+    opt = make_optimizer(model, TrainConfig(weight_decay=0.1))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in no_decay["params"]} == {n for n, p in model.named_parameters() if p.dim() == 1}
+    assert any(names[id(p)] == "embed.weight" for p in decay["params"])
+    # The tied output head is the embedding: every parameter is in exactly one group, once.
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
+
+
+def test_training_flops_match_nanogpt_estimate():
+    """nanoGPT: 6 N + 12 L H Q T with N = all parameters except position embeddings (the tied
+    embedding counted once, as the output projection). Biases and norms are the small difference."""
+    cfg = model_preset("gpt2-124m")
+    n = cfg.num_params() + cfg.vocab_size * cfg.d_model  # matrices + tied head
+    n_nanogpt = 124_439_808 - 1024 * 768  # GPT-2 124M, minus wpe (nanoGPT's get_num_params: 123.65M)
+    assert abs(n - n_nanogpt) / n_nanogpt < 2e-3
+    assert train_flops_per_token(cfg, 1024) == pytest.approx(6 * n + 12 * 12 * 768 * 1024)
+
+
+# --- gradient accumulation -------------------------------------------------------------------------
+
+def _batch(ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> Batch:
+    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    doc_ids, positions = doc_ids_and_positions(inputs, eot_id=0)
+    return Batch(inputs, targets, doc_ids, positions, loss_mask)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """Micro-batches with different numbers of trained tokens give the gradient of the whole batch:
+    the loss is the mean over every trained token of the step, not a mean of means."""
+    torch.manual_seed(0)
+    cfg = model_preset("tiny-llama")
+    ids = torch.randint(0, cfg.vocab_size, (4, 17))
+    mask = torch.rand(4, 16) < 0.5
+    mask[:2] = mask[:2] & (torch.rand(2, 16) < 0.3)  # the first micro-batch trains on fewer tokens
+    grads = []
+    for micro in ([_batch(ids, mask)], [_batch(ids[:2], mask[:2]), _batch(ids[2:], mask[2:])]):
+        torch.manual_seed(1)
+        model = Transformer(cfg).double()
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # new params = old - grad: exposes the gradient
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer.train_step(model, model, sgd, micro, lr=1.0, grad_clip=0.0, amp=torch.autocast("cpu", enabled=False),
+                           attention=trainer.document_attention)
+        grads.append([b - p.detach() for b, p in zip(before, model.parameters())])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+# --- exact resume, non-finite loss, checkpoints ------------------------------------------------------
+
+def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path):
+    """8 steps straight vs 4 steps, stop, resume for 4: the same losses and weights, bit for bit
+    (dropout is on, so the RNG state must come back too; the data position and schedule as well)."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = ["--lr-decay-steps", "8", "--warmup-steps", "2", "--eval-interval", "4"]
+    assert run_cli(*tiny_args(corpus, straight, "--max-steps", "8", *common)) == 0
+    assert run_cli(*tiny_args(corpus, split, "--max-steps", "4", *common)) == 0
+    assert torch.load(split / "trainer_state.pt", weights_only=True)["step"] == 4
+    assert run_cli(*tiny_args(corpus, split, "--max-steps", "8", "--resume")) == 0
+
+    a, b = history(straight), history(split)
+    assert [r["step"] for r in b["train"]] == list(range(1, 9))
+    assert [r["loss"] for r in a["train"]] == [r["loss"] for r in b["train"]]
+    assert a["val"] == b["val"]
+    wa, wb = load_file(straight / "model.safetensors"), load_file(split / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # The run really learnt something and was really resumed (not restarted).
+    assert a["val"][-1]["loss"] < a["val"][0]["loss"]
+    assert torch.load(split / "trainer_state.pt", weights_only=True)["step"] == 8
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_loss, calls = trainer.batch_loss, {"train": 0}
+
+    def loss_turning_nan(model, batch, attention=trainer.document_attention):
+        loss = real_loss(model, batch, attention)
+        if model.training:
+            calls["train"] += 1
+            if calls["train"] == 6:  # the 6th training step
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(trainer, "batch_loss", loss_turning_nan)
+    code = run_cli(*tiny_args(corpus, out, "--max-steps", "8", "--eval-interval", "4"))
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert "step 6: training loss is nan" in err and "last good checkpoint (step 4)" in err
+    state = torch.load(out / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 4
+    model = load_model(out)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not any(p.name.startswith(".checkpoint") for p in out.iterdir())
+    log = json.loads((out / "log.json").read_text())
+    assert log["stopped"] == "non-finite loss at step 6" and (out / "loss.png").is_file()
+
+
+def test_checkpoint_is_a_huggingface_model_with_its_tokenizer(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(*tiny_args(corpus, out, "--max-steps", "3", "--eval-interval", "3")) == 0
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ours = load_model(out)
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 12))
+    torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
+    assert run_cli("generate", "--model", out, "--prompt", "the king", "--max-tokens", "5") == 0
+    assert capsys.readouterr().out.strip()
+    # A half-written checkpoint (crash before the commit rename) is dropped, not used.
+    (out / ".checkpoint.tmp").mkdir()
+    (out / ".checkpoint.tmp" / "model.safetensors").write_bytes(b"partial")
+    assert run_cli(*tiny_args(corpus, out, "--max-steps", "4", "--resume")) == 0
+    assert not (out / ".checkpoint.tmp").exists()
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["empty", "binary", "preset", "exists", "architecture", "resume-nothing"])
+def test_bad_input_is_one_line_exit_2_and_nothing_that_looks_good(case, corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    if case == "empty":
+        (tmp_path / "empty.txt").write_text("")
+        argv, message = tiny_args(tmp_path / "empty.txt", out), "empty.txt is empty"
+    elif case == "binary":
+        (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 8)
+        argv, message = tiny_args(tmp_path / "blob.txt", out), "binary"
+    elif case == "preset":
+        argv, message = ["train", "--preset", "gpt5", "--out", out], "no training preset named 'gpt5'"
+    elif case == "exists":
+        assert run_cli(*tiny_args(corpus, out, "--max-steps", "2")) == 0
+        argv, message = tiny_args(corpus, out, "--max-steps", "4"), "already holds a checkpoint (step 2)"
+    elif case == "architecture":
+        assert run_cli(*tiny_args(corpus, out, "--max-steps", "2")) == 0
+        argv = ["train", "--resume", "--preset", "shakespeare-char", "--out", out, "--max-steps", "4"]
+        message = "holds a checkpoint of another architecture: d_model is 128 there, 384"
+    else:
+        argv, message = ["train", "--resume", "--out", out], "holds no training checkpoint to resume"
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    capsys.readouterr()
+    assert run_cli(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    if case in ("empty", "binary", "preset", "resume-nothing"):
+        assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
+    else:  # the earlier good checkpoint is untouched
+        assert sorted(p.name for p in out.iterdir()) == before
+        assert torch.load(out / "trainer_state.pt", weights_only=True)["step"] == 2
+
+
+def test_overwrite_starts_again(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli(*tiny_args(corpus, out, "--max-steps", "3")) == 0
+    assert run_cli(*tiny_args(corpus, out, "--max-steps", "2", "--overwrite")) == 0
+    assert torch.load(out / "trainer_state.pt", weights_only=True)["step"] == 2
+    assert [r["step"] for r in history(out)["train"]] == [1, 2]
+
+
+# --- benchmark ---------------------------------------------------------------------------------------
+
+def test_bench_train_runs_all_variants_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert run_cli("bench", "train", "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--steps", "1",
+                   "--warmup", "1", "--doc-len", "8", "--json", path) == 0
+    table = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert [r["variant"] for r in report["results"]] == ["nanoforge", "no-doc-mask", "baseline"]
+    for r in report["results"]:
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"]) and r["mfu"] is None  # CPU: MFU n/a
+        assert r["variant"] in table
+    assert report["results"][-1]["vs_baseline"] == 1.0
