@@ -103,6 +103,11 @@ def _add_bench(sub):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=cmd_bench_throughput)
+    from nanoforge.serve import bench_serve
+
+    p = verbs.add_parser("serve", help="load-test an OpenAI-compatible server: Poisson arrivals or a Mooncake trace")
+    bench_serve.add_cli_arguments(p)
+    p.set_defaults(func=bench_serve.run_cli)
     return verbs
 
 
@@ -119,6 +124,38 @@ def cmd_bench_throughput(args) -> int:
                      hf_new=args.hf_new, max_num_seqs=args.max_num_seqs, baseline=not args.no_baseline,
                      out_dir=Path(args.out), device=device, dtype=pick_dtype(args.dtype, device))
     return 0
+
+
+# --- serve --------------------------------------------------------------------------------------
+
+def _add_serve(sub):
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", required=True, help="a Hugging Face / nanoforge model directory (with its tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the directory's)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256, help="sequences per batch")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, help="tokens per engine step")
+    p.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="GiB for the KV cache (default: most of the free GPU memory)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-waiting", type=_positive_int, default=256,
+                   help="requests that may wait for a batch slot; more get 429 with Retry-After")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=8 << 20, help="larger bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds that requests in flight get to finish before they are aborted")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from nanoforge.serve.api import run_server
+
+    return run_server(args)
 
 
 # --- train, sft, bench train -------------------------------------------------------------------
@@ -192,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_data(sub)
     _add_bench_train(_add_bench(sub))
+    _add_serve(sub)
     _add_train(sub)
     _add_sft(sub)
     _add_kernels(sub)

@@ -48,15 +48,16 @@ def naive_attention(q, k, v, doc_ids, causal, scale):
     return torch.einsum("bhij,bjhd->bihd", probs, v)
 
 
-def random_docs(B, T, gen, with_singletons=True):
+def random_docs(B, T, gen):
     """Per row, contiguous documents of random lengths (some of length 1) labelled by random ids."""
     rows = []
     for _ in range(B):
         lens = []
         while sum(lens) < T:
-            lens.append(1 if with_singletons and torch.rand(1, generator=gen).item() < 0.3 else int(torch.randint(2, 24, (1,), generator=gen)))
+            singleton = torch.rand(1, generator=gen).item() < 0.25
+            lens.append(1 if singleton else int(torch.randint(2, 40, (1,), generator=gen)))
         lens[-1] -= sum(lens) - T
-        labels = torch.randperm(100, generator=gen)[: len(lens)]  # ids need not be sorted or consecutive
+        labels = torch.randperm(10 * len(lens), generator=gen)[: len(lens)]  # ids need not be sorted or consecutive
         rows.append(torch.repeat_interleave(labels, torch.tensor(lens)))
     return torch.stack(rows)
 
@@ -80,9 +81,11 @@ def float64_reference(q, k, v, do, **kw):
 
 
 def assert_all_close(got, want, rtol, atol):
+    """Elementwise |got - want| <= rtol |want| + atol * max|want|; NaN (an unwritten element) fails."""
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.shape == w.shape, name
-        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        scale = max(1.0, w.abs().max().item())
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol * scale, msg=lambda m: f"{name}: {m}")
 
 
 # ------------------------------------------------------------------------------ the reference itself
@@ -114,7 +117,7 @@ CASES = [
     (2, 37, 4, 4, 16, True, False),
     (1, 70, 6, 2, 32, True, True),
     (2, 45, 4, 1, 16, False, False),
-    (2, 33, 4, 2, 24, False, True),
+    (2, 70, 4, 2, 24, False, True),
     (1, 16, 2, 2, 16, True, True),
     (3, 1, 2, 1, 16, True, False),
 ]
@@ -139,8 +142,8 @@ def test_half_precision_inputs(poisoned, dtype):
     got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids, scale=0.2)
     assert got[0].dtype == dtype
     # half-precision inputs, and the kernel rounds probabilities to the input dtype before P @ V
-    tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
-    assert_all_close(got, float64_reference(q, k, v, do, doc_ids=doc_ids, scale=0.2), rtol=4 * tol, atol=4 * tol)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    assert_all_close(got, float64_reference(q, k, v, do, doc_ids=doc_ids, scale=0.2), rtol=4 * ulp, atol=2 * ulp)
 
 
 @interpreter
@@ -204,7 +207,9 @@ def rel_error(got, want):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,hq,hkv,d,docs", [(4, 1024, 12, 12, 64, False), (2, 2048, 16, 4, 128, True), (2, 777, 8, 2, 64, True)])
+@pytest.mark.parametrize(
+    "B,T,hq,hkv,d,docs", [(4, 1024, 12, 12, 64, False), (2, 2048, 16, 4, 128, True), (2, 777, 8, 2, 64, True)]
+)
 def test_gpu_full_size_bf16(poisoned, B, T, hq, hkv, d, docs):
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (x.detach().cuda() for x in make_inputs(B, T, hq, hkv, d, torch.bfloat16, gen))

@@ -15,10 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import bench
 from nanoforge.kernels import matmul as mm
 
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-interpreter test (TRITON_INTERPRET=1); gpu tests cover the compiled kernels")
+# sigmoid(-large) in the GELU/SiLU epilogues overflows exp() to inf (correctly giving 0); numpy warns
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU-interpreter test (TRITON_INTERPRET=1); the gpu tests cover the compiled kernels")
 
 # Relative tolerance: one unit in the last place of the output dtype (the
 # interpreter truncates float32 -> bfloat16 instead of rounding, so a full ulp).
@@ -162,11 +167,47 @@ def test_bad_arguments_raise_clear_errors(call, words):
         call()
 
 
+# --------------------------------------------------------------------------- bench harness (no GPU needed)
+
+
+def test_bench_refuses_without_cuda(monkeypatch, tmp_path):
+    with pytest.raises(NanoforgeError, match="unknown benchmark kind"):
+        bench.run(["gemmm"], tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NanoforgeError, match="needs a CUDA GPU"):
+        bench.run(["gemm"], tmp_path)
+
+
+def test_bench_shapes():
+    shapes = {(M, N, K) for _, M, N, K in bench.gemm_shapes()}
+    assert len(shapes) == 12
+    assert {(4096, 4096, 4096), (8192, 8192, 8192), (16384, 50257, 768), (16384, 1024, 4096),
+            (16384, 14336, 4096), (16384, 4096, 14336), (16384, 128256, 4096)} <= shapes
+    for M, N, K in bench.streamk_shapes(132):  # tile counts (128x256) just past a multiple of 132
+        assert M % 128 == 0 and N % 256 == 0 and 0 < (M // 128) * (N // 256) % 132 <= 16
+
+
+def test_bench_report(tmp_path):
+    rows = [bench.make_row("gemm", "a", 2.0, 1.0, "cuBLAS", 2e12, 1e9),
+            bench.make_row("gemm", "b", 1.0, 2.0, "cuBLAS", 2e12, 1e9),
+            bench.make_row("gemm-streamk", "s", 1.0, 1.5, "tiled", 1e12, 1e9),
+            bench.make_row("gemm-hybrid", "s", 1.0, 1.2, "tiled", 1e12, 1e9)]
+    assert rows[0]["ratio"] == 0.5 and rows[0]["ours_tflops"] == pytest.approx(1000.0)
+    assert rows[0]["ours_gbps"] == pytest.approx(500.0)
+    summary = bench.summarize(rows)
+    assert summary["gemm_vs_cublas_geomean"] == pytest.approx(1.0)
+    assert summary["streamk_vs_dp_min"] == pytest.approx(1.5) and summary["streamk_shapes"] == 1
+    table = bench.format_table(rows)
+    assert len(table.splitlines()) == 2 + len(rows) and "gemm-hybrid" in table
+    bench.plot_roofline(rows, {"copy_gbps": 4000.0, "matmul_tflops": 700.0}, tmp_path / "r.png", "test")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # --------------------------------------------------------------------------- GPU, full size
 
-GPU_CASES = [  # (M, N, K): aligned (TMA) square, ragged (pointers), wave-quantized on 132 SMs
-    (4096, 4096, 4096), (3001, 5003, 1037), (1024, 4352, 8192),
-]
+# (M, N, K): aligned (TMA descriptors) and ragged (pointers); with 128x256 tiles, 3.9 and 3.6 waves
+# on 132 SMs, so the hybrid splits a partial wave of ~100 tiles and Stream-K splits every tile.
+GPU_CASES = [(4096, 4096, 4096), (3001, 5003, 1037)]
 
 
 @pytest.mark.gpu

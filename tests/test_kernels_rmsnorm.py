@@ -14,8 +14,9 @@ import torch
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import rmsnorm as rn
 
-interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="CPU-interpreter test (TRITON_INTERPRET=1); gpu tests cover the compiled kernels")
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU-interpreter test (TRITON_INTERPRET=1); the gpu tests cover the compiled kernels")
 
 # One output ulp (the interpreter truncates instead of rounding); float32 is near-exact.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}

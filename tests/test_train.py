@@ -105,8 +105,8 @@ def test_gradient_accumulation_equals_one_big_batch():
         model = Transformer(cfg).double()
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # new params = old - grad: exposes the gradient
         before = [p.detach().clone() for p in model.parameters()]
-        trainer.train_step(model, model, sgd, micro, lr=1.0, grad_clip=0.0, amp=torch.autocast("cpu", enabled=False),
-                           attention=trainer.document_attention)
+        loss_fn = trainer.make_loss_fn(model, trainer.document_attention, compiled=False)
+        trainer.train_step(loss_fn, model, sgd, micro, lr=1.0, grad_clip=0.0, amp=torch.autocast("cpu", enabled=False))
         grads.append([b - p.detach() for b, p in zip(before, model.parameters())])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -123,6 +123,7 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path):
     assert run_cli(*tiny_args(corpus, straight, "--max-steps", "8", *common)) == 0
     assert run_cli(*tiny_args(corpus, split, "--max-steps", "4", *common)) == 0
     assert torch.load(split / "trainer_state.pt", weights_only=True)["step"] == 4
+    torch.manual_seed(12345)  # as in a new process: the RNG must come from the checkpoint
     assert run_cli(*tiny_args(corpus, split, "--max-steps", "8", "--resume")) == 0
 
     a, b = history(straight), history(split)
@@ -235,3 +236,21 @@ def test_bench_train_runs_all_variants_and_writes_json(tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"]) and r["mfu"] is None  # CPU: MFU n/a
         assert r["variant"] in table
     assert report["results"][-1]["vs_baseline"] == 1.0
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_compiled_bf16_training_on_gpu_tracks_eager(corpus, tmp_path):
+    """On CUDA (bf16 autocast, Triton flash attention, fused AdamW) the compiled loop trains and
+    follows the eager one; its checkpoint resumes."""
+    runs = {}
+    for mode in ("--compile", "--no-compile"):
+        out = tmp_path / mode
+        assert run_cli(*tiny_args(corpus, out, "--max-steps", "12", "--eval-interval", "6", "--dropout", "0",
+                                  "--device", "cuda", mode)) == 0
+        runs[mode] = [r["loss"] for r in history(out)["train"]]
+    compiled, eager = runs["--compile"], runs["--no-compile"]
+    assert all(math.isfinite(x) for x in compiled) and compiled[-1] < compiled[0] - 0.3
+    assert compiled == pytest.approx(eager, abs=0.05)
+    assert run_cli(*tiny_args(corpus, tmp_path / "--compile", "--max-steps", "14", "--resume")) == 0

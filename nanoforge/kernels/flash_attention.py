@@ -6,7 +6,9 @@ Triton kernels below, wrapped in a `torch.autograd.Function`; elsewhere it runs 
 
 Layout: q is (B, T, Hq, D), k and v are (B, T, Hkv, D); query head h reads kv head h // (Hq // Hkv).
 `doc_ids` (B, T) labels each token with its document. Documents are contiguous runs (packed sequences):
-a query attends only to keys of its own document and, when causal, not to later ones.
+a query attends only to keys of its own document and, when causal, not to later ones. (The kernels find
+documents where the id changes, so an id that comes back later in a row starts a new document; the
+reference would join the two. Packed batches never do that.)
 
 The kernels are FlashAttention-2 with the exp2 trick (log2(e) folded into the scale):
   forward   one program per (query block, batch * q head) streams key/value blocks, keeps a running row
@@ -22,6 +24,7 @@ Block skipping. With documents, each token knows the [start, end) of its documen
 visible range into masked / unmasked / masked block-aligned pieces, and the loops run over exactly
 those; key blocks outside every row's document are never loaded, so document masking costs no more
 than the work it skips. The backward uses the same idea with the roles of queries and keys swapped.
+Causal query blocks are launched last-first (the longest rows first), which shortens the tail of the grid.
 """
 
 from __future__ import annotations
@@ -65,12 +68,8 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_fast(q, k, v):
         return attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=scale)
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16, torch.float32)):
-        raise NanoforgeError(
-            f"flash attention needs q, k, v of one dtype among float16/bfloat16/float32, got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}",
-            param="q",
-        )
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise NanoforgeError(f"flash attention runs on float16/bfloat16/float32, not {q.dtype}", param="q")
     return _FlashAttention.apply(q, k, v, doc_ids, causal, scale)
 
 
@@ -119,10 +118,12 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: to
         )
     if hq % k.shape[2]:
         raise NanoforgeError(f"attention: {hq} query heads is not a multiple of {k.shape[2]} kv heads", param="k")
-    if doc_ids is not None and (doc_ids.shape != (B, T) or doc_ids.is_floating_point()):
+    if not q.dtype == k.dtype == v.dtype:
+        raise NanoforgeError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", param="q")
+    if doc_ids is not None and (doc_ids.shape != (B, T) or doc_ids.is_floating_point() or doc_ids.device != q.device):
         raise NanoforgeError(
-            f"attention: doc_ids must be an integer tensor of shape (B={B}, T={T}), got "
-            f"{doc_ids.dtype} {tuple(doc_ids.shape)}",
+            f"attention: doc_ids must be an integer tensor of shape (B={B}, T={T}) on {q.device}, got "
+            f"{doc_ids.dtype} {tuple(doc_ids.shape)} on {doc_ids.device}",
             param="doc_ids",
         )
 
@@ -165,7 +166,8 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
         B, T, hq, d = q.shape
         group = hq // k.shape[2]
-        starts, ends = _doc_bounds(doc_ids) if doc_ids is not None else (q, q)  # (q, q): unused placeholders
+        # Without documents the kernels never read starts/ends; any tensor does as a placeholder.
+        starts, ends = _doc_bounds(doc_ids) if doc_ids is not None else (q, q)
         o = _empty(B, T, hq, d, like=q)
         lse = _empty(B, hq, T, like=q, dtype=torch.float32)
 
@@ -188,7 +190,7 @@ class _FlashAttention(torch.autograd.Function):
         common = dict(HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=ctx.causal, HAS_DOCS=ctx.has_docs)
 
         delta = _empty(B, hq, T, like=q, dtype=torch.float32)
-        _attn_bwd_delta[(triton.cdiv(T, 64), B * hq)](
+        _attn_bwd_delta[(B * hq, triton.cdiv(T, 64))](
             o, do, delta, *o.stride()[:3], *do.stride()[:3], T, hq,
             HEAD_D=d, BLOCK_D=_block_d(d), BLOCK_M=64,
         )  # fmt: skip
@@ -223,19 +225,21 @@ def _configs(names: tuple[str, str], shapes: list[tuple[int, int, int, int]]) ->
 
 
 _TUNE_KEY = ["HEAD_D", "GROUP", "CAUSAL", "HAS_DOCS"]
-# Known-good Hopper shapes (FlashAttention-2 / Triton's fused-attention tutorial): big query blocks in the
-# forward and dQ passes, big key blocks in the dK/dV pass.
+# Hopper candidates (FlashAttention-2 / Triton's fused-attention tutorial: big query blocks in the forward and
+# dQ passes, big key blocks in the dK/dV pass), kept to those that compile for sm_90 with few or no register
+# spills at head sizes 64 and 128.
 _FWD_CONFIGS = _configs(
     ("BLOCK_M", "BLOCK_N"),
     [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
 )
 _DKDV_CONFIGS = _configs(
     ("BLOCK_M", "BLOCK_N"),
-    [(32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+    [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3),
+     (32, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 3)],
 )
 _DQ_CONFIGS = _configs(
     ("BLOCK_M", "BLOCK_N"),
-    [(128, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+    [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
 )
 
 
@@ -278,7 +282,7 @@ def _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N: tl.constexpr, CAUSAL: tl
     if HAS_DOCS:
         lo = tl.load(STARTS + n0)
         full_lo = tl.load(STARTS + n_last)
-        full_hi = tl.load(ENDS + n_last)
+        full_hi = tl.load(ENDS + n0)
         hi = tl.load(ENDS + n_last)
     else:
         lo = 0
@@ -306,7 +310,7 @@ def _visible(offs_q, offs_k, q_start, q_end, T, CAUSAL: tl.constexpr, HAS_DOCS: 
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, lo, hi, T, qk_scale,
+    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, lo, hi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):  # fmt: skip
@@ -368,12 +372,13 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
     a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
-    args = (q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, a, b_, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, b_, c, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, c, hi, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    args = (q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
 
-    tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=io_mask)
+    o = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :], o, mask=io_mask)
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=row_ok)
 
 
@@ -383,20 +388,22 @@ def _attn_bwd_delta(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """delta[b, h, t] = sum_d dO * O, the correction term of the softmax backward."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < T) & (offs_d[None, :] < HEAD_D)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dt + offs_d[None, :], mask=mask, other=0.0)
+    O += b * stride_ob + h * stride_oh
+    DO += b * stride_db + h * stride_dh
+    o = tl.load(O + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dt + offs_d[None, :], mask=mask, other=0.0)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < T)
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n, k_start, k_end, lo, hi, T, qk_scale,
+    dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, lo, hi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):  # fmt: skip
@@ -411,10 +418,12 @@ def _attn_bwd_dkdv_inner(
         lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
         pt = tl.exp2(_dot(k, qt, None) * qk_scale - lse[None, :])  # (N, M) probabilities
         if MASKED:
-            # key j is visible to query i iff query i is visible to key j: _visible with the roles swapped
-            pt = tl.where(_visible(offs_n, offs_m, k_start, k_end, T, False, HAS_DOCS), pt, 0.0)
+            # Documents are symmetric, so _visible with the roles swapped gives the in-range, same-document
+            # (key, query) pairs; causality is not symmetric and is added here.
+            keep = _visible(offs_n, offs_m, k_start, k_end, T, False, HAS_DOCS)
             if CAUSAL:
-                pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+                keep &= offs_m[None, :] >= offs_n[:, None]
+            pt = tl.where(keep, pt, 0.0)
         do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=tl.trans(q_ok), other=0.0)
         dv = _dot(pt.to(do.dtype), do, dv)
         delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
@@ -442,8 +451,10 @@ def _attn_bwd_dkdv(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     io_mask = (offs_n[:, None] < T) & (offs_d[None, :] < HEAD_D)
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=io_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], mask=io_mask, other=0.0)
+    K += b * stride_kb + hk * stride_kh
+    V += b * stride_vb + hk * stride_vh
+    k = tl.load(K + offs_n[:, None] * stride_kt + offs_d[None, :], mask=io_mask, other=0.0)
+    v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask=io_mask, other=0.0)
     if HAS_DOCS:
         k_start = tl.load(STARTS + offs_n, mask=offs_n < T, other=0)
         k_end = tl.load(ENDS + offs_n, mask=offs_n < T, other=0)
@@ -461,10 +472,10 @@ def _attn_bwd_dkdv(
         DOh = DO + b * stride_dob + h * stride_doh
         LSEh = LSE + (b * HKV * GROUP + h) * T
         DELTAh = DELTA + (b * HKV * GROUP + h) * T
-        args = (k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, a, b_, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, b_, c, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_DOCS)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, c, hi, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+        args = (k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, a, b_, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, b_, c, HEAD_D, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, c, hi, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
 
     offs = offs_n[:, None] * stride_dkt + offs_d[None, :]
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs, (dk * scale).to(DK.dtype.element_ty), mask=io_mask)
@@ -474,7 +485,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, lo, hi, T, qk_scale,
+    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, lo, hi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):  # fmt: skip
@@ -516,8 +527,10 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=io_mask, other=0.0)
+    Q += b * stride_qb + h * stride_qh
+    DO += b * stride_dob + h * stride_doh
+    q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=io_mask, other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
     if HAS_DOCS:
@@ -530,10 +543,10 @@ def _attn_bwd_dq(
     lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
     a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    args = (q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end)
-    dq = _attn_bwd_dq_inner(dq, *args, a, b_, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
-    dq = _attn_bwd_dq_inner(dq, *args, b_, c, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
-    dq = _attn_bwd_dq_inner(dq, *args, c, hi, T, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    args = (q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale)
+    dq = _attn_bwd_dq_inner(dq, *args, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    dq = _attn_bwd_dq_inner(dq, *args, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
+    dq = _attn_bwd_dq_inner(dq, *args, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
     offs = offs_m[:, None] * stride_dqt + offs_d[None, :]
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -550,7 +563,9 @@ def time_ms(fn, grad_to_none: list[torch.Tensor] | None = None) -> float:
     return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
 
 
-def bench_row(kernel: str, shape: str, ours_ms: float, base_ms: float, baseline: str, flops: float, nbytes: float) -> dict:
+def bench_row(
+    kernel: str, shape: str, ours_ms: float, base_ms: float, baseline: str, flops: float, nbytes: float
+) -> dict:
     """One row in the format of nanoforge.kernels.bench."""
     return {
         "kernel": kernel, "shape": shape, "ours_ms": ours_ms, "base_ms": base_ms, "baseline": baseline,
@@ -565,8 +580,9 @@ def _sdpa_flash(q, k, v, causal: bool):
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=q.shape[2] != k.shape[2]
-        )
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=causal, enable_gqa=q.shape[2] != k.shape[2],
+        )  # fmt: skip
     return out.transpose(1, 2)
 
 

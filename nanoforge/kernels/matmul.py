@@ -12,8 +12,10 @@ store) are shared by four schedules, i.e. ways of handing tiles to programs:
   Every SM gets the same amount of work whatever the tile count, at the cost
   of a fix-up where a tile's K-range is split between programs.
 - "hybrid": full waves of tiles run data-parallel (as "persistent"); only the
-  tiles of the last, partial wave are split Stream-K style. This removes the
-  wave-quantization tail without paying fix-ups on every tile.
+  tiles of the last, partial wave are split Stream-K style, each into about
+  K-iterations / SK_ITERS pieces (an owner reads its pieces one after another,
+  so splitting a tile over every SM would cost more than it saves). This
+  removes the wave-quantization tail without paying fix-ups on every tile.
 
 "auto" picks "tiled" unless the tile count leaves the last wave mostly idle,
 in which case it picks "hybrid" (see `_pick_schedule`).
@@ -40,7 +42,8 @@ the torch reference. The Triton path covers float16/bfloat16 inputs without
 autograd; anything else (float32/float64, tensors that need gradients, empty
 shapes) goes to `matmul_ref`, i.e. cuBLAS on a GPU.
 
-On a CUDA GPU, block shapes are autotuned per (bucketed M, N, K). On Hopper
+On a CUDA GPU, block shapes are autotuned per (M rounded up to a power of two,
+N, K); M <= 64 takes its one BLOCK_M=64 config untuned. On Hopper
 and newer, A, B and C are addressed through TMA tensor descriptors when their
 strides allow it (16-byte aligned rows); otherwise through plain pointers.
 Under TRITON_INTERPRET=1 (CPU tests) one small fixed config is used and both
@@ -150,6 +153,7 @@ _WIDEN_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 @triton.jit
 def _dot(x, y, acc):
+    """tl.dot(x, y, acc), correct on bfloat16 under the interpreter too (the attention kernels use it)."""
     if _WIDEN_BF16_DOT and x.dtype == tl.bfloat16:
         x = x.to(tl.float32)
         y = y.to(tl.float32)
@@ -277,7 +281,8 @@ def _matmul_persistent_kernel(a, b, c, bias, partials, flags, M, N, K, M_BUCKET,
     else:  # hybrid: all full waves data-parallel
         dp_tiles = (num_tiles // NUM_SMS) * NUM_SMS
 
-    for tile in range(pid, dp_tiles, NUM_SMS):
+    # flatten: one pipelined loop over (tile, k), so the next tile's loads overlap this tile's epilogue
+    for tile in tl.range(pid, dp_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = _mac(a, b, pid_m, pid_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
@@ -374,10 +379,20 @@ def _gpu_configs(**extra) -> list:
             for bm, bn, bk, s, w in _GPU_TILES]
 
 
+def _prune_by_m(configs: list, named_args: dict, **kwargs) -> list:
+    """Few tokens (M <= 64): only BLOCK_M=64 tiles, so small batches never autotune. Many
+    tokens (M >= 2048): no BLOCK_M=64 tiles, they never win there."""
+    m = named_args["M_BUCKET"]
+    if 64 < m < 2048:
+        return configs
+    return [c for c in configs if (c.kwargs["BLOCK_M"] == 64) == (m <= 64)]
+
+
 _KEY = ["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "USE_TMA", "B_NK"]
-_tiled_tuned = triton.autotune(_gpu_configs(), key=_KEY)(_matmul_tiled_kernel)
-_persistent_tuned = triton.autotune(_gpu_configs(SK_ITERS=_SK_ITERS), key=_KEY + ["MODE", "NUM_SMS"])(
-    _matmul_persistent_kernel)
+_PRUNE = {"early_config_prune": _prune_by_m}
+_tiled_tuned = triton.autotune(_gpu_configs(), key=_KEY, prune_configs_by=_PRUNE)(_matmul_tiled_kernel)
+_persistent_tuned = triton.autotune(_gpu_configs(SK_ITERS=_SK_ITERS), key=_KEY + ["MODE", "NUM_SMS"],
+                                    prune_configs_by=_PRUNE)(_matmul_persistent_kernel)
 
 
 def _interpreting() -> bool:
@@ -444,22 +459,22 @@ def _matmul_triton(a, b, bias, activation, schedule, out):
         a_arg, b_arg, c_arg = a, b, c
     common = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "none", USE_TMA=use_tma, B_NK=b_nk, **cfg)
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    bias_arg = bias if bias is not None else c  # any pointer; never read without HAS_BIAS
+    bias_arg = bias.contiguous() if bias is not None else c  # c: any pointer, never read without HAS_BIAS
     m_bucket = triton.next_power_of_2(M)  # autotune once per power-of-two token count
+
+    def tiles(meta) -> int:
+        return triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
 
     if schedule == "tiled":
         kernel = _tiled_tuned if tuned else _matmul_tiled_kernel
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-        kernel[grid](a_arg, b_arg, c_arg, bias_arg, M, N, K, m_bucket, *strides, **common)
+        kernel[lambda meta: (tiles(meta),)](a_arg, b_arg, c_arg, bias_arg, M, N, K, m_bucket, *strides, **common)
     else:
         kernel = _persistent_tuned if tuned else _matmul_persistent_kernel
         if not tuned:
             common["SK_ITERS"] = _INTERPRET_SK_ITERS
         partials, flags = _workspace(a.device, num_sms)
-        if schedule == "persistent":
-            grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)  # noqa: E731
-        else:
-            grid = (num_sms,)
+        # Stream-K modes: num_sms programs; the kernel decides how many get a share of the work.
+        grid = (lambda meta: (min(num_sms, tiles(meta)),)) if schedule == "persistent" else (num_sms,)
         kernel[grid](a_arg, b_arg, c_arg, bias_arg, partials, flags, M, N, K, m_bucket, num_sms, *strides,
                      MODE=schedule, **common)
     return c

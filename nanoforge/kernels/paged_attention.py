@@ -128,6 +128,11 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> 
             f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}",
             param="q",
         )
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise NanoforgeError(
+            f"paged attention: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+            param="q",
+        )
     if q.shape[1] % k_cache.shape[2]:
         raise NanoforgeError(
             f"paged attention: {q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} kv heads",
@@ -274,15 +279,16 @@ def _paged_attn_kernel(
         block = tl.load(TABLE + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
         kv_mask = n_ok[None, :] & d_ok[:, None]
-        kt = tl.load(K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None], mask=kv_mask, other=0.0)
+        k_ptrs = K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
+        kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_D, BLOCK_N)
         s = _dot(q, kt, None) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
         s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :],
-                    mask=tl.trans(kv_mask), other=0.0)  # fmt: skip
+        v_ptrs = V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
@@ -313,9 +319,10 @@ def _combine_splits(
     part = (t * H + h) * NUM_SPLITS + offs_s
     lse = tl.load(LSE_PART + part, mask=s_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(O_PART + part[:, None] * HEAD_D + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    d_ok = offs_d < HEAD_D
+    o = tl.load(O_PART + part[:, None] * HEAD_D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_D)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,27 +363,24 @@ def _kv_bytes(context_lens: list[int], hkv: int, d: int, dtype: torch.dtype) -> 
     return 2 * sum(context_lens) * hkv * d * torch.finfo(dtype).bits // 8
 
 
+def _bench_case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype) -> dict:
+    batch = make_paged_batch(ctx, qlens, hq, hkv, d, 16, dtype, "cuda")
+    ours = time_ms(lambda: paged_attention(**batch, max_q_len=max(qlens)))
+    base = time_ms(lambda: paged_attention_ref(**batch))
+    pairs = sum(sum(c - j for j in range(n)) for c, n in zip(ctx, qlens))  # each query token sees its prefix
+    shape = f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max(qlens)} Hq{hq} Hkv{hkv} D{d} {dtype}"
+    kv = _kv_bytes(ctx, hkv, d, dtype)
+    row = bench_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", 4 * pairs * hq * d, kv)
+    row["hbm_fraction"] = row["ours_gbps"] / (HBM_COPY_TBPS * 1000)
+    return row
+
+
 def bench_rows(quick: bool) -> list[dict]:
-    """Decode at batch 64 with Llama-8B heads over 4k-32k contexts, and one chunked prefill, vs the torch reference."""
+    """Decode at batch 64 with Llama-8B heads over 4k-32k contexts, and a chunked prefill, vs the torch reference."""
     if not torch.cuda.is_available():
         raise NanoforgeError("paged attention benchmarks need a CUDA GPU", param="kinds")
-    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    cases = [("decode", [4096] * 64, [1] * 64), ("decode", torch.randint(4096, 32769, (64,), generator=gen).tolist(), [1] * 64)]
+    mixed = torch.randint(4096, 32769, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    cases = [("decode", [4096] * 64, [1] * 64), ("decode", mixed, [1] * 64)]
     if not quick:
         cases += [("decode", [32768] * 64, [1] * 64), ("prefill", [8192] * 8, [512] * 8)]
-    rows = []
-    for kind, ctx, qlens in cases:
-        batch = make_paged_batch(ctx, qlens, hq, hkv, d, 16, dtype, "cuda")
-        max_q = max(qlens)
-        ours = time_ms(lambda: paged_attention(**batch, max_q_len=max_q))
-        base = time_ms(lambda: paged_attention_ref(**batch))
-        kv = _kv_bytes(ctx, hkv, d, dtype)
-        # causal pairs: each query token sees its prefix
-        pairs = sum(sum(c - j for j in range(n)) for c, n in zip(ctx, qlens))
-        shape = f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max_q} Hq{hq} Hkv{hkv} D{d} bf16"
-        row = bench_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", 4 * pairs * hq * d, kv)
-        row["hbm_fraction"] = row["ours_gbps"] / (HBM_COPY_TBPS * 1000)
-        rows.append(row)
-        del batch
-    return rows
+    return [_bench_case(kind, ctx, qlens, 32, 8, 128, torch.bfloat16) for kind, ctx, qlens in cases]

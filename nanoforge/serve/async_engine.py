@@ -88,6 +88,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="nanoforge-engine", daemon=True)
         self._accepting = True
         self._stopped = False
+        self._lock = threading.Lock()  # orders _submit's put against the thread's final drain
         self.on_finished: Callable[[RequestOutput], None] | None = None  # metrics hook, called on the engine thread
 
     # --- called from any thread / the event loop ------------------------------------------------
@@ -130,12 +131,12 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        def abort_all():
+        def drop():
             for rid in request_ids:
                 self._streams.pop(rid, None)
                 self.engine.abort(rid)
 
-        self._submit(abort_all)
+        self._submit(drop)
 
     def stats(self, timeout: float | None = 30.0) -> dict:
         """`LLMEngine.stats()`, taken on the engine thread between steps (blocks; not for the event loop)."""
@@ -163,13 +164,22 @@ class AsyncEngine:
 
     def _submit(self, fn: Callable) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopped:
-            fut.set_exception(NanoforgeError("the server is shutting down", status=503))
-        else:
-            self._commands.put((fn, fut))
+        with self._lock:
+            if self._stopped or not self._thread.is_alive():  # never started, or gone: nobody would answer
+                fut.set_exception(NanoforgeError("the engine is not running", status=503))
+            else:
+                self._commands.put((fn, fut))
         return fut
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # a bug in this file: say so, and do not leave anyone waiting
+            log.exception("the engine thread crashed")
+        finally:
+            self._close()
+
+    def _loop(self) -> None:
         while True:
             # Idle: block until a command arrives. Busy: take what is queued and step.
             try:
@@ -178,7 +188,6 @@ class AsyncEngine:
                 cmd = None
             while cmd is not None:
                 if cmd is _STOP:
-                    self._close()
                     return
                 fn, fut = cmd
                 try:
@@ -215,22 +224,27 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for rid, stream in self._streams.items():
-            self.engine.abort(rid)
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the engine is already broken; the client must still hear about it
+                log.exception("could not abort %s", rid)
             batches[stream.loop].append((stream.queue, error))
         self._streams.clear()
         for loop, items in batches.items():
             _call_soon(loop, items)
 
     def _close(self) -> None:
-        self._stopped = True
+        """End every request in flight and every queued command; nothing is accepted afterwards."""
+        with self._lock:
+            self._stopped = True
         self._fail_all(NanoforgeError("the server shut down before the request finished", status=503))
-        while True:  # commands that raced with the stop
+        while True:  # commands queued before _stopped was set
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
             if cmd is not _STOP:
-                cmd[1].set_exception(NanoforgeError("the server is shutting down", status=503))
+                cmd[1].set_exception(NanoforgeError("the engine is not running", status=503))
 
 
 def _put_all(items: list) -> None:

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from nanoforge.data.loader import Batch, doc_ids_and_positions
 from nanoforge.errors import NanoforgeError
@@ -28,8 +29,8 @@ from nanoforge.model.transformer import Transformer
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import make_optimizer
 from nanoforge.train.progress import format_mfu, peak_flops, train_flops_per_token
-from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, document_attention, resolve_device,
-                                     train_step)
+from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, document_attention, make_loss_fn,
+                                     resolve_device, train_step)
 
 
 class SDPACausal(AttentionBackend):
@@ -94,26 +95,26 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
         torch.manual_seed(seed)
         model = Transformer(cfg).to(dev).train()
         optimizer = make_optimizer(model, train_cfg)
-        forward = torch.compile(model) if compiled else model
+        loss_fn = make_loss_fn(model, attention, compiled)
+        counters.clear()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
         for i in range(warmup):  # compilation and autotuning happen here
-            train_step(forward, model, optimizer, [batches[i % len(batches)]], lr=6e-4, grad_clip=1.0, amp=amp,
-                       attention=attention)
+            train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=6e-4, grad_clip=1.0, amp=amp)
         sync()
         warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for i in range(steps):
-            loss = train_step(forward, model, optimizer, [batches[i % len(batches)]], lr=6e-4, grad_clip=1.0,
-                              amp=amp, attention=attention)
+            loss = train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=6e-4, grad_clip=1.0, amp=amp)
         sync()
         step_s = (time.perf_counter() - t0) / steps
         tok_s = tokens_per_step / step_s
         results.append({"variant": name, "attention": what, "ms_per_step": 1000 * step_s, "tokens_per_s": tok_s,
                         "mfu": tok_s * flops / peak if peak else None, "warmup_s": warm_s, "loss": loss.item(),
+                        "graph_breaks": sum(counters["graph_break"].values()),
                         "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None})
-        del model, optimizer, forward
+        del model, optimizer, loss_fn
         if compiled:
             torch._dynamo.reset()
         if dev.type == "cuda":
@@ -132,8 +133,9 @@ def print_table(report: dict) -> None:
     print(f"training step, {report['preset']} ({report['params_m']:.1f}M params), {report['batch_size']} x "
           f"{report['seq_len']} tokens, {report['dtype']}, compile {'on' if report['compiled'] else 'off'}, "
           f"{report['device']}, documents of mean length {report['mean_doc_len']}")
-    print(f"{'variant':<12} {'attention':<36} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'vs baseline':>12}")
+    print(f"{'variant':<12} {'attention':<36} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'vs baseline':>12} "
+          f"{'graph breaks':>13}")
     for r in report["results"]:
         ratio = f"{r['vs_baseline']:.2f}x" if r["vs_baseline"] else "-"
         print(f"{r['variant']:<12} {r['attention']:<36} {r['ms_per_step']:>9.1f} {r['tokens_per_s']:>12,.0f} "
-              f"{format_mfu(r['mfu']):>7} {ratio:>12}")
+              f"{format_mfu(r['mfu']):>7} {ratio:>12} {r['graph_breaks']:>13}")

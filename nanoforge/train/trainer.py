@@ -38,7 +38,7 @@ from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import restore_rng, rng_state, save_checkpoint
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import lr_at, make_optimizer
-from nanoforge.train.progress import format_mfu, peak_flops, plot_losses, train_flops_per_token, write_json
+from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, train_flops_per_token, write_json
 
 AttentionFor = Callable[[Batch], AttentionBackend]  # which attention a batch gets
 
@@ -117,12 +117,22 @@ def count_trained(batch: Batch) -> int:
     return int((trained_targets(batch) != IGNORE_INDEX).sum())
 
 
-def train_step(forward: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               micro: list[Batch], *, lr: float, grad_clip: float, amp, attention: AttentionFor) -> torch.Tensor:
+def make_loss_fn(model: torch.nn.Module, attention: AttentionFor, compiled: bool) -> Callable[[Batch], torch.Tensor]:
+    """batch -> summed loss. Compiled, the model and the cross-entropy become one graph, so the
+    (tokens x vocab) logits are never upcast to fp32 in memory."""
+
+    def loss_of(batch: Batch) -> torch.Tensor:
+        return batch_loss(model, batch, attention)
+
+    return torch.compile(loss_of, dynamic=False) if compiled else loss_of
+
+
+def train_step(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               micro: list[Batch], *, lr: float, grad_clip: float, amp) -> torch.Tensor:
     """One optimizer step over micro-batches (CPU tensors); returns the step's mean loss, on the device.
 
-    `forward` is the model or its compiled version. The loss is the mean over every trained token
-    of the step, so gradient accumulation gives the gradient one big batch would.
+    The loss is the mean over every trained token of the step, so gradient accumulation gives the
+    gradient that one big batch would.
     """
     device = model.embed.weight.device
     for group in optimizer.param_groups:
@@ -131,7 +141,7 @@ def train_step(forward: torch.nn.Module, model: torch.nn.Module, optimizer: torc
     step_loss = torch.zeros((), device=device)
     for batch in micro:
         with amp:
-            loss = batch_loss(forward, batch.to(device, non_blocking=True), attention) / n_trained
+            loss = loss_fn(batch.to(device, non_blocking=True)) / n_trained
         loss.backward()
         step_loss += loss.detach()
     if grad_clip > 0:
@@ -168,6 +178,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     continue from it. Returns the run's summary (also in out_dir/log.json).
     """
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     if resume is None and cfg.lr_decay_steps is None:
         cfg = cfg.replace(lr_decay_steps=cfg.max_steps)  # fixed now, so a resume with more steps keeps it
     device = model.embed.weight.device
@@ -183,30 +194,22 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     start_step, last_saved = step, (step if resume is not None else None)
     attention = document_attention if cfg.doc_masking else causal_attention
     compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    forward = torch.compile(model) if compiled else model
+    loss_fn = make_loss_fn(model, attention, compiled)  # evaluation runs eagerly: no recompiles for eval mode
     model.train()
 
-    # Throughput: tokens (padding included) per second of training steps, evaluation excluded.
-    tokens_per_step = cfg.batch_size * seq_len * cfg.grad_accum
-    flops_per_token, peak = train_flops_per_token(model.cfg, seq_len), peak_flops(device)
-    timing = {"steps": 0, "seconds": 0.0, "first_interval": None}  # first interval: compile and warm-up
+    meter = Throughput(cfg.batch_size * seq_len * cfg.grad_accum, train_flops_per_token(model.cfg, seq_len),
+                       peak_flops(device))
     pending: list[tuple[int, torch.Tensor, float]] = []  # (step, loss on the device, lr) not yet read back
     wall_start = time.perf_counter()
 
     def summary() -> dict:
-        steady_steps, steady_s = timing["steps"], timing["seconds"]
-        if timing["first_interval"] and steady_steps > timing["first_interval"][0]:
-            steady_steps -= timing["first_interval"][0]
-            steady_s -= timing["first_interval"][1]
-        tok_s = tokens_per_step * steady_steps / steady_s if steady_s else None
+        ms_per_step, tok_s = meter.steady()
         vals = [r["loss"] for r in history["val"]]
         return {"title": title, "step": step, "max_steps": cfg.max_steps, "last_checkpoint_step": last_saved,
                 "initial_val_loss": vals[0] if vals else None, "val_loss": vals[-1] if vals else None,
-                "best_val_loss": min(vals) if vals else None,
-                "wall_time_s": time.perf_counter() - wall_start,
-                "ms_per_step": 1000 * steady_s / steady_steps if steady_steps else None,
-                "tokens_per_s": tok_s, "mfu": tok_s * flops_per_token / peak if tok_s and peak else None,
-                "device": str(device), "compiled": compiled, "model": model.cfg.to_dict(), "config": cfg.to_dict()}
+                "best_val_loss": min(vals) if vals else None, "wall_time_s": time.perf_counter() - wall_start,
+                "ms_per_step": ms_per_step, "tokens_per_s": tok_s, "mfu": meter.mfu(tok_s), "device": str(device),
+                "compiled": compiled, "model": model.cfg.to_dict(), "config": cfg.to_dict()}
 
     def write_log(extra: dict | None = None) -> dict:
         log = summary() | (extra or {})
@@ -230,14 +233,14 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
         return history["train"][-1]["loss"] if history["train"] else None
 
     bar = tqdm(total=cfg.max_steps, initial=step, desc=title, unit="step", dynamic_ncols=True, mininterval=1.0)
-    interval_steps, interval_s, tick = 0, 0.0, time.perf_counter()  # training steps and seconds since the last log
+    meter.resume()
     while True:
         done = step >= cfg.max_steps
         # --- validate and checkpoint (not again at the step a resumed run starts from) ---
         if (step % cfg.eval_interval == 0 or done) and not (resume is not None and step == start_step):
-            interval_s += time.perf_counter() - tick  # evaluation and saving are not training time
+            meter.pause()  # evaluation and saving are not training time
             read_back_losses()
-            val = evaluate(forward, data.eval_batches(cfg.eval_iters), device=device, amp=amp, attention=attention)
+            val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp, attention=attention)
             history["val"].append({"step": step, "loss": val})
             if not math.isfinite(val):
                 bar.close()
@@ -252,33 +255,26 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
                 last_saved = step
             write_log()
             bar.write(f"step {step}: val loss {val:.4f}" + (f", saved to {out_dir}" if saved else ""))
-            tick = time.perf_counter()
+            meter.resume()
         if done:
             break
 
         # --- one optimizer step over grad_accum micro-batches ---
         lr = lr_at(step, cfg)
         micro = [next(data.train) for _ in range(cfg.grad_accum)]
-        step_loss = train_step(forward, model, optimizer, micro, lr=lr, grad_clip=cfg.grad_clip, amp=amp,
-                               attention=attention)
+        step_loss = train_step(loss_fn, model, optimizer, micro, lr=lr, grad_clip=cfg.grad_clip, amp=amp)
         step += 1
-        interval_steps += 1
+        meter.steps += 1
         pending.append((step, step_loss, lr))
 
-        # --- progress: read losses back, throughput since the last log step ---
+        # --- progress: read losses back (this waits for the device), throughput since the last log ---
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             loss_now = read_back_losses()
-            interval_s += time.perf_counter() - tick
-            timing["steps"] += interval_steps
-            timing["seconds"] += interval_s
-            timing["first_interval"] = timing["first_interval"] or (interval_steps, interval_s)
-            tok_s = tokens_per_step * interval_steps / interval_s
+            bar.update(meter.steps)
+            tok_s = meter.end_interval()
             history["train"][-1] |= {"tokens_per_s": tok_s}
-            bar.set_postfix_str(f"loss {loss_now:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s, "
-                                f"MFU {format_mfu(tok_s * flops_per_token / peak if peak else None)}")
-            bar.update(interval_steps)
-            interval_steps, interval_s, tick = 0, 0.0, time.perf_counter()
+            bar.set_postfix_str(f"loss {loss_now:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s, MFU {format_mfu(meter.mfu(tok_s))}")
     bar.close()
 
-    final = evaluate(forward, data.eval_batches(None), device=device, amp=amp, attention=attention)
+    final = evaluate(model, data.eval_batches(None), device=device, amp=amp, attention=attention)
     return write_log({"final_val_loss_full_split": final})

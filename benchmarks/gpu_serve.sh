@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# One-shot H200 run of the HTTP server under the Mooncake trace.
+#
+#   bash benchmarks/gpu_serve.sh        # files under $OUT (default ./out)
+#
+# 1. A Qwen3-0.6B-shaped model with random bf16 weights, beside a byte-level BPE
+#    trained in a second on this repo's sources (the model's vocab is the BPE's).
+# 2. `nanoforge serve` on it, once with the prefix cache and once without (the
+#    baseline), each replaying the same scaled Mooncake trace with
+#    `nanoforge bench serve`: lengths x LENGTH_SCALE (and 512-token blocks ->
+#    51), inputs capped at MAX_INPUT, arrivals x TIME_SCALE, the first
+#    NUM_REQUESTS rows, exactly output_length tokens each (--ignore-eos).
+# 3. Per run: serve.json (summary + every request), serve_cdf.png, the server's
+#    log and /metrics; then serve_compare.json and a table of both runs.
+#
+# Needs fastapi, uvicorn, prometheus_client and httpx; if they are missing and
+# ./.whl holds wheels (carry it), they are installed from there, offline.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+OUT=${OUT:-out}
+TRACE=${TRACE:-}
+NUM_REQUESTS=${NUM_REQUESTS:-600}
+LENGTH_SCALE=${LENGTH_SCALE:-0.1}
+TIME_SCALE=${TIME_SCALE:-0.25}
+MAX_INPUT=${MAX_INPUT:-6144}
+MAX_OUTPUT=${MAX_OUTPUT:-1024}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
+SLO_TTFT_MS=${SLO_TTFT_MS:-2000}
+SLO_TPOT_MS=${SLO_TPOT_MS:-50}
+PRESET=${PRESET:-qwen3-0.6b}  # PRESET=tiny-qwen3 DEVICE=cpu: a quick dry run of the script without a GPU
+DEVICE=${DEVICE:-cuda}
+mkdir -p "$OUT"
+
+for candidate in "$TRACE" shared/data/mooncake/synthetic_trace.jsonl /work/shared/data/mooncake/synthetic_trace.jsonl; do
+    if [[ -n "$candidate" && -f "$candidate" ]]; then TRACE=$candidate; break; fi
+done
+[[ -f "$TRACE" ]] || { echo "no Mooncake trace found: set TRACE=path/to/trace.jsonl" >&2; exit 2; }
+
+if ! $PY -c "import fastapi, uvicorn, prometheus_client, httpx" 2>/dev/null; then
+    $PY -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client httpx
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt" || true
+get() { $PY -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" "$1"; }
+
+MODEL_DIR=$(mktemp -d)
+trap 'rm -rf "$MODEL_DIR"' EXIT
+$PY - "$MODEL_DIR" "$PRESET" "$DEVICE" <<'EOF'
+import sys
+from pathlib import Path
+
+import torch
+
+from nanoforge.model.config import preset
+from nanoforge.model.hf import save_model
+from nanoforge.model.transformer import Transformer
+from nanoforge.tokenizer import Tokenizer
+
+out, name, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+texts = [p.read_text() for p in sorted(Path("nanoforge").rglob("*.py"))]
+tok = Tokenizer.train_bpe(texts, vocab_size=8192)
+cfg = preset(name, vocab_size=tok.vocab_size, eos_token_id=tok.eot_id, bos_token_id=tok.eos_id)
+torch.manual_seed(0)
+with torch.device(device):
+    model = Transformer(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32)
+save_model(model, out)
+tok.save(out)
+print(f"model: {name} shape, vocab {tok.vocab_size}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+      f"parameters, in {out}")
+EOF
+VOCAB=$($PY -c "from nanoforge.tokenizer import Tokenizer; print(Tokenizer.load('$MODEL_DIR').vocab_size)")
+
+run() {  # run NAME [serve flags...]: start a server, replay the trace against it, stop it with SIGTERM
+    local name=$1; shift
+    local dir="$OUT/$name" log="$OUT/$name/server.log"
+    mkdir -p "$dir"
+    $PY -m nanoforge.cli serve --model "$MODEL_DIR" --port 0 --served-model-name qwen3-0.6b-random \
+        --max-model-len "$MAX_MODEL_LEN" --max-waiting 100000 --device "$DEVICE" --log-level warning "$@" \
+        >"$log" 2>&1 &
+    local pid=$! url=""
+    for _ in $(seq 600); do  # model load, KV-cache sizing, CUDA-graph capture
+        url=$(grep -o 'http://[0-9.]*:[0-9]*' "$log" | head -1 || true)
+        [[ -n "$url" ]] && get "$url/health" >/dev/null 2>&1 && break
+        kill -0 $pid 2>/dev/null || { cat "$log"; echo "server died" >&2; return 1; }
+        sleep 1
+    done
+    echo "== $name: $(head -1 "$log")"
+    $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --trace "$TRACE" \
+        --num-requests "$NUM_REQUESTS" --length-scale "$LENGTH_SCALE" --time-scale "$TIME_SCALE" \
+        --max-input-len "$MAX_INPUT" --max-output-len "$MAX_OUTPUT" --vocab-size "$VOCAB" --ignore-eos \
+        --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" --out "$dir" | tee "$dir/table.txt"
+    get "$url/metrics" >"$dir/metrics.txt" || true
+    kill -TERM $pid
+    wait $pid || true  # uvicorn re-raises SIGTERM after draining: exit status 143
+}
+
+run prefix_cache_on
+run prefix_cache_off --no-prefix-caching
+
+$PY - "$OUT" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+runs = {name: json.loads((out / name / "serve.json").read_text()) for name in ("prefix_cache_on", "prefix_cache_off")}
+rows = [("output tokens/s", "output_token_throughput", None), ("requests/s", "request_throughput", None),
+        ("goodput (req/s)", "goodput", None), ("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p99 (ms)", "ttft_ms", "p99"),
+        ("TPOT p50 (ms)", "tpot_ms", "p50"), ("TPOT p99 (ms)", "tpot_ms", "p99"), ("E2E p50 (ms)", "e2e_ms", "p50"),
+        ("E2E p99 (ms)", "e2e_ms", "p99")]
+compare = {}
+print(f"\n{'':<22}{'prefix cache':>14}{'no cache':>14}{'ratio':>9}")
+for label, key, sub in rows:
+    on, off = (r["summary"][key] if sub is None else r["summary"][key][sub] for r in runs.values())
+    compare[label] = {"prefix_cache_on": on, "prefix_cache_off": off, "ratio": on / off if off else None}
+    print(f"{label:<22}{on:>14.1f}{off:>14.1f}{(on / off if off else float('nan')):>9.2f}")
+for name, r in runs.items():
+    m = r["server_metrics"]
+    print(f"{name}: prefix-cache hit rate {100 * m.get('nanoforge_prefix_cache_hit_rate', 0):.1f}%, "
+          f"preemptions {m.get('nanoforge_preemptions_total', 0):.0f}, "
+          f"{r['summary']['completed']}/{r['summary']['requests']} completed")
+(out / "serve_compare.json").write_text(json.dumps(compare, indent=2))
+print(f"wrote {out / 'serve_compare.json'}")
+EOF

@@ -1,0 +1,192 @@
+"""Paged attention (Triton decode and chunked prefill) and write_kv against float64 references.
+
+CPU tests run the kernel under TRITON_INTERPRET=1 with 16-row, 16-key tiles; contexts straddle cache
+blocks and tiles (1, 15, 17, 100 tokens...), cache blocks are shuffled, and the slots past each context
+hold NaN so a kernel that reads them fails. Kernel outputs start as NaN (the `poisoned` fixture).
+`gpu` tests repeat the checks at full size in bfloat16 and replay a decode step captured in a CUDA graph.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import paged_attention as pa
+
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU-interpreter test (TRITON_INTERPRET=1); gpu tests cover the compiled kernels",
+)
+
+
+def nan_empty(*shape, like, dtype=None):
+    return torch.full(shape, math.nan, device=like.device, dtype=dtype or like.dtype)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Force the Triton path and make every kernel output start as NaN."""
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    monkeypatch.setattr(pa, "_empty", nan_empty)
+
+
+def batch(ctx, qlens, hq, hkv, d, block_size, dtype=torch.float32, device="cpu", seed=0):
+    """make_paged_batch, with NaN in every cache slot that no context covers."""
+    b = pa.make_paged_batch(ctx, qlens, hq, hkv, d, block_size, dtype, device, seed)
+    live = torch.zeros(b["k_cache"].shape[:2], dtype=torch.bool, device=device)
+    for table, n in zip(b["block_tables"].tolist(), ctx):
+        for pos in range(n):
+            live[table[pos // block_size], pos % block_size] = True
+    b["k_cache"][~live] = math.nan
+    b["v_cache"][~live] = math.nan
+    return b
+
+
+def as_float64(b):
+    return {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
+
+
+def naive_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+    """Independent definition, one query token at a time: read its context slot by slot, softmax, sum."""
+    out = torch.zeros_like(q)
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    for s, n in enumerate(seq_lens.tolist()):
+        q0, q1 = cu_seqlens_q[s].item(), cu_seqlens_q[s + 1].item()
+        for t in range(q0, q1):
+            pos = n - (q1 - t)  # the query's position; it sees keys 0..pos
+            slots = [(block_tables[s, j // block_size].item(), j % block_size) for j in range(pos + 1)]
+            k = torch.stack([k_cache[b, o] for b, o in slots])  # (pos+1, Hkv, D)
+            v = torch.stack([v_cache[b, o] for b, o in slots])
+            for h in range(q.shape[1]):
+                w = torch.softmax(k[:, h // group] @ q[t, h] * scale, dim=0)
+                out[t, h] = w @ v[:, h // group]
+    return out
+
+
+# ------------------------------------------------------------------------------ the reference itself
+
+
+def test_reference_matches_naive_definition():
+    b = as_float64(batch([17, 5, 33], [1, 5, 9], 6, 2, 8, 4))
+    got = pa.paged_attention_ref(**b, scale=0.4)
+    torch.testing.assert_close(got, naive_paged_attention(**b, scale=0.4))
+
+
+def test_write_kv_puts_each_token_in_its_slot():
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 5, 4, 2, 8, generator=gen)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k, v = torch.randn(2, 6, 2, 8, generator=gen)
+    slots = torch.tensor([19, 0, 7, 3, 12, 8], dtype=torch.int32)
+    pa.write_kv(k, v, k_cache, v_cache, slots)
+    for i, slot in enumerate(slots.tolist()):
+        before_k[slot // 4, slot % 4] = k[i]
+        before_v[slot // 4, slot % 4] = v[i]
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+# ------------------------------------------------------------------------------ Triton vs float64
+
+
+def check(b, out, rtol=1e-4, atol=1e-5):
+    assert out.shape == b["q"].shape and out.dtype == b["q"].dtype
+    ref = pa.paged_attention_ref(**as_float64(b))
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
+
+
+# (contexts, query tokens per sequence, Hq, Hkv, D, cache block size)
+DECODE = [
+    ([1, 15, 16, 17, 100], 4, 4, 16, 16),  # no GQA
+    ([37, 5, 64, 2], 6, 2, 32, 8),  # group 3, cache blocks smaller than a key tile
+    ([50, 90], 8, 1, 24, 32),  # group 8 (multi-query), D not a power of two, blocks larger than a tile
+]
+
+
+@interpreter
+@pytest.mark.parametrize("ctx,hq,hkv,d,bs", DECODE)
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_decode_matches_float64(poisoned, ctx, hq, hkv, d, bs, splits):
+    b = batch(ctx, [1] * len(ctx), hq, hkv, d, bs, seed=len(ctx))
+    block_m, block_q, block_n, warps, stages = pa._tile_config(1, hq // hkv)
+    out = pa._paged_attention_triton(
+        **b, scale=1 / math.sqrt(d), max_q_len=1, block_m=block_m, block_q=block_q, block_n=block_n,
+        num_splits=splits, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    check(b, out)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "ctx,qlens,hq,hkv,d,bs",
+    [
+        ([20, 9, 70, 33], [20, 1, 17, 5], 4, 2, 16, 16),  # a whole prompt, a decode, chunks on a cached prefix
+        ([45, 3], [12, 3], 6, 2, 32, 8),  # group 3: 5 tokens x 3 heads per 16-row tile
+        ([31], [31], 2, 2, 16, 4),
+    ],
+)
+def test_chunked_prefill_matches_float64(poisoned, ctx, qlens, hq, hkv, d, bs):
+    b = batch(ctx, qlens, hq, hkv, d, bs, seed=sum(qlens))
+    check(b, pa.paged_attention(**b, max_q_len=max(qlens)))
+    check(b, pa.paged_attention(**b))  # max_q_len defaults to total_q: more programs, same answer
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(poisoned, dtype):
+    b = batch([40, 7, 64], [1, 7, 3], 8, 2, 32, 16, dtype=dtype)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    check(b, pa.paged_attention(**b, max_q_len=7), rtol=4 * ulp, atol=4 * ulp)
+
+
+def test_cpu_default_is_the_reference(monkeypatch):
+    monkeypatch.setenv("NANOFORGE_KERNELS", "auto")
+    b = batch([12, 30], [3, 1], 4, 2, 8, 4)
+    check(b, pa.paged_attention(**b))
+
+
+def test_bad_inputs_raise_clear_errors():
+    b = batch([5], [1], 4, 2, 8, 4)
+    with pytest.raises(NanoforgeError, match="not a multiple of 2 kv heads"):
+        pa.paged_attention(**{**b, "q": torch.randn(1, 3, 8)})
+    with pytest.raises(NanoforgeError, match="cu_seqlens_q"):
+        pa.paged_attention(**{**b, "cu_seqlens_q": torch.tensor([0, 1, 2], dtype=torch.int32)})
+    with pytest.raises(NanoforgeError, match="slot_mapping"):
+        pa.write_kv(torch.randn(3, 2, 8), torch.randn(3, 2, 8), b["k_cache"], b["v_cache"], torch.arange(2))
+
+
+# ------------------------------------------------------------------------------ full size on the GPU
+
+
+def rel_error(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "ctx,qlens",
+    [
+        ([4096, 1, 777, 20000, 8191, 16], [1] * 6),  # decode, long and ragged contexts
+        ([3000, 512, 9000], [256, 512, 1]),  # chunked prefill mixed with a decode
+    ],
+)
+def test_gpu_full_size_bf16(poisoned, ctx, qlens):
+    b = pa.make_paged_batch(ctx, qlens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    out = pa.paged_attention(**b, max_q_len=max(qlens))
+    assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_replays_in_a_cuda_graph(poisoned):
+    """Capture one decode step, then change the lengths and block tables in place and replay."""
+    ctx = [300, 1000, 64, 2048]
+    b = pa.make_paged_batch(ctx, [1] * 4, 16, 4, 64, 16, torch.bfloat16, "cuda")
+    pa.paged_attention(**b, max_q_len=1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pa.paged_attention(**b, max_q_len=1)
+    b["block_tables"].copy_(b["block_tables"].flip(0))  # the tables now hold 2048, 64, 1008, 304 tokens
+    b["seq_lens"].copy_(torch.tensor([2048, 17, 1000, 1], dtype=torch.int32))
+    graph.replay()
+    assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
