@@ -54,7 +54,8 @@ def shakespeare(data: Path, out: Path, compile: bool | None) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, default=None, help="tinyshakespeare.txt (default: " + " or ".join(DATA_CANDIDATES) + ")")
+    p.add_argument("--data", type=Path, default=None,
+                   help="tinyshakespeare.txt (default: " + " or ".join(DATA_CANDIDATES) + ")")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu_train")))
     p.add_argument("--skip-shakespeare", action="store_true")
     p.add_argument("--skip-bench", action="store_true")

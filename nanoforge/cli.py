@@ -197,7 +197,22 @@ def _add_kernels(sub):
     p.add_argument("name", help="a kernel name (see `nanoforge kernels inspect list`)")
     p.add_argument("--out", default="runs/kernels")
     p.set_defaults(func=lambda a: _run_inspect(a))
+    p = verbs.add_parser("bench", help="each kernel beside its library baseline: table, JSON, roofline PNG")
+    p.add_argument("--kinds", nargs="+", default=["gemm", "streamk", "rmsnorm", "flash", "paged"],
+                   choices=["gemm", "streamk", "rmsnorm", "flash", "paged"])
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    p.add_argument("--out", default="runs/kernels")
+    p.set_defaults(func=lambda a: _run_kernels_bench(a))
     return verbs
+
+
+def _run_kernels_bench(args) -> int:
+    from pathlib import Path
+
+    from nanoforge.kernels.bench import run
+
+    run(args.kinds, Path(args.out), quick=args.quick)
+    return 0
 
 
 def _run_ladder(args) -> int:

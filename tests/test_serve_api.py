@@ -421,7 +421,7 @@ def test_full_waiting_queue_gets_429_then_503_when_draining(model, tok):
 
             responses = asyncio.run(burst())
             codes = [r.status_code for r in responses]
-            assert set(codes) <= {200, 429} and 429 in codes and codes.count(200) >= 3, codes
+            assert set(codes) <= {200, 429} and 429 in codes and codes.count(200) >= 2, codes  # 2 fit the queue
             for r in responses:
                 if r.status_code == 429:
                     assert r.headers["retry-after"] == "1"
@@ -475,8 +475,9 @@ def test_failing_engine_step_fails_only_the_requests_in_flight(served):
 # --- the real command: SIGTERM drains --------------------------------------------------------------------------
 
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(tmp_path, tok):
-    torch.manual_seed(0)
-    save_model(Transformer(preset("tiny-llama", vocab_size=tok.vocab_size, max_seq_len=4096)), tmp_path)
+    torch.manual_seed(0)  # big enough that 4000 tokens take well over the 3 s grace period on any CPU
+    save_model(Transformer(preset("tiny-llama", vocab_size=tok.vocab_size, max_seq_len=4096, d_model=256,
+                                  n_layers=4)), tmp_path)
     tok.save(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "nanoforge.cli", "serve", "--model", str(tmp_path), "--port", "0",

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoforge.cli import main
+from nanoforge.data.loader import Batch
 from nanoforge.data.sft import SFTPacker, render
 from nanoforge.model.config import preset as model_preset
 from nanoforge.model.generate import generate
@@ -74,18 +75,19 @@ def test_loss_mask_decides_what_is_trained(init_dir):
     base_loss, base_grads = loss_and_grads(batch)
     relabelled = torch.where(batch.loss_mask, batch.targets, torch.randint_like(batch.targets, tok.vocab_size))
     assert (relabelled != batch.targets).any()
-    loss, grads = loss_and_grads(type(batch)(batch.input_ids, relabelled, batch.doc_ids, batch.positions, batch.loss_mask))
+    loss, grads = loss_and_grads(Batch(batch.input_ids, relabelled, batch.doc_ids, batch.positions, batch.loss_mask))
     assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
 
     one_answer_changed = batch.targets.clone()
     r, t = batch.loss_mask.nonzero()[0]
     one_answer_changed[r, t] = (one_answer_changed[r, t] + 1) % tok.vocab_size
-    changed = trainer.batch_loss(model, type(batch)(batch.input_ids, one_answer_changed, batch.doc_ids,
-                                                    batch.positions, batch.loss_mask))
+    changed = trainer.batch_loss(model, Batch(batch.input_ids, one_answer_changed, batch.doc_ids, batch.positions,
+                                              batch.loss_mask))
     assert not torch.equal(changed.detach(), base_loss)
 
     # Reference: every example of the batch on its own, float64, loss summed over its answer tokens.
-    packed = {tuple(batch.input_ids[r, batch.doc_ids[r] == d].tolist()) for r in range(2) for d in batch.doc_ids[r].unique()}
+    packed = {tuple(batch.input_ids[r, batch.doc_ids[r] == d].tolist())
+              for r in range(2) for d in batch.doc_ids[r].unique()}
     expected, n_answer = 0.0, 0
     with torch.no_grad():
         for ids, mask in examples:

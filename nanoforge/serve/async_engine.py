@@ -34,6 +34,8 @@ import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 
+import torch
+
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.llm_engine import LLMEngine, RequestOutput
 from nanoforge.serve.sampling_params import SamplingParams
@@ -172,6 +174,9 @@ class AsyncEngine:
         return fut
 
     def _run(self) -> None:
+        device = self.engine.model.embed.weight.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a new thread starts on GPU 0; Triton launches on the current one
         try:
             self._loop()
         except BaseException:  # a bug in this file: say so, and do not leave anyone waiting

@@ -113,7 +113,8 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
         results.append({"variant": name, "attention": what, "ms_per_step": 1000 * step_s, "tokens_per_s": tok_s,
                         "mfu": tok_s * flops / peak if peak else None, "warmup_s": warm_s, "loss": loss.item(),
                         "graph_breaks": sum(counters["graph_break"].values()),
-                        "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None})
+                        "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
+                        else None})
         del model, optimizer, loss_fn
         if compiled:
             torch._dynamo.reset()

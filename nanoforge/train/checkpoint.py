@@ -81,7 +81,8 @@ def load_state(out_dir: str | os.PathLike) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise NanoforgeError(f"{path}: cannot read the trainer state ({str(e).splitlines()[0]})", param="resume") from None
+        raise NanoforgeError(f"{path}: cannot read the trainer state ({str(e).splitlines()[0]})",
+                             param="resume") from None
 
 
 def load_for_training(model_dir: str | os.PathLike, device: torch.device, dropout: float = 0.0) -> Transformer:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from nanoforge.errors import NanoforgeError
 
-# flag -> TrainConfig field, for the flags both verbs share.
+# TrainConfig field -> (type, help) of the flags both verbs share (--max-steps sets max_steps).
 _LOOP_FLAGS = {
     "max_steps": (int, "optimizer steps"),
     "batch_size": (int, "sequences per micro-batch"),
@@ -33,7 +33,8 @@ _LOOP_FLAGS = {
 
 
 def _add_loop_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
-    p.add_argument("--out", default=default_out, help=f"run folder: checkpoint, log.json, loss.png (default {default_out})")
+    p.add_argument("--out", default=default_out,
+                   help=f"run folder: checkpoint, log.json, loss.png (default {default_out})")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out exactly where it stopped")
     p.add_argument("--overwrite", action="store_true", help="start again even if --out holds a checkpoint")
     for name, (kind, text) in _LOOP_FLAGS.items():
@@ -98,7 +99,6 @@ def run_train(args) -> int:
     from nanoforge.train.pretrain import pretrain
 
     out = Path(args.out)
-    _check_out(out, args)
     overrides = _overrides(args)
     if args.resume:
         cfg = TrainConfig.from_dict(load_state(out)["config"])
@@ -110,6 +110,7 @@ def run_train(args) -> int:
         cfg = preset(args.preset or "default", **overrides)
     if args.dropout is not None:
         cfg = cfg.replace(model_overrides=cfg.model_overrides | {"dropout": args.dropout})
+    _check_out(out, args)  # after the flags are known to be good: --overwrite deletes the old checkpoint
     _print_summary(pretrain(cfg, out, resume=args.resume))
     print(f"model, tokenizer and trainer state in {out}; log in {out / 'log.json'}, curve in {out / 'loss.png'}")
     return 0
@@ -122,9 +123,11 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs=1, type=Path, default=None,
                    help="instructions: a .json list or .jsonl of Alpaca {instruction, input, output} or chat "
                         "{messages} records (default: the built-in offline set)")
-    p.add_argument("--epochs", type=float, default=None, help="passes over the examples when --max-steps is not given (default 3)")
-    p.add_argument("--answer-tokens", type=int, default=256, help="token limit of the held-out answers checked at the end")
-    p.add_argument("--eval-samples", type=int, default=100, help="held-out prompts answered at the end")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="passes over the examples when --max-steps is not given (default 3)")
+    p.add_argument("--answer-tokens", type=int, default=256,
+                   help="token limit of the held-out answers checked at the end (default 256)")
+    p.add_argument("--eval-samples", type=int, default=100, help="held-out prompts answered at the end (default 100)")
     _add_loop_arguments(p, "runs/sft")
 
 
@@ -134,11 +137,15 @@ def run_sft(args) -> int:
     from nanoforge.train.sft import finetune
 
     out = Path(args.out)
-    _check_out(out, args)
+    if args.answer_tokens <= 0 or args.eval_samples <= 0:
+        raise NanoforgeError("--answer-tokens and --eval-samples must be positive", param="answer_tokens")
     overrides = _overrides(args) | {k: getattr(args, k) for k in ("init", "epochs") if getattr(args, k) is not None}
+    if args.max_steps is not None:
+        overrides["epochs"] = None  # an explicit step budget wins over the default number of passes
     base = TrainConfig.from_dict(load_state(out)["config"]) if args.resume else SFT_DEFAULTS
-    result = finetune(base.replace(**overrides), out, resume=args.resume, max_steps_given=args.max_steps is not None,
-                      answer_tokens=args.answer_tokens, eval_samples=args.eval_samples)
+    cfg = base.replace(**overrides)
+    _check_out(out, args)
+    result = finetune(cfg, out, resume=args.resume, answer_tokens=args.answer_tokens, eval_samples=args.eval_samples)
     _print_summary(result)
     check = result["answers"]
     print(f"held-out answers ending with the end-of-turn token within {check['max_new_tokens']} tokens: "

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import PRESETS as MODEL_PRESETS
 
+DTYPES = ("auto", "bf16", "fp32")  # what training runs in; fp16 would need loss scaling
+
 
 @dataclass
 class TrainConfig:
@@ -49,7 +51,7 @@ class TrainConfig:
     # --- runtime ---
     seed: int = 1337
     device: str = "auto"
-    dtype: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    dtype: str = "auto"  # one of DTYPES; auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the model; None: on GPU only
 
     def __post_init__(self):
@@ -61,11 +63,15 @@ class TrainConfig:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise NanoforgeError(f"{name} must be positive, got {getattr(self, name)}", param=name)
         if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
-            raise NanoforgeError(f"need 0 < lr and 0 <= min_lr <= lr, got lr {self.lr}, min_lr {self.min_lr}", param="lr")
+            raise NanoforgeError(f"need 0 < lr and 0 <= min_lr <= lr, got lr {self.lr}, min_lr {self.min_lr}",
+                                 param="lr")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise NanoforgeError("warmup_steps, weight_decay and grad_clip must be >= 0", param="warmup_steps")
         if not 0 < self.val_fraction < 1:
             raise NanoforgeError(f"val_fraction must be in (0, 1), got {self.val_fraction}", param="val_fraction")
+        if self.dtype not in DTYPES:
+            raise NanoforgeError(f"dtype {self.dtype!r} cannot be trained in; choose one of {', '.join(DTYPES)} "
+                                 "(fp16 would need loss scaling)", param="dtype")
         if self.model not in MODEL_PRESETS:
             raise NanoforgeError(f"no model preset named {self.model!r}; choose one of {', '.join(MODEL_PRESETS)}",
                                  param="model")
@@ -93,7 +99,8 @@ PRESETS: dict[str, TrainConfig] = {
                            tokenizer="bpe:2048", batch_size=16, seq_len=128, max_steps=2000, lr=2e-3, min_lr=2e-4,
                            warmup_steps=50, eval_interval=100, eval_iters=8),
     "shakespeare-char": TrainConfig(model="shakespeare-char", tokenizer="char", pad_vocab=1, batch_size=64, seq_len=256,
-                                    max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_iters=200),
+                                    max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
+                                    weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_iters=200),
     "shakespeare-char-cpu": TrainConfig(model="shakespeare-char-cpu", tokenizer="char", pad_vocab=1, batch_size=12,
                                         seq_len=64, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
                                         beta2=0.99, eval_interval=250, eval_iters=20),

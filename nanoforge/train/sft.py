@@ -65,9 +65,12 @@ def answer_eval(model: Transformer, tokenizer: Tokenizer, records: list[dict], m
             "max_new_tokens": max_new_tokens, "examples": examples}
 
 
-def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, max_steps_given: bool = False,
-             answer_tokens: int = 256, eval_samples: int | None = 100) -> dict:
-    """Run (or resume) SFT; returns the loop's summary plus the held-out answer check."""
+def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, answer_tokens: int = 256,
+             eval_samples: int | None = 100) -> dict:
+    """Run (or resume) SFT; returns the loop's summary plus the held-out answer check.
+
+    A fresh run with cfg.epochs set trains for that many passes over the examples (max_steps is
+    computed); `eval_samples` held-out prompts (None: all) are answered at the end."""
     out_dir = Path(out_dir)
     state = load_state(out_dir) if resume else None
     device = resolve_device(cfg.device)
@@ -97,13 +100,16 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, max
         """Batches that `passes` passes over the examples fill (each takes len - 1 slots of a row)."""
         return max(1, math.ceil(passes * sum(len(ids) - 1 for ids, _ in examples) / (cfg.batch_size * seq_len)))
 
-    if state is None and cfg.epochs and not max_steps_given:
+    if state is None and cfg.epochs:
         cfg = cfg.replace(max_steps=steps_for(train_examples, cfg.epochs))
+
+    val_packer = SFTPacker(val_examples, seq_len, cfg.batch_size, seed=cfg.seed)
+    val_start, one_pass = val_packer.state_dict(), steps_for(val_examples, 1)
 
     def eval_batches(n: int | None):
         """The same packed validation batches every time: about one pass, or the first n of it."""
-        one_pass = steps_for(val_examples, 1)
-        return islice(SFTPacker(val_examples, seq_len, cfg.batch_size, seed=cfg.seed), min(n or one_pass, one_pass))
+        val_packer.load_state_dict(val_start)
+        return islice(val_packer, min(n or one_pass, one_pass))
 
     print(f"fine-tuning {source} ({model.num_params() / 1e6:.2f}M parameters) on {device}: "
           f"{len(train_records)} examples ({len(val_records)} held out), {cfg.batch_size} x {seq_len} tokens "

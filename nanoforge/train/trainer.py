@@ -36,7 +36,7 @@ from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.transformer import Transformer
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import restore_rng, rng_state, save_checkpoint
-from nanoforge.train.config import TrainConfig
+from nanoforge.train.config import DTYPES, TrainConfig
 from nanoforge.train.optim import lr_at, make_optimizer
 from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, train_flops_per_token, write_json
 
@@ -69,8 +69,8 @@ def compute_dtype(device: torch.device, dtype: str) -> str:
     """"bf16" or "fp32": what the matmuls run in ("auto": bf16 on GPU, fp32 on CPU)."""
     if dtype == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
-    if dtype not in ("bf16", "fp32"):
-        raise NanoforgeError(f"dtype {dtype!r} cannot be trained in; choose auto, bf16 or fp32 "
+    if dtype not in DTYPES:
+        raise NanoforgeError(f"dtype {dtype!r} cannot be trained in; choose one of {', '.join(DTYPES)} "
                              "(fp16 would need loss scaling)", param="dtype")
     return dtype
 
@@ -273,7 +273,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
             bar.update(meter.steps)
             tok_s = meter.end_interval()
             history["train"][-1] |= {"tokens_per_s": tok_s}
-            bar.set_postfix_str(f"loss {loss_now:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s, MFU {format_mfu(meter.mfu(tok_s))}")
+            bar.set_postfix_str(f"loss {loss_now:.4f}, lr {lr:.2e}, {tok_s:,.0f} tok/s, "
+                                f"MFU {format_mfu(meter.mfu(tok_s))}")
     bar.close()
 
     final = evaluate(model, data.eval_batches(None), device=device, amp=amp, attention=attention)
