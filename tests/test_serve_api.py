@@ -472,6 +472,32 @@ def test_failing_engine_step_fails_only_the_requests_in_flight(served):
     assert r.json()["choices"][0]["text"] == greedy(llm, ["the dog"], 8)[0].text
 
 
+@pytest.mark.gpu
+def test_concurrent_greedy_streams_on_the_gpu(tok):
+    """The engine thread drives CUDA (graphs captured on the main thread, replayed on the engine's)."""
+    model = make_model(tok).cuda()
+    app = build_app(LLMEngine(model, tok, EngineConfig(num_gpu_blocks=800, max_num_seqs=64)), MODEL)
+    rng = random.Random(9)
+    prompts = [random_text(rng, 5, 60) for _ in range(32)]
+    want = [o.text for o in greedy(LLM(model, tok, num_gpu_blocks=800, max_num_seqs=64), prompts, 24)]
+    with serving(app) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        async def one(prompt):
+            text = ""
+            async for chunk in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                                               temperature=0, stream=True,
+                                                               extra_body={"ignore_eos": True}):
+                text += chunk.choices[0].text
+            return text
+
+        async def run():
+            return await asyncio.gather(*map(one, prompts))
+
+        assert asyncio.run(run()) == want
+        assert wait_idle(app)["kv_blocks_used"] == 0
+
+
 # --- the real command: SIGTERM drains --------------------------------------------------------------------------
 
 def test_sigterm_finishes_short_requests_and_aborts_long_ones(tmp_path, tok):

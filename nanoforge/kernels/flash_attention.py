@@ -372,10 +372,9 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
     a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
-    args = (q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
 
     o = (acc / l_i[:, None]).to(O.dtype.element_ty)
     tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :], o, mask=io_mask)
@@ -472,10 +471,9 @@ def _attn_bwd_dkdv(
         DOh = DO + b * stride_dob + h * stride_doh
         LSEh = LSE + (b * HKV * GROUP + h) * T
         DELTAh = DELTA + (b * HKV * GROUP + h) * T
-        args = (k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, a, b_, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, b_, c, HEAD_D, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_DOCS)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, *args, c, hi, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, a, b_, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, b_, c, HEAD_D, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, c, hi, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
 
     offs = offs_n[:, None] * stride_dkt + offs_d[None, :]
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs, (dk * scale).to(DK.dtype.element_ty), mask=io_mask)
@@ -543,10 +541,9 @@ def _attn_bwd_dq(
     lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
     a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    args = (q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale)
-    dq = _attn_bwd_dq_inner(dq, *args, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
-    dq = _attn_bwd_dq_inner(dq, *args, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
-    dq = _attn_bwd_dq_inner(dq, *args, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
     offs = offs_m[:, None] * stride_dqt + offs_d[None, :]
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 

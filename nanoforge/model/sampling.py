@@ -45,10 +45,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor 
         return greedy
     t = torch.where(temperature > 0, temperature, 1.0)
     probs = filter_logits(logits / t[:, None], top_k, top_p).softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    for i in range(probs.shape[0]):
-        g = generators[i] if generators is not None else None
-        noise[i].exponential_(generator=g)
+    noise = torch.empty_like(probs).exponential_()  # one launch for every unseeded row
+    for i, g in enumerate(generators or ()):
+        if g is not None:  # seeded rows redraw from their own generator
+            noise[i].exponential_(generator=g)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
 
