@@ -25,12 +25,17 @@ WORDS = "apple river stone cloud tiger lemon piano candle forest silver".split()
 
 
 def make_records(n: int, seed: int = 0) -> list[dict]:
-    """Alpaca records with a learnable pattern: "Say X twice." -> "X X." (some with an input field)."""
+    """Records with a learnable pattern, "Say X twice." -> "X X.", in all three shapes: Alpaca,
+    Alpaca with an input field, and chat messages with a system prompt."""
     rng = np.random.default_rng(seed)
     records = []
     for i in range(n):
         word = str(rng.choice(WORDS))
-        if i % 3:
+        if i % 3 == 0:
+            records.append({"messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": f"Say {word} twice."},
+                                         {"role": "assistant", "content": f"{word} {word}."}]})
+        elif i % 3 == 1:
             records.append({"instruction": f"Say {word} twice.", "input": "", "output": f"{word} {word}."})
         else:
             records.append({"instruction": "Say the input twice.", "input": word, "output": f"{word} {word}."})
@@ -160,7 +165,7 @@ def test_sft_resume_continues_exactly(init_dir, tmp_path):
 def test_bad_sft_input_is_one_line_and_exit_2(case, init_dir, tmp_path, capsys):
     out, init = tmp_path / "sft", init_dir
     data = tmp_path / "data.jsonl"
-    data.write_text(json.dumps(make_records(1)[0]) + "\n" + json.dumps({"instruction": "Say hi."}) + "\n")
+    data.write_text(json.dumps(make_records(2)[1]) + "\n" + json.dumps({"instruction": "Say hi."}) + "\n")
     if case == "missing-field":
         message = "data.jsonl line 2: field 'output' is missing"
     elif case == "not-a-model":

@@ -19,7 +19,6 @@ from nanoforge.model.transformer import Transformer
 from nanoforge.train import trainer
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import lr_at, make_optimizer
-from nanoforge.train.progress import train_flops_per_token
 
 WORDS = "the king shall speak of war and love to thee my lord what now good night sweet prince".split()
 
@@ -80,7 +79,7 @@ def test_training_flops_match_nanogpt_estimate():
     n = cfg.num_params() + cfg.vocab_size * cfg.d_model  # matrices + tied head
     n_nanogpt = 124_439_808 - 1024 * 768  # GPT-2 124M, minus wpe (nanoGPT's get_num_params: 123.65M)
     assert abs(n - n_nanogpt) / n_nanogpt < 2e-3
-    assert train_flops_per_token(cfg, 1024) == pytest.approx(6 * n + 12 * 12 * 768 * 1024)
+    assert cfg.flops_per_token(1024) == pytest.approx(6 * n + 12 * 12 * 768 * 1024)
 
 
 # --- gradient accumulation -------------------------------------------------------------------------

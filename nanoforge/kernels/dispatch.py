@@ -12,19 +12,21 @@ Override with the environment variable NANOFORGE_KERNELS:
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 
-@functools.cache
+try:
+    import triton  # noqa: F401
+
+    _TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    _TRITON = False
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the install
-        return False
-    return True
+    return _TRITON
 
 
 def kernel_mode() -> str:

@@ -93,8 +93,10 @@ class ModelConfig:
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
-        return 6 * self.num_params() + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T,
+        N counting the output projection (the vocab matmul) but not the embedding lookups."""
+        n = self.num_params() + self.vocab_size * self.d_model
+        return 6 * n + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
     # --- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -230,7 +230,7 @@ def load_model(model_dir: str | os.PathLike, *, device: str | torch.device = "cp
                                      f"expected {list(expect)} from config.json")
             parts.append(t)
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        state[nf_name] = t.to(device=device, dtype=dtype)
+        state[nf_name] = t.to(device=device, dtype=dtype).contiguous()
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     model.load_state_dict(state, assign=True, strict=True)

@@ -26,11 +26,12 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.config import preset as model_preset
 from nanoforge.model.transformer import Transformer
+from nanoforge.runtime import pick_device
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import make_optimizer
-from nanoforge.train.progress import format_mfu, peak_flops, train_flops_per_token
+from nanoforge.train.progress import format_mfu, peak_flops
 from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, document_attention, make_loss_fn,
-                                     resolve_device, train_step)
+                                     train_step)
 
 
 class SDPACausal(AttentionBackend):
@@ -74,7 +75,7 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
     if unknown:
         raise NanoforgeError(f"bench train: no variant {sorted(unknown)[0]!r}; choose from {', '.join(VARIANTS)}",
                              param="variants")
-    dev = resolve_device(device)
+    dev = pick_device(device)
     cfg = model_preset(preset)
     cfg = cfg.replace(vocab_size=-(-cfg.vocab_size // pad_vocab) * pad_vocab, dropout=0.0)
     seq_len = min(seq_len, cfg.max_seq_len)
@@ -85,7 +86,7 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
     if dev.type == "cuda":
         batches = [Batch(*(t.pin_memory() for t in (b.input_ids, b.targets, b.doc_ids, b.positions))) for b in batches]
     tokens_per_step = batch_size * seq_len
-    flops, peak = train_flops_per_token(cfg, seq_len), peak_flops(dev)
+    flops, peak = cfg.flops_per_token(seq_len), peak_flops(dev)
     amp = autocast(dev, dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 

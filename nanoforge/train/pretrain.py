@@ -4,6 +4,10 @@ The corpus is tokenized once into `<out>/data` (train.bin, val.bin, meta.json
 and the tokenizer, by `nanoforge.data.prepare`), unless --data names a folder
 that `nanoforge data prepare` already wrote. The model is the TrainConfig's
 model preset, with the tokenizer's vocabulary (rounded up to `pad_vocab`).
+
+nanoGPT's Tiny Shakespeare results, reproduced:
+    nanoforge train --preset shakespeare-char-cpu --data tinyshakespeare.txt --out runs/shakespeare-cpu
+    nanoforge train --preset shakespeare-char --data tinyshakespeare.txt --out runs/shakespeare   (GPU)
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import ModelConfig
 from nanoforge.model.config import preset as model_preset
 from nanoforge.model.transformer import Transformer
+from nanoforge.runtime import pick_device
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
 from nanoforge.train.config import TrainConfig
-from nanoforge.train.trainer import RunData, resolve_device, train
+from nanoforge.train.trainer import RunData, train
 
 # Fields that do not change the weights' shapes or meaning.
 _NOT_ARCHITECTURE = {"dropout", "bos_token_id", "eos_token_id", "extra"}
@@ -63,7 +68,7 @@ def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> 
     """Run (or resume, from the checkpoint in out_dir) a pretraining run; returns its summary."""
     out_dir = Path(out_dir)
     state = load_state(out_dir) if resume else None
-    device = resolve_device(cfg.device)
+    device = pick_device(cfg.device)
     data_dir = prepared_data(cfg, out_dir, resuming=resume)
     tokenizer = Tokenizer.load(data_dir)
     expected = model_config(cfg, tokenizer)

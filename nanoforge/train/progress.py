@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from nanoforge.model.config import ModelConfig
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity), by a substring of the device name.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
@@ -21,12 +20,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, nanoGPT's (PaLM's) count: 6 N + 12 L H Q T, with N including the
-    output projection (`cfg.flops_per_token` leaves the vocab matmul out with the embeddings)."""
-    return cfg.flops_per_token(seq_len) + 6 * cfg.vocab_size * cfg.d_model
 
 
 def format_mfu(mfu: float | None) -> str:

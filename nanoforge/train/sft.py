@@ -20,11 +20,12 @@ from nanoforge.data.sft import SFTPacker, load_records, render, to_messages
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.generate import generate
 from nanoforge.model.transformer import Transformer
+from nanoforge.runtime import pick_device
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.progress import write_json
-from nanoforge.train.trainer import RunData, resolve_device, train
+from nanoforge.train.trainer import RunData, train
 
 
 def split_records(records: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -73,7 +74,7 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
     computed); `eval_samples` held-out prompts (None: all) are answered at the end."""
     out_dir = Path(out_dir)
     state = load_state(out_dir) if resume else None
-    device = resolve_device(cfg.device)
+    device = pick_device(cfg.device)
     source = out_dir if resume else Path(cfg.init or "runs/pretrain")
     if not (source / "config.json").is_file():
         raise NanoforgeError(f"{source}/config.json not found: SFT starts from a pretrained model folder "

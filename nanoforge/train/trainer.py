@@ -38,7 +38,7 @@ from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import restore_rng, rng_state, save_checkpoint
 from nanoforge.train.config import DTYPES, TrainConfig
 from nanoforge.train.optim import lr_at, make_optimizer
-from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, train_flops_per_token, write_json
+from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, write_json
 
 AttentionFor = Callable[[Batch], AttentionBackend]  # which attention a batch gets
 
@@ -56,14 +56,6 @@ class RunData:
 
 
 # --- devices and precision ----------------------------------------------------------------------
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise NanoforgeError(f"device {name}: no CUDA GPU is available", param="device")
-    return torch.device(name)
-
 
 def compute_dtype(device: torch.device, dtype: str) -> str:
     """"bf16" or "fp32": what the matmuls run in ("auto": bf16 on GPU, fp32 on CPU)."""
@@ -197,7 +189,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     loss_fn = make_loss_fn(model, attention, compiled)  # evaluation runs eagerly: no recompiles for eval mode
     model.train()
 
-    meter = Throughput(cfg.batch_size * seq_len * cfg.grad_accum, train_flops_per_token(model.cfg, seq_len),
+    meter = Throughput(cfg.batch_size * seq_len * cfg.grad_accum, model.cfg.flops_per_token(seq_len),
                        peak_flops(device))
     pending: list[tuple[int, torch.Tensor, float]] = []  # (step, loss on the device, lr) not yet read back
     wall_start = time.perf_counter()
@@ -219,8 +211,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
 
     def read_back_losses() -> float | None:
         """Move pending losses into the history; stop the run at the first non-finite one."""
-        for s, loss, lr in pending:
-            value = loss.item()
+        values = torch.stack([loss for _, loss, _ in pending]).tolist() if pending else []  # one device sync
+        for (s, _, lr), value in zip(pending, values):
             history["train"].append({"step": s, "loss": value, "lr": lr})
             if not math.isfinite(value):
                 bar.close()
