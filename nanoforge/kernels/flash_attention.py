@@ -70,7 +70,7 @@ def attention(
         return attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=scale)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise NanoforgeError(f"flash attention runs on float16/bfloat16/float32, not {q.dtype}", param="q")
-    return _FlashAttention.apply(q, k, v, doc_ids, causal, scale)
+    return _flash_attention(q, k, v, doc_ids, causal, scale)
 
 
 def attention_ref(
@@ -160,56 +160,95 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))  # tl.dot wants every dimension >= 16
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, doc_ids, causal: bool, scale: float):
-        q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-        B, T, hq, d = q.shape
-        group = hq // k.shape[2]
-        # Without documents the kernels never read starts/ends; any tensor does as a placeholder.
-        starts, ends = _doc_bounds(doc_ids) if doc_ids is not None else (q, q)
-        o = _empty(B, T, hq, d, like=q)
-        lse = _empty(B, hq, T, like=q, dtype=torch.float32)
+# The Triton launches are wrapped as torch custom ops, so `torch.compile` treats attention as one
+# opaque node (with a registered shape function and backward) rather than tracing into the kernels.
 
-        _attn_fwd[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
-            q, k, v, o, lse, starts, ends,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            T, hq, scale * LOG2E,
-            GROUP=group, HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=causal, HAS_DOCS=doc_ids is not None,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, o, lse, starts, ends)
-        ctx.causal, ctx.scale, ctx.has_docs = causal, scale, doc_ids is not None
-        return o
+@torch.library.custom_op(
+    "nanoforge::flash_attn_fwd", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? starts, Tensor? ends, bool causal, float scale) -> (Tensor, Tensor)")
+def _flash_fwd(q, k, v, starts, ends, causal, scale):
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    B, T, hq, d = q.shape
+    has_docs = starts is not None
+    if not has_docs:  # the kernels never read starts/ends then; any tensor does as a placeholder
+        starts = ends = q
+    o = _empty(B, T, hq, d, like=q)
+    lse = _empty(B, hq, T, like=q, dtype=torch.float32)
+    _attn_fwd[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
+        q, k, v, o, lse, starts, ends,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        T, hq, scale * LOG2E,
+        GROUP=hq // k.shape[2], HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=causal, HAS_DOCS=has_docs,
+    )  # fmt: skip
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, starts, ends = ctx.saved_tensors
-        do = _unit_stride(do)
-        B, T, hq, d = q.shape
-        hkv = k.shape[2]
-        common = dict(HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=ctx.causal, HAS_DOCS=ctx.has_docs)
 
-        delta = _empty(B, hq, T, like=q, dtype=torch.float32)
-        _attn_bwd_delta[(B * hq, triton.cdiv(T, 64))](
-            o, do, delta, *o.stride()[:3], *do.stride()[:3], T, hq,
-            HEAD_D=d, BLOCK_D=_block_d(d), BLOCK_M=64,
-        )  # fmt: skip
+@_flash_fwd.register_fake
+def _(q, k, v, starts, ends, causal, scale):
+    B, T, hq, d = q.shape
+    return q.new_empty(B, T, hq, d), q.new_empty(B, hq, T, dtype=torch.float32)
 
-        dk, dv = _empty(*k.shape, like=k), _empty(*v.shape, like=v)
-        _attn_bwd_dkdv[lambda meta: (B * hkv, triton.cdiv(T, meta["BLOCK_N"]))](
-            q, k, v, do, lse, delta, dk, dv, starts, ends,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3],
-            T, hkv, ctx.scale, ctx.scale * LOG2E, GROUP=hq // hkv, **common,
-        )  # fmt: skip
 
-        dq = _empty(*q.shape, like=q)
-        _attn_bwd_dq[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
-            q, k, v, do, lse, delta, dq, starts, ends,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-            T, hq, ctx.scale, ctx.scale * LOG2E, GROUP=hq // hkv, **common,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None
+@torch.library.custom_op(
+    "nanoforge::flash_attn_bwd", mutates_args=(),
+    schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? starts, Tensor? ends, "
+           "bool causal, float scale) -> (Tensor, Tensor, Tensor)")
+def _flash_bwd(do, q, k, v, o, lse, starts, ends, causal, scale):
+    q, k, v, o, do = (_unit_stride(x) for x in (q, k, v, o, do))
+    B, T, hq, d = q.shape
+    hkv = k.shape[2]
+    has_docs = starts is not None
+    if not has_docs:
+        starts = ends = q
+    common = dict(HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=causal, HAS_DOCS=has_docs)
+
+    delta = _empty(B, hq, T, like=q, dtype=torch.float32)
+    _attn_bwd_delta[(B * hq, triton.cdiv(T, 64))](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], T, hq,
+        HEAD_D=d, BLOCK_D=_block_d(d), BLOCK_M=64,
+    )  # fmt: skip
+
+    dk, dv = _empty(*k.shape, like=k), _empty(*v.shape, like=v)
+    _attn_bwd_dkdv[lambda meta: (B * hkv, triton.cdiv(T, meta["BLOCK_N"]))](
+        q, k, v, do, lse, delta, dk, dv, starts, ends,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
+        T, hkv, scale, scale * LOG2E, GROUP=hq // hkv, **common,
+    )  # fmt: skip
+
+    dq = _empty(*q.shape, like=q)
+    _attn_bwd_dq[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
+        q, k, v, do, lse, delta, dq, starts, ends,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        T, hq, scale, scale * LOG2E, GROUP=hq // hkv, **common,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@_flash_bwd.register_fake
+def _(do, q, k, v, o, lse, starts, ends, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, starts, ends, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, starts, ends)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, starts, ends = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, starts, ends, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _flash_attention(q, k, v, doc_ids, causal: bool, scale: float) -> torch.Tensor:
+    starts, ends = _doc_bounds(doc_ids) if doc_ids is not None else (None, None)
+    return _flash_fwd(q, k, v, starts, ends, causal, scale)[0]
 
 
 # ----------------------------------------------------------------------------------------------
