@@ -86,6 +86,12 @@ run() {  # run NAME [serve flags...]: start a server, replay the trace against i
         sleep 1
     done
     echo "== $name: $(head -1 "$log")"
+    # Warm up outside the measurement: Triton autotuning and compilation happen on the first prefill
+    # of each shape. Random prompts, so nothing of the trace lands in the prefix cache.
+    for len in 128 1024 4096; do
+        $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --rate 20 --num-requests 8 \
+            --input-len $len --output-len 8 --vocab-size "$VOCAB" --ignore-eos --out "$dir/warmup" >/dev/null
+    done
     $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --trace "$TRACE" \
         --num-requests "$NUM_REQUESTS" --length-scale "$LENGTH_SCALE" --time-scale "$TIME_SCALE" \
         --max-input-len "$MAX_INPUT" --max-output-len "$MAX_OUTPUT" --vocab-size "$VOCAB" --ignore-eos \
