@@ -62,6 +62,10 @@ def numba_cuda():
         # numba reads NUMBA_ENABLE_CUDASIM when `numba` itself is imported; re-read
         # it in case numba was imported (by anyone) before the variable was set.
         config.reload_config()
+        import numpy as np
+
+        if not hasattr(np, "row_stack"):  # numba-cuda releases before NumPy 2.5 still register np.row_stack
+            np.row_stack = np.vstack
         from numba import cuda as numba_cuda_module
 
         cuda = numba_cuda_module
