@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.runtime import pick_device, pick_dtype
@@ -130,7 +131,9 @@ def cmd_bench_throughput(args) -> int:
 
 def _add_serve(sub):
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", required=True, help="a Hugging Face / nanoforge model directory (with its tokenizer)")
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face / nanoforge model directory (with its tokenizer); without it, the offline "
+                        "default chat model in runs/sft, trained first if it is not there")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the directory's)")
@@ -155,7 +158,56 @@ def _add_serve(sub):
 def cmd_serve(args) -> int:
     from nanoforge.serve.api import run_server
 
-    return run_server(args)
+    if args.model is not None:
+        return run_server(args)
+    args.model = str(_first_run_model(Path("runs")))
+    args.served_model_name = FIRST_RUN_MODEL_NAME  # the name _first_chat asks for
+    return run_server(args, on_ready=_first_chat)
+
+
+# The first run: a fresh machine with no network and no model goes from nothing to a served chat
+# model in a few minutes on 2 CPU cores, with the verbs a user would run by hand.
+FIRST_RUN_STEPS = {"train": 300, "sft": 150}
+FIRST_QUESTION = "What does the zip function do?"
+FIRST_RUN_MODEL_NAME = "default"
+
+
+def _first_run_model(runs: Path) -> Path:
+    sft, pre = runs / "sft", runs / "pretrain"
+    if (sft / "config.json").is_file():
+        return sft
+    print(f"first run: no --model given and no {sft}; training the offline default chat model "
+          f"({FIRST_RUN_STEPS['train']} pretraining + {FIRST_RUN_STEPS['sft']} SFT steps on Python's own "
+          f"documentation; a few minutes on 2 CPU cores)", flush=True)
+    steps = [["train", "--out", str(pre), "--overwrite", "--max-steps", str(FIRST_RUN_STEPS["train"])],
+             ["sft", "--init", str(pre), "--out", str(sft), "--overwrite", "--max-steps", str(FIRST_RUN_STEPS["sft"])]]
+    if (pre / "config.json").is_file():
+        steps = steps[1:]
+    for argv in steps:
+        if main(argv) != 0:
+            raise NanoforgeError(f"the first-run `nanoforge {' '.join(argv)}` failed (see above)")
+    return sft
+
+
+def _first_chat(base_url: str) -> None:
+    """Ask the freshly served model one question over the OpenAI-style HTTP API and print the exchange."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": FIRST_RUN_MODEL_NAME, "messages": [{"role": "user", "content": FIRST_QUESTION}],
+                       "max_tokens": 64, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{base_url}/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())["choices"][0]["message"]["content"]
+    except Exception as e:  # the server keeps running; say what went wrong in one line
+        print(f"first chat message failed: {e}", flush=True)
+        return
+    print(f"\nuser: {FIRST_QUESTION}\nassistant: {answer}\n\nserving; try:\n  curl {base_url}/chat/completions "
+          f"-H 'Content-Type: application/json' -d '{{\"model\": \"default\", \"messages\": "
+          f"[{{\"role\": \"user\", \"content\": \"What is a generator?\"}}]}}'\n(Ctrl-C stops the server)",
+          flush=True)
 
 
 # --- train, sft, bench train -------------------------------------------------------------------

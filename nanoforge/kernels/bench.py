@@ -44,11 +44,13 @@ _EXTERNAL = {"flash": "flash_attention", "paged": "paged_attention"}
 # --------------------------------------------------------------------------- measuring
 
 
-def time_ms(fn: Callable[[], object], quick: bool = False) -> float:
-    """Median milliseconds of fn() on the GPU (triton.testing.do_bench; it clears L2 before every call)."""
+def time_ms(fn: Callable[[], object], quick: bool = False, grad_to_none: list | None = None) -> float:
+    """Median milliseconds of fn() on the GPU (triton.testing.do_bench; it clears L2 before every call).
+    `grad_to_none`: tensors whose .grad is reset between calls (timing a backward)."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
+    return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, grad_to_none=grad_to_none,
+                    return_mode="median")
 
 
 def make_row(kernel: str, shape: str, ours_ms: float, base_ms: float, baseline: str, flops: float,

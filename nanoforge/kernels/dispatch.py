@@ -12,17 +12,13 @@ Override with the environment variable NANOFORGE_KERNELS:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 
 
-try:
-    import triton  # noqa: F401
-
-    _TRITON = True
-except Exception:  # pragma: no cover - depends on the install
-    _TRITON = False
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def triton_available() -> bool:

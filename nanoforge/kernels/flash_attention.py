@@ -592,24 +592,6 @@ def _attn_bwd_dq(
 # ----------------------------------------------------------------------------------------------
 
 
-def time_ms(fn, grad_to_none: list[torch.Tensor] | None = None) -> float:
-    """Median milliseconds of fn() on the GPU (triton.testing.do_bench)."""
-    from triton.testing import do_bench
-
-    return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
-
-
-def bench_row(
-    kernel: str, shape: str, ours_ms: float, base_ms: float, baseline: str, flops: float, nbytes: float
-) -> dict:
-    """One row in the format of nanoforge.kernels.bench."""
-    return {
-        "kernel": kernel, "shape": shape, "ours_ms": ours_ms, "base_ms": base_ms, "baseline": baseline,
-        "ratio": base_ms / ours_ms, "flops": flops, "bytes": nbytes,
-        "ours_tflops": flops / ours_ms / 1e9, "ours_gbps": nbytes / ours_ms / 1e6,
-    }  # fmt: skip
-
-
 def _sdpa_flash(q, k, v, causal: bool):
     """The baseline: PyTorch SDPA restricted to its FlashAttention-2 backend, on the same (B, T, H, D) tensors."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -629,6 +611,7 @@ def _visible_pairs(T: int, doc_lens: list[int] | None) -> int:
 
 def bench_rows(quick: bool) -> list[dict]:
     """Forward and forward+backward vs SDPA (flash backend), and document masking vs the same kernel without it."""
+    from nanoforge.kernels.bench import make_row, time_ms
     if not torch.cuda.is_available():
         raise NanoforgeError("flash attention benchmarks need a CUDA GPU", param="kinds")
     dtype = torch.bfloat16
@@ -658,9 +641,9 @@ def bench_rows(quick: bool) -> list[dict]:
         shape = f"B{B} T{T} Hq{hq} Hkv{hkv} D{d} causal" + (f" {ndocs} docs" if ndocs else "")
         flops = 4 * B * hq * d * _visible_pairs(T, doc_lens)
         io = B * T * (2 * hq + 2 * hkv) * d * (torch.finfo(dtype).bits // 8)  # forward: read q, k, v; write o
-        rows.append(bench_row("flash_fwd", shape, time_ms(ours), time_ms(base), baseline, flops, io))
+        rows.append(make_row("flash_fwd", shape, time_ms(ours), time_ms(base), baseline, flops, io))
         # The backward does 5 matmuls to the forward's 2; it reads q, k, v, o, dO and writes dq, dk, dv.
         ours_ms = time_ms(lambda: ours().backward(do), grad_to_none=[q, k, v])
         base_ms = time_ms(lambda: base().backward(do), grad_to_none=[q, k, v])
-        rows.append(bench_row("flash_fwd_bwd", shape, ours_ms, base_ms, baseline, 3.5 * flops, 3 * io))
+        rows.append(make_row("flash_fwd_bwd", shape, ours_ms, base_ms, baseline, 3.5 * flops, 3 * io))
     return rows

@@ -29,7 +29,7 @@ import triton.language as tl
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.dispatch import use_fast
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
-from nanoforge.kernels.flash_attention import LOG2E, bench_row, time_ms
+from nanoforge.kernels.flash_attention import LOG2E
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
 
@@ -364,13 +364,15 @@ def _kv_bytes(context_lens: list[int], hkv: int, d: int, dtype: torch.dtype) -> 
 
 
 def _bench_case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype) -> dict:
+    from nanoforge.kernels.bench import make_row, time_ms
+
     batch = make_paged_batch(ctx, qlens, hq, hkv, d, 16, dtype, "cuda")
     ours = time_ms(lambda: paged_attention(**batch, max_q_len=max(qlens)))
     base = time_ms(lambda: paged_attention_ref(**batch))
     pairs = sum(sum(c - j for j in range(n)) for c, n in zip(ctx, qlens))  # each query token sees its prefix
     shape = f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max(qlens)} Hq{hq} Hkv{hkv} D{d} {dtype}"
     kv = _kv_bytes(ctx, hkv, d, dtype)
-    row = bench_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", 4 * pairs * hq * d, kv)
+    row = make_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", 4 * pairs * hq * d, kv)
     row["hbm_fraction"] = row["ours_gbps"] / (HBM_COPY_TBPS * 1000)
     return row
 

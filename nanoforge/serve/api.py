@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -645,8 +646,10 @@ class Server(uvicorn.Server):
             deadline.cancel()
 
 
-def run_server(args) -> int:
-    """`nanoforge serve`: load the model, bind, print the address, serve until SIGTERM / Ctrl-C."""
+def run_server(args, on_ready=None) -> int:
+    """`nanoforge serve`: load the model, bind, print the address, serve until SIGTERM / Ctrl-C.
+
+    `on_ready(base_url)`, if given, runs in a thread once the server accepts requests."""
     from pathlib import Path
 
     from nanoforge.serve.llm_engine import EngineConfig
@@ -663,5 +666,13 @@ def run_server(args) -> int:
     host, port = sock.getsockname()[:2]
     print(f"nanoforge serve: {name} at http://{host}:{port}/v1 (context {engine.max_model_len} tokens, "
           f"{engine.stats()['kv_blocks_total']} KV blocks)", flush=True)
+    if on_ready is not None:
+        def wait_then_call():
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                on_ready(f"http://{host}:{port}/v1")
+
+        threading.Thread(target=wait_then_call, daemon=True).start()
     server.run(sockets=[sock])
     return 0

@@ -1,0 +1,121 @@
+"""The command line as a user meets it: real subprocesses, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanoforge.model.config import preset
+from nanoforge.model.generate import generate
+from nanoforge.model.hf import save_model
+from nanoforge.model.transformer import Transformer
+from nanoforge.tokenizer import Tokenizer
+
+TEXT = "hello world, this is a tiny corpus for a tiny model.\n"
+
+
+def nanoforge(*argv, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    return subprocess.run([sys.executable, "-m", "nanoforge.cli", *argv], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=env)
+
+
+def assert_one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer.char_level(TEXT)
+    torch.manual_seed(0)
+    m = Transformer(preset("tiny-llama", vocab_size=tok.vocab_size, max_seq_len=64)).eval()
+    save_model(m, d)
+    tok.save(d)
+    return d
+
+
+def test_generate_prints_only_the_greedy_completion(model_dir):
+    r = nanoforge("generate", "--model", str(model_dir), "--prompt", "hello", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    tok = Tokenizer.load(model_dir)
+    from nanoforge.model.hf import load_model
+
+    ids = generate(load_model(model_dir), tok.encode("hello"), max_new_tokens=12, stop_ids=set(tok.stop_ids))
+    ids = [t for t in ids if t not in tok.stop_ids]
+    assert r.stdout == tok.decode(ids) + "\n"
+
+
+def test_missing_model_directory(tmp_path):
+    assert_one_line_error(nanoforge("generate", "--model", str(tmp_path / "nope"), "--prompt", "x"), "nope", "not found")
+
+
+def test_corrupt_checkpoint(tmp_path, model_dir):
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(os.urandom(300))
+    assert_one_line_error(nanoforge("generate", "--model", str(tmp_path), "--prompt", "x"),
+                          "model.safetensors", "not a valid safetensors")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "vocab_size": 10}))
+    assert_one_line_error(nanoforge("generate", "--model", str(tmp_path), "--prompt", "x"), "mamba", "not supported")
+
+
+def test_wrong_tensor_shape(tmp_path, model_dir):
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["intermediate_size"] += 8  # the weights no longer fit the config
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(load_file(model_dir / "model.safetensors"), tmp_path / "model.safetensors")
+    assert_one_line_error(nanoforge("generate", "--model", str(tmp_path), "--prompt", "x"),
+                          "gate_proj.weight", "expected")
+
+
+def test_prompt_longer_than_context(model_dir):
+    assert_one_line_error(nanoforge("generate", "--model", str(model_dir), "--prompt", "hello " * 20),
+                          "context is 64")
+
+
+def test_bad_flags_are_one_line(model_dir):
+    assert_one_line_error(nanoforge("generate", "--model", str(model_dir), "--prompt", "x", "--max-tokens", "0"),
+                          "max-tokens")
+    assert_one_line_error(nanoforge("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "2"), "top-p")
+    assert_one_line_error(nanoforge("frobnicate"), "invalid choice")
+
+
+def test_first_run_trains_serves_and_answers_a_chat_message(tmp_path):
+    """`nanoforge serve` with no model: builds the offline default chat model, serves it over HTTP and
+    answers one chat message through the API (budgets shrunk here; the README's run uses the defaults)."""
+    import signal
+
+    code = ("import sys, nanoforge.cli as c; c.FIRST_RUN_STEPS.update(train=4, sft=3); "
+            "sys.exit(c.main(['serve', '--port', '0']))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("assistant:") or line.startswith("first chat message failed"):
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    out = "".join(lines)
+    assert "user: What does the zip function do?" in out, out[-2000:]
+    assert any(line.startswith("assistant:") for line in lines), out[-2000:]
+    assert (tmp_path / "runs" / "sft" / "config.json").is_file()
+    assert (tmp_path / "runs" / "pretrain" / "loss.png").is_file()
