@@ -7,9 +7,13 @@ Tests marked `gpu` are skipped with a reason on machines without CUDA.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+# The project's shared data sits beside the checkout (../shared/data), in CI as on a developer's machine.
+SHARED_DATA = Path(os.environ.get("NANOFORGE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

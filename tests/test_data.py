@@ -16,9 +16,10 @@ from nanoforge.data.prepare import add_cli_arguments, prepare, run_cli
 from nanoforge.data.sft import IGNORE_INDEX, SFTPacker, load_records, render, to_messages
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import IM_END, Tokenizer
+from conftest import SHARED_DATA
 
-SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
-INSTRUCTIONS = "/work/shared/data/instruction-data.json"
+SHAKESPEARE = str(SHARED_DATA / "tinyshakespeare.txt")
+INSTRUCTIONS = str(SHARED_DATA / "instruction-data.json")
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 
 

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import CHATML_TEMPLATE, ENDOFTEXT, IM_END, IM_START, IncrementalDecoder, Tokenizer
+from conftest import SHARED_DATA
 
-SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
+SHAKESPEARE = str(SHARED_DATA / "tinyshakespeare.txt")
 
 # Mixed scripts, emoji (4-byte UTF-8, some as multi-codepoint sequences), tabs and runs of spaces.
 SAMPLES = [
