@@ -1,14 +1,29 @@
 """One-shot H200 check of the training claims; everything it measures goes to $OUT (or --out).
 
-1. shakespeare-char: nanoGPT's baby GPT (6 x 384, context 256, batch 64, 5000 steps) on Tiny
+1. diagnose (a few minutes, mostly compiling): the GPU-only paths of the training step, each against its
+   CPU-tested twin:
+   - dropout under torch.compile on CUDA: on in training steps (two steps on one batch differ, attention
+     dropout included), off in evaluation (two evaluations agree);
+   - gradients of the compiled bf16 step (Triton flash attention, document masks) against eager fp32
+     PyTorch attention;
+   - host stalls: ms/step of the shakespeare-char step with its batches copied from pageable memory (the
+     old path) and through pinned memory (`trainer.to_device`), in one process; the operations that make
+     the host wait for the GPU in 5 steps (torch.cuda.set_sync_debug_mode); a profile of 10 steps in
+     $OUT/step_profile.txt.
+2. shakespeare-char: nanoGPT's baby GPT (6 x 384, context 256, batch 64, 5000 steps, dropout 0.2) on Tiny
    Shakespeare must reach val loss <= 1.47 in less wall time than nanoGPT's 35 s (7 ms/iter x 5000).
-   The run's wall time (compilation and evaluations included) and its steady ms/step are both
-   reported; log.json and loss.png are copied to $OUT/shakespeare-char/.
-2. bench train: GPT-2 124M training steps of 16 x 1024 tokens in bf16 with document masking on must
+   What counts is the whole-split val loss at the end; nanoGPT's 1.4697 is the best of its evaluations
+   (it keeps only checkpoints that improve, from the first half of the run); its own logs at step 5000 read val
+   ~1.70-1.71, train ~0.62. So our best is reported beside the final loss. The val curve and the train
+   loss before each evaluation are printed: overfitting shows as val rising while train falls.
+   --ablate repeats the run without attention dropout (residual dropout only, the old behaviour).
+   log.json and loss.png are copied to $OUT/shakespeare-char[-ablated]/.
+3. bench train: GPT-2 124M training steps of 16 x 1024 tokens in bf16 with document masking on must
    reach >= 498,000 tokens/s (43% MFU of 989 TFLOP/s), against PyTorch SDPA in the same process.
 
 Run from the repository root on the GPU machine:
-    python benchmarks/gpu_train.py [--data tinyshakespeare.txt] [--skip-shakespeare] [--skip-bench]
+    python benchmarks/gpu_train.py [--data tinyshakespeare.txt] [--skip-diagnose] [--skip-shakespeare]
+                                   [--skip-bench] [--ablate]
 """
 
 from __future__ import annotations
@@ -19,14 +34,20 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from nanoforge.train.bench import bench_train, print_table  # noqa: E402
+from nanoforge.model.config import preset as model_preset  # noqa: E402
+from nanoforge.model.transformer import Transformer  # noqa: E402
+from nanoforge.train import trainer  # noqa: E402
+from nanoforge.train.bench import bench_train, packed_batches, print_table  # noqa: E402
 from nanoforge.train.config import preset  # noqa: E402
+from nanoforge.train.optim import make_optimizer  # noqa: E402
 from nanoforge.train.pretrain import pretrain  # noqa: E402
 from nanoforge.train.progress import write_json  # noqa: E402
 
@@ -34,19 +55,127 @@ TARGET_VAL_LOSS, NANOGPT_WALL_S, TARGET_TOKENS_PER_S = 1.47, 35.0, 498_000
 DATA_CANDIDATES = ("shared/data/tinyshakespeare.txt", "/work/shared/data/tinyshakespeare.txt")
 
 
-def shakespeare(data: Path, out: Path, compile: bool | None) -> dict:
+# --- 1. diagnose ---------------------------------------------------------------------------------------
+
+def _pageable(batch, device):
+    """The old host-to-device path: a non-blocking copy straight from pageable memory."""
+    return batch.to(device, non_blocking=True)
+
+
+def diagnose(out: Path, device: str = "cuda", steps: int = 200) -> dict:
+    dev = torch.device(device)
+    cfg = model_preset("shakespeare-char").replace(vocab_size=65)
+    train_cfg = preset("shakespeare-char")
+    batches = packed_batches(4, 64, 256, cfg.vocab_size, eos=0, mean_doc_len=200, seed=0)  # pageable CPU tensors
+    amp = trainer.autocast(dev, "auto")
+    result = {}
+
+    # Dropout: on in (compiled) training steps, off in evaluation. The same model is timed below.
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dev).train()
+    optimizer = make_optimizer(model, train_cfg)
+    loss_fn = trainer.make_loss_fn(model, trainer.training_attention(trainer.document_attention, cfg.dropout), True)
+    b = trainer.to_device(batches[0], dev)
+    with amp:
+        train_losses = [loss_fn(b).item() for _ in range(2)]
+    evals = [trainer.evaluate(model, batches[:1], device=dev, amp=amp) for _ in range(2)]  # mean, not summed
+    result["dropout"] = {"train_losses": train_losses, "eval_losses": evals,
+                         "pass": train_losses[0] != train_losses[1] and abs(evals[0] - evals[1]) < 1e-4 * evals[0]}
+
+    # Gradients: compiled bf16 with the Triton kernels vs eager fp32 PyTorch attention (no dropout).
+    def grads(compiled: bool, dtype: str) -> tuple[float, dict]:
+        torch.manual_seed(0)
+        m = Transformer(cfg.replace(dropout=0.0)).to(dev).train()
+        fn = trainer.make_loss_fn(m, trainer.document_attention, compiled)
+        with trainer.autocast(dev, dtype):
+            loss = fn(b) / trainer.count_trained(batches[0])
+        loss.backward()
+        return loss.item(), {n: p.grad.double() for n, p in m.named_parameters()}
+
+    kernels = os.environ.get("NANOFORGE_KERNELS")
+    os.environ["NANOFORGE_KERNELS"] = "torch"  # the reference: PyTorch attention
+    ref_loss, ref = grads(False, "fp32")
+    os.environ["NANOFORGE_KERNELS"] = kernels or "auto"
+    loss, got = grads(True, "bf16")
+    worst = max(((got[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+    result["gradients"] = {"loss_fp32_eager": ref_loss, "loss_bf16_compiled": loss, "worst_rel_error": worst,
+                           "pass": worst < 5e-2 and abs(loss - ref_loss) < 1e-2}
+
+    # Host stalls: the same compiled step fed from pageable vs pinned memory (pageable again last, for drift).
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def run(n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for i in range(n):
+            trainer.train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=1e-3, grad_clip=1.0, amp=amp)
+        sync()
+        return 1000 * (time.perf_counter() - t0) / n
+
+    run(min(20, steps))  # compilation, autotuning
+    pinned_path, timings = trainer.to_device, {}
+    try:
+        for name, move in (("pageable", _pageable), ("pinned", pinned_path), ("pageable_again", _pageable)):
+            trainer.to_device = move
+            timings[name] = run(steps)
+    finally:
+        trainer.to_device = pinned_path
+    result["ms_per_step"] = timings
+    if dev.type == "cuda":  # PyTorch warns at every operation that makes the host wait for the GPU
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(5):
+                trainer.train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=1e-3, grad_clip=1.0,
+                                   amp=amp)
+        torch.cuda.set_sync_debug_mode(0)
+        result["host_syncs_in_5_steps"] = [str(w.message).splitlines()[0] for w in caught]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(min(10, steps))
+    (out / "step_profile.txt").write_text(
+        "10 shakespeare-char steps (pinned batches)\n\nby CUDA time:\n"
+        + prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+        + "\n\nby CPU time:\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    torch._dynamo.reset()  # the sections below compile the same loss function again; start them afresh
+    syncs = len(result.get("host_syncs_in_5_steps", []))
+    print(f"diagnose: dropout {'ok' if result['dropout']['pass'] else 'FAILED'} {result['dropout']}; gradients "
+          f"{'ok' if result['gradients']['pass'] else 'FAILED'} (worst relative error {worst:.2e}); shakespeare-char "
+          "step " + ", ".join(f"{k} {v:.2f} ms" for k, v in timings.items())
+          + f"; host syncs in 5 steps: {syncs}; profile in {out}/step_profile.txt")
+    return result
+
+
+# --- 2. shakespeare-char -------------------------------------------------------------------------------
+
+def shakespeare(data: Path, out: Path, compile: bool | None, name: str = "shakespeare-char") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         s = pretrain(preset("shakespeare-char", data=[str(data)], compile=compile), Path(tmp) / "run")
-        (out / "shakespeare-char").mkdir(parents=True, exist_ok=True)
-        for name in ("log.json", "loss.png"):
-            shutil.copy(Path(tmp) / "run" / name, out / "shakespeare-char" / name)
+        (out / name).mkdir(parents=True, exist_ok=True)
+        for f in ("log.json", "loss.png"):
+            shutil.copy(Path(tmp) / "run" / f, out / name / f)
+        history = json.loads((Path(tmp) / "run" / "log.json").read_text())["history"]
+    torch._dynamo.reset()
     result = {k: s[k] for k in ("val_loss", "best_val_loss", "final_val_loss_full_split", "wall_time_s",
                                 "ms_per_step", "tokens_per_s", "mfu", "compiled")}
     result["steady_wall_s_for_5000_steps"] = s["ms_per_step"] * 5 if s["ms_per_step"] else None
-    result["pass_val_loss"] = s["val_loss"] <= TARGET_VAL_LOSS
+    result["pass_val_loss"] = s["final_val_loss_full_split"] <= TARGET_VAL_LOSS
+    result["pass_best_val_loss_like_nanogpt"] = s["best_val_loss"] <= TARGET_VAL_LOSS
     result["pass_wall_time"] = s["wall_time_s"] < NANOGPT_WALL_S
-    print(f"\nshakespeare-char: val loss {s['val_loss']:.4f} (best {s['best_val_loss']:.4f}, whole split "
-          f"{s['final_val_loss_full_split']:.4f}; target <= {TARGET_VAL_LOSS}), wall time {s['wall_time_s']:.1f} s "
+
+    def train_loss_before(step: int) -> float | None:
+        """Mean training loss (dropout on) of the 50 steps up to `step`."""
+        losses = [r["loss"] for r in history["train"] if step - 50 < r["step"] <= step]
+        return sum(losses) / len(losses) if losses else None
+
+    result["curve"] = [(r["step"], r["loss"], train_loss_before(r["step"])) for r in history["val"]]
+    print(f"\n{name}: step, val loss, mean train loss of the 50 steps before")
+    for step, val, train in result["curve"]:
+        print(f"  {step:>5} {val:.4f} " + (f"{train:.4f}" if train is not None else "-"))
+    print(f"{name}: val loss {s['final_val_loss_full_split']:.4f} at the end over the whole split (best "
+          f"{s['best_val_loss']:.4f}; "
+          f"target <= {TARGET_VAL_LOSS}, nanoGPT's best 1.4697), wall time {s['wall_time_s']:.1f} s "
           f"(nanoGPT {NANOGPT_WALL_S:.0f} s), steady {s['ms_per_step']:.2f} ms/step "
           f"= {result['steady_wall_s_for_5000_steps']:.1f} s for 5000 steps (nanoGPT 7 ms/step)")
     return result
@@ -57,14 +186,20 @@ def main() -> int:
     p.add_argument("--data", type=Path, default=None,
                    help="tinyshakespeare.txt (default: " + " or ".join(DATA_CANDIDATES) + ")")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu_train")))
+    p.add_argument("--skip-diagnose", action="store_true")
     p.add_argument("--skip-shakespeare", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--ablate", action="store_true", help="also train shakespeare-char without attention dropout")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on (GPU)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"torch": torch.__version__, "cuda": torch.version.cuda,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     print(f"torch {report['torch']}, CUDA {report['cuda']}, {report['device']}")
+
+    if not args.skip_diagnose:
+        report["diagnose"] = diagnose(args.out)
+        write_json(args.out / "gpu_train.json", report)
 
     if not args.skip_shakespeare:
         data = args.data or next((Path(c) for c in DATA_CANDIDATES if Path(c).is_file()), None)
@@ -73,6 +208,15 @@ def main() -> int:
             return 2
         report["shakespeare_char"] = shakespeare(data, args.out, args.compile)
         write_json(args.out / "gpu_train.json", report)
+        if args.ablate:
+            with_dropout = trainer.training_attention
+            trainer.training_attention = lambda attention, dropout: attention  # residual dropout only
+            try:
+                report["shakespeare_char_no_attention_dropout"] = shakespeare(data, args.out, args.compile,
+                                                                              "shakespeare-char-ablated")
+            finally:
+                trainer.training_attention = with_dropout
+            write_json(args.out / "gpu_train.json", report)
 
     if not args.skip_bench:
         bench = bench_train(preset="gpt2-124m", batch_size=16, seq_len=1024, compile=args.compile)

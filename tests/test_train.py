@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from nanoforge.cli import main
 from nanoforge.data.loader import Batch, doc_ids_and_positions
+from nanoforge.model.attention import DenseAttention
 from nanoforge.model.config import preset as model_preset
 from nanoforge.model.hf import load_model
 from nanoforge.model.transformer import Transformer
@@ -110,6 +111,89 @@ def test_gradient_accumulation_equals_one_big_batch():
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+# --- dropout and evaluation ------------------------------------------------------------------------------
+
+def naive_attention(q, k, v, doc_ids):
+    """Float64 definition: explicit scores, causal and same-document mask, softmax; (B, T, H, D), GQA."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(q.shape[-1])
+    T = q.shape[1]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril() & (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
+    return torch.einsum("bhij,bjhd->bihd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+def test_attention_dropout_keeps_the_masks_and_is_unbiased():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 12, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 12, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    dense = DenseAttention(doc_ids)
+    want = naive_attention(q, k, v, doc_ids)
+    torch.testing.assert_close(trainer.AttentionDropout(dense, 0.0).attend(0, q, k, v), want)
+    # Dropout on the weights, rescaled by 1 / (1 - p): each draw differs, the average is the attention.
+    torch.manual_seed(0)
+    draws = torch.stack([trainer.AttentionDropout(dense, 0.5).attend(0, q, k, v) for _ in range(4000)])
+
+    def rel_error(x):
+        return ((x - want).norm() / want.norm()).item()
+
+    assert not torch.equal(draws[0], draws[1]) and rel_error(draws[0]) > 0.3
+    assert rel_error(draws.mean(0)) < 0.05
+
+
+def test_training_steps_drop_attention_weights_and_evaluation_does_not(corpus, tmp_path, monkeypatch):
+    """With model dropout on, training steps drop attention weights as nanoGPT does (here the only
+    dropout left on, so the only randomness); evaluation is deterministic and drops nothing."""
+    seen = []  # the attention that the loop's training steps get
+    real_make_loss_fn = trainer.make_loss_fn
+
+    def spy(model, attention, compiled):
+        seen.append(attention)
+        return real_make_loss_fn(model, attention, compiled)
+
+    monkeypatch.setattr(trainer, "make_loss_fn", spy)
+    assert run_cli(*tiny_args(corpus, tmp_path / "run", "--max-steps", "1")) == 0  # --dropout 0.1
+    backend = seen[0](_batch(torch.randint(0, 60, (2, 9))))
+    assert isinstance(backend, trainer.AttentionDropout) and backend.p == 0.1
+    monkeypatch.undo()
+
+    torch.manual_seed(0)
+    model = Transformer(model_preset("tiny-gpt2", dropout=0.3)).train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # residual and embedding dropout off
+    batch = _batch(torch.randint(0, 256, (2, 33)))
+    assert trainer.training_attention(trainer.document_attention, 0.0) is trainer.document_attention
+    loss_fn = trainer.make_loss_fn(model, trainer.training_attention(trainer.document_attention, 0.3), compiled=False)
+    assert loss_fn(batch).item() != loss_fn(batch).item()
+    amp = torch.autocast("cpu", enabled=False)
+    evals = [trainer.evaluate(model, [batch], device=torch.device("cpu"), amp=amp) for _ in range(2)]
+    assert model.training  # evaluate puts the model back in training mode
+    model.eval()
+    with torch.no_grad():
+        exact = trainer.batch_loss(model, batch).item() / trainer.count_trained(batch)
+    assert evals[0] == evals[1] == pytest.approx(exact, rel=1e-6)
+
+
+def test_the_final_val_loss_covers_the_whole_split(corpus, tmp_path):
+    """Along the way eval_iters batches; at the end the whole split, to its last token (recomputed here
+    from the saved model and val.bin, window by window)."""
+    out = tmp_path / "run"
+    assert run_cli(*tiny_args(corpus, out, "--max-steps", "4", "--eval-interval", "2", "--eval-iters", "1")) == 0
+    log = json.loads((out / "log.json").read_text())
+    assert [r["step"] for r in log["history"]["val"]] == [0, 2, 4]
+    model = load_model(out)
+    dtype = json.loads((out / "data" / "meta.json").read_text())["dtype"]
+    tokens = torch.from_numpy(np.fromfile(out / "data" / "val.bin", dtype=dtype).astype(np.int64))
+    windows = tokens[: (len(tokens) - 1) // 32 * 32 + 1].unfold(0, 33, 32)  # non-overlapping, 32 + 1 tokens
+    assert len(windows) > 1  # more than one eval batch of 4 rows would hold: eval_iters 1 was not used
+    with torch.no_grad():
+        logits = model(windows[:, :-1])
+    whole = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    assert log["final_val_loss_full_split"] == pytest.approx(whole, rel=1e-5)
 
 
 # --- exact resume, non-finite loss, checkpoints ------------------------------------------------------
@@ -238,6 +322,15 @@ def test_bench_train_runs_all_variants_and_writes_json(tmp_path, capsys):
 
 
 # --- GPU -------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_batches_reach_the_gpu_through_pinned_memory():
+    batch = _batch(torch.randint(0, 256, (2, 17)), torch.rand(2, 16) < 0.5)
+    assert all(t.is_pinned() for t in vars(batch.pin_memory()).values())
+    moved = trainer.to_device(batch, torch.device("cuda"))
+    for name, t in vars(moved).items():
+        assert t.is_cuda and torch.equal(t.cpu(), getattr(batch, name))
+
 
 @pytest.mark.gpu
 def test_compiled_bf16_training_on_gpu_tracks_eager(corpus, tmp_path):

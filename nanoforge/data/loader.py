@@ -42,8 +42,16 @@ class Batch:
     loss_mask: torch.Tensor | None = None  # bool, SFT only: True on trained (answer) tokens
 
     def to(self, device, non_blocking: bool = False) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory, so that a non-blocking copy to the GPU really is
+        asynchronous (a copy from pageable memory can make the host wait for the GPU's queue)."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> Batch:
         tensors = (getattr(self, f.name) for f in fields(self))
-        return Batch(*(t if t is None else t.to(device, non_blocking=non_blocking) for t in tensors))
+        return Batch(*(t if t is None else fn(t) for t in tensors))
 
 
 def doc_ids_and_positions(input_ids: torch.Tensor, eot_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,8 +73,10 @@ def _print_summary(s: dict) -> None:
     rate = f"{s['ms_per_step']:.1f} ms/step, {s['tokens_per_s']:,.0f} tok/s" if s["ms_per_step"] else "no steps run"
     print(f"{s['title']}: {s['step']} steps in {s['wall_time_s']:.1f} s wall time ({rate}, MFU {format_mfu(s['mfu'])})")
     if s["val_loss"] is not None:
-        print(f"val loss {s['initial_val_loss']:.4f} at the start -> {s['val_loss']:.4f} at the end (best "
-              f"{s['best_val_loss']:.4f}; over the whole val split {s['final_val_loss_full_split']:.4f})")
+        n = s["config"]["eval_iters"]  # the evaluations along the way cover this much of the val split
+        print(f"val loss {s['initial_val_loss']:.4f} at the start -> {s['final_val_loss_full_split']:.4f} at the end, "
+              f"over the whole val split (lowest evaluation {s['best_val_loss']:.4f}, along the way on "
+              f"{'the whole split' if n is None else f'{n} batches'})")
 
 
 # --- train ---------------------------------------------------------------------------------------

@@ -101,8 +101,11 @@ PRESETS: dict[str, TrainConfig] = {
     "shakespeare-char": TrainConfig(model="shakespeare-char", tokenizer="char", pad_vocab=1, batch_size=64, seq_len=256,
                                     max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100, beta2=0.99,
                                     weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_iters=200),
+    # nanoGPT's CPU command line (4 x 4 x 128, context 64, batch 12, 2000 iterations, no dropout) with a 5x
+    # higher learning rate: nanoGPT keeps its GPU recipe's lr 1e-3 / min_lr 1e-4, but this 0.8M-parameter
+    # model sees 1.5M tokens, far from overfitting, and learns faster (whole-split val loss ~1.77, not ~1.89).
     "shakespeare-char-cpu": TrainConfig(model="shakespeare-char-cpu", tokenizer="char", pad_vocab=1, batch_size=12,
-                                        seq_len=64, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                                        seq_len=64, max_steps=2000, lr=5e-3, min_lr=5e-4, warmup_steps=100,
                                         beta2=0.99, eval_interval=250, eval_iters=20),
     "gpt2-124m": TrainConfig(model="gpt2-124m", tokenizer="bpe:50257", batch_size=16, seq_len=1024, grad_accum=32,
                              max_steps=600000, lr=6e-4, min_lr=6e-5, warmup_steps=2000, beta2=0.95,

@@ -3,13 +3,15 @@
 Each optimizer step draws `grad_accum` micro-batches, runs forward and
 backward under bf16 autocast (on GPU), clips the gradient norm and steps
 AdamW at the scheduled learning rate. Every `eval_interval` steps it measures
-the validation loss and writes a checkpoint (model, optimizer, step, RNG,
-data position), the JSON log and the loss-curve PNG.
+the validation loss on `eval_iters` batches and writes a checkpoint (model,
+optimizer, step, RNG, data position), the JSON log and the loss-curve PNG. At
+the end it measures the loss over the whole validation split: the number a run
+reports.
 
-Losses stay on the device until a log step, so the GPU is not stalled every
-step; they are read back at each log step and before each checkpoint, and a
-non-finite one stops the run before anything is saved, keeping the last good
-checkpoint.
+The host never waits for the GPU within a step: batches reach it through
+pinned memory, and losses stay on the device until a log step. They are read
+back at each log step and before each checkpoint, and a non-finite one stops
+the run before anything is saved, keeping the last good checkpoint.
 
 Exact resume: the batches are a function of the data position, the learning
 rate a function of the step, and dropout draws from the restored RNG, so a
@@ -96,6 +98,33 @@ def causal_attention(batch: Batch) -> AttentionBackend:
     return DenseAttention(None)
 
 
+class AttentionDropout(AttentionBackend):
+    """A DenseAttention's masks (causal, documents apart) with dropout on the attention weights, as
+    nanoGPT trains its dropout models, through PyTorch SDPA: the flash kernels have no dropout."""
+
+    def __init__(self, dense: DenseAttention, p: float):
+        self.doc_ids, self.p = dense.doc_ids, p
+        self.mask = None  # built by the first layer, shared by the others
+
+    def attend(self, layer, q, k, v):
+        if self.doc_ids is not None and self.mask is None:
+            T = q.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            self.mask = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :])[:, None] & causal  # (B, 1, T, T)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=self.mask, is_causal=self.mask is None, dropout_p=self.p,
+                                           enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
+
+
+def training_attention(attention: AttentionFor, dropout: float) -> AttentionFor:
+    """The attention of training steps: `attention`, with the model's dropout on its weights if it has any,
+    as nanoGPT's recipes have it (with residual dropout alone a small model overfits more)."""
+    if dropout == 0:
+        return attention
+    return lambda batch: AttentionDropout(attention(batch), dropout)
+
+
 def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = document_attention) -> torch.Tensor:
     """Summed cross-entropy (in fp32 at least) over the trained tokens of a batch; the caller divides by
     their count."""
@@ -107,6 +136,14 @@ def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = d
 
 def count_trained(batch: Batch) -> int:
     return int((trained_targets(batch) != IGNORE_INDEX).sum())
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A CPU batch on the device without stalling the host: to a GPU it goes through pinned memory, so the
+    copies are queued behind the previous step's kernels (from pageable memory the host may wait for them)."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
 
 
 def make_loss_fn(model: torch.nn.Module, attention: AttentionFor, compiled: bool) -> Callable[[Batch], torch.Tensor]:
@@ -133,7 +170,7 @@ def train_step(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module,
     step_loss = torch.zeros((), device=device)
     for batch in micro:
         with amp:
-            loss = loss_fn(batch.to(device, non_blocking=True)) / n_trained
+            loss = loss_fn(to_device(batch, device)) / n_trained
         loss.backward()
         step_loss += loss.detach()
     if grad_clip > 0:
@@ -153,7 +190,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], *, device, amp,
     for batch in batches:
         count += count_trained(batch)
         with amp:
-            total += batch_loss(model, batch.to(device), attention)
+            total += batch_loss(model, to_device(batch, device), attention)
     model.train(was_training)
     if count == 0:
         raise NanoforgeError("the validation data holds no trained tokens", param="data")
@@ -186,7 +223,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     start_step, last_saved = step, (step if resume is not None else None)
     attention = document_attention if cfg.doc_masking else causal_attention
     compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    loss_fn = make_loss_fn(model, attention, compiled)  # evaluation runs eagerly: no recompiles for eval mode
+    # Evaluation runs eagerly (no recompiles for eval mode) and without dropout.
+    loss_fn = make_loss_fn(model, training_attention(attention, model.cfg.dropout), compiled)
     model.train()
 
     meter = Throughput(cfg.batch_size * seq_len * cfg.grad_accum, model.cfg.flops_per_token(seq_len),
