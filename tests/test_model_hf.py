@@ -262,3 +262,10 @@ def test_bf16_greedy_generate_on_gpu(case, saved):
             logits = hf(torch.tensor([ctx])).logits[0, -1]
         top2 = logits.topk(2).values
         assert (top2[0] - top2[1]).item() < 0.05
+
+
+def test_gpt2_without_biases_cannot_be_saved_as_gpt2(tmp_path):
+    m = Transformer(preset("tiny-gpt2", qkv_bias=False))
+    with pytest.raises(NanoforgeError, match="GPT-2 checkpoint has biases"):
+        save_model(m, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()

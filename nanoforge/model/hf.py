@@ -249,6 +249,9 @@ def save_model(model: Transformer, out_dir: str | os.PathLike, *, dtype: torch.d
     interrupted save never leaves a half-written checkpoint that looks good.
     """
     cfg = model.cfg
+    if cfg.is_gpt2 and not (cfg.qkv_bias and cfg.out_bias and cfg.mlp_bias):
+        raise NanoforgeError("a GPT-2 checkpoint has biases on every linear layer; this model lacks some, "
+                             "so it cannot be saved in the GPT-2 format", param="bias")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = model.state_dict()
