@@ -6,6 +6,7 @@ be set before triton / numba.cuda are imported, hence here, at collection.
 Tests marked `gpu` are skipped with a reason on machines without CUDA.
 """
 
+import math
 import os
 from pathlib import Path
 
@@ -20,6 +21,18 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+# Kernel tests that need the Triton interpreter (the compiled kernels are covered by the `gpu` tests).
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU-interpreter test (TRITON_INTERPRET=1); gpu tests cover the compiled kernels",
+)
+
+
+def nan_empty(*shape, like, dtype=None):
+    """A stand-in for a kernel module's `_empty`: outputs start as NaN, so an unwritten element fails."""
+    return torch.full(shape, math.nan, device=like.device, dtype=dtype or like.dtype)
 
 
 def pytest_collection_modifyitems(config, items):

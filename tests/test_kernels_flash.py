@@ -6,24 +6,13 @@ allocated NaN-filled (the `poisoned` fixture), so an element a kernel fails to w
 `gpu` tests repeat the checks at full size in bfloat16.
 """
 
-import math
-import os
 
 import pytest
 import torch
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import flash_attention as fa
-
-interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="CPU-interpreter test (TRITON_INTERPRET=1); gpu tests cover the compiled kernels",
-)
-
-
-def nan_empty(*shape, like, dtype=None):
-    return torch.full(shape, math.nan, device=like.device, dtype=dtype or like.dtype)
-
+from conftest import interpreter, nan_empty
 
 @pytest.fixture
 def poisoned(monkeypatch):

@@ -7,7 +7,6 @@ unevenly. Output buffers are poisoned with NaN so an element the kernel fails to
 write fails the comparison. `gpu` tests repeat the checks at full size.
 """
 
-import os
 import re
 
 import pytest
@@ -17,13 +16,10 @@ import torch.nn.functional as F
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import bench
 from nanoforge.kernels import matmul as mm
+from conftest import interpreter
 
 # sigmoid(-large) in the GELU/SiLU epilogues overflows exp() to inf (correctly giving 0); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-
-interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="CPU-interpreter test (TRITON_INTERPRET=1); the gpu tests cover the compiled kernels")
 
 # Relative tolerance: one unit in the last place of the output dtype (the
 # interpreter truncates float32 -> bfloat16 instead of rounding, so a full ulp).

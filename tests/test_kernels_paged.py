@@ -7,23 +7,13 @@ hold NaN so a kernel that reads them fails. Kernel outputs start as NaN (the `po
 """
 
 import math
-import os
 
 import pytest
 import torch
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import paged_attention as pa
-
-interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="CPU-interpreter test (TRITON_INTERPRET=1); gpu tests cover the compiled kernels",
-)
-
-
-def nan_empty(*shape, like, dtype=None):
-    return torch.full(shape, math.nan, device=like.device, dtype=dtype or like.dtype)
-
+from conftest import interpreter, nan_empty
 
 @pytest.fixture
 def poisoned(monkeypatch):
