@@ -111,8 +111,9 @@ class AsyncEngine:
         stream = RequestStream(self, ids)
 
         def add_all():
-            if len(self.engine.scheduler.waiting) + len(prompts) > self.max_waiting:
-                raise NanoforgeError(f"the server is busy: {len(self.engine.scheduler.waiting)} requests are "
+            waiting = self.engine.num_waiting()
+            if waiting + len(prompts) > self.max_waiting:
+                raise NanoforgeError(f"the server is busy: {waiting} requests are "
                                      f"waiting (limit {self.max_waiting}); retry later", status=429)
             added = []
             try:

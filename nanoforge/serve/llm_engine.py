@@ -167,6 +167,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_waiting(self) -> int:
+        """Requests queued for a batch slot (new, or preempted by recomputation)."""
+        return len(self.scheduler.waiting)
+
     def stats(self) -> dict:
         return self.scheduler.stats()
 
