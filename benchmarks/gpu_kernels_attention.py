@@ -4,8 +4,8 @@
 
 1. Correctness at full size, bfloat16, kernel outputs poisoned with NaN, against the float64 reference:
    flash attention forward and backward (causal, GQA, documents with length-1 ones, non-causal),
-   paged attention decode over long ragged contexts, chunked prefill, and a decode step replayed from
-   a CUDA graph after its lengths and block tables changed.
+   paged attention decode over long ragged contexts and chunked prefill. (CUDA-graph replay of a decode
+   step is `pytest -m gpu tests/test_kernels_paged.py`.)
 2. Benchmarks: `bench_rows` of both modules (flash vs SDPA's flash backend; document masking vs the
    same kernel without it; paged decode vs the torch reference, as a fraction of 4.17 TB/s), the
    configurations flash attention's autotuner chose, and a sweep of paged-decode launch configurations.
@@ -38,19 +38,6 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def random_docs(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
-    """Contiguous documents per row: lengths 1 (one in four) or 2..600, random labels."""
-    rows = []
-    for _ in range(B):
-        lens = []
-        while sum(lens) < T:
-            singleton = torch.rand(1, generator=gen).item() < 0.25
-            lens.append(1 if singleton else int(torch.randint(2, 600, (1,), generator=gen)))
-        lens[-1] -= sum(lens) - T
-        rows.append(torch.repeat_interleave(torch.randperm(10_000, generator=gen)[: len(lens)], torch.tensor(lens)))
-    return torch.stack(rows).cuda()
-
-
 def as_float64(batch: dict) -> dict:
     return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
 
@@ -69,7 +56,7 @@ def check_flash(quick: bool) -> list[dict]:
     for B, T, hq, hkv, d, causal, docs in cases:
         gen = torch.Generator().manual_seed(B * T)
         q, k, v, do = (torch.randn(B, T, h, d, generator=gen).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv, hq))
-        doc_ids = random_docs(B, T, gen) if docs else None
+        doc_ids = fa.random_doc_ids(B, T, gen).cuda() if docs else None
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         out = fa.attention(q, k, v, doc_ids=doc_ids, causal=causal)
         got = (out, *torch.autograd.grad(out, (q, k, v), do))
@@ -104,18 +91,6 @@ def check_paged(quick: bool) -> list[dict]:
         del b, out, ref
         torch.cuda.empty_cache()
 
-    # A decode step captured in a CUDA graph, replayed after the batch's lengths and tables changed.
-    ctx = [300, 1000, 64, 2048]
-    b = pa.make_paged_batch(ctx, [1] * 4, 32, 8, 128, 16, torch.bfloat16, "cuda")
-    pa.paged_attention(**b, max_q_len=1)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = pa.paged_attention(**b, max_q_len=1)
-    b["block_tables"].copy_(b["block_tables"].flip(0))  # the tables now hold 2048, 64, 1008, 304 tokens
-    b["seq_lens"].copy_(torch.tensor([2048, 17, 1000, 1], dtype=torch.int32))
-    graph.replay()
-    err = rel_error(out, pa.paged_attention_ref(**as_float64(b)))
-    results.append({"kernel": "paged", "shape": "decode CUDA-graph replay, new lengths", "out": err, "ok": err < 1e-2})
     return results
 
 

@@ -212,28 +212,21 @@ def _first_chat(base_url: str) -> None:
 
 # --- train, sft, bench train -------------------------------------------------------------------
 
-def _add_train(sub):
+def _add_training_verbs(sub, bench_verbs):
+    """`train`, `sft` and `bench train`: their flags and runners live in nanoforge/train/commands.py."""
     from nanoforge.train import commands
 
-    p = sub.add_parser("train", help="pretrain a GPT (default: a small Llama on the built-in corpus)")
-    commands.add_train_arguments(p)
-    p.set_defaults(func=commands.run_train)
-
-
-def _add_sft(sub):
-    from nanoforge.train import commands
-
-    p = sub.add_parser("sft", help="fine-tune a pretrained model on instructions (loss on answers only)")
-    commands.add_sft_arguments(p)
-    p.set_defaults(func=commands.run_sft)
-
-
-def _add_bench_train(bench_verbs):
-    from nanoforge.train import commands
-
-    p = bench_verbs.add_parser("train", help="training-step throughput: flash attention + document masking vs SDPA")
-    commands.add_bench_train_arguments(p)
-    p.set_defaults(func=commands.run_bench_train)
+    for parent, name, help_, add, run in (
+        (sub, "train", "pretrain a GPT (default: a small Llama on the built-in corpus)",
+         commands.add_train_arguments, commands.run_train),
+        (sub, "sft", "fine-tune a pretrained model on instructions (loss on answers only)",
+         commands.add_sft_arguments, commands.run_sft),
+        (bench_verbs, "train", "training-step throughput: flash attention + document masking vs SDPA",
+         commands.add_bench_train_arguments, commands.run_bench_train),
+    ):
+        p = parent.add_parser(name, help=help_)
+        add(p)
+        p.set_defaults(func=run)
 
 
 # --- kernels --------------------------------------------------------------------------------------
@@ -295,10 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_data(sub)
-    _add_bench_train(_add_bench(sub))
+    _add_training_verbs(sub, _add_bench(sub))
     _add_serve(sub)
-    _add_train(sub)
-    _add_sft(sub)
     _add_kernels(sub)
     return parser
 

@@ -12,6 +12,7 @@ import torch
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import flash_attention as fa
+from nanoforge.kernels.flash_attention import random_doc_ids
 from conftest import interpreter, nan_empty
 
 @pytest.fixture
@@ -35,20 +36,6 @@ def naive_attention(q, k, v, doc_ids, causal, scale):
         allowed &= (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     return torch.einsum("bhij,bjhd->bihd", probs, v)
-
-
-def random_docs(B, T, gen):
-    """Per row, contiguous documents of random lengths (some of length 1) labelled by random ids."""
-    rows = []
-    for _ in range(B):
-        lens = []
-        while sum(lens) < T:
-            singleton = torch.rand(1, generator=gen).item() < 0.25
-            lens.append(1 if singleton else int(torch.randint(2, 40, (1,), generator=gen)))
-        lens[-1] -= sum(lens) - T
-        labels = torch.randperm(10 * len(lens), generator=gen)[: len(lens)]  # ids need not be sorted or consecutive
-        rows.append(torch.repeat_interleave(labels, torch.tensor(lens)))
-    return torch.stack(rows)
 
 
 def make_inputs(B, T, hq, hkv, d, dtype, gen):
@@ -84,7 +71,7 @@ def assert_all_close(got, want, rtol, atol):
 def test_reference_matches_naive_definition(causal):
     gen = torch.Generator().manual_seed(0)
     q, k, v, _ = make_inputs(2, 29, 6, 2, 8, torch.float64, gen)
-    docs = random_docs(2, 29, gen)
+    docs = random_doc_ids(2, 29, gen, max_len=40)
     for doc_ids in (None, docs):
         got = fa.attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=0.3)
         torch.testing.assert_close(got, naive_attention(q, k, v, doc_ids, causal, 0.3))
@@ -117,7 +104,7 @@ CASES = [
 def test_forward_backward_match_float64(poisoned, B, T, hq, hkv, d, causal, docs):
     gen = torch.Generator().manual_seed(T * 31 + d)
     q, k, v, do = make_inputs(B, T, hq, hkv, d, torch.float32, gen)
-    doc_ids = random_docs(B, T, gen) if docs else None
+    doc_ids = random_doc_ids(B, T, gen, max_len=40) if docs else None
     got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids, causal=causal)
     assert_all_close(got, float64_reference(q, k, v, do, doc_ids=doc_ids, causal=causal), rtol=1e-4, atol=1e-5)
 
@@ -127,7 +114,7 @@ def test_forward_backward_match_float64(poisoned, B, T, hq, hkv, d, causal, docs
 def test_half_precision_inputs(poisoned, dtype):
     gen = torch.Generator().manual_seed(5)
     q, k, v, do = make_inputs(2, 40, 4, 2, 32, dtype, gen)
-    doc_ids = random_docs(2, 40, gen)
+    doc_ids = random_doc_ids(2, 40, gen, max_len=40)
     got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids, scale=0.2)
     assert got[0].dtype == dtype
     # half-precision inputs, and the kernel rounds probabilities to the input dtype before P @ V
@@ -183,7 +170,7 @@ def test_cpu_default_is_the_reference_and_differentiable(monkeypatch):
     monkeypatch.setenv("NANOFORGE_KERNELS", "auto")
     gen = torch.Generator().manual_seed(6)
     q, k, v, do = make_inputs(2, 20, 4, 2, 8, torch.float32, gen)
-    doc_ids = random_docs(2, 20, gen)
+    doc_ids = random_doc_ids(2, 20, gen, max_len=40)
     got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids)
     assert_all_close(got, float64_reference(q, k, v, do, doc_ids=doc_ids), rtol=1e-4, atol=1e-5)
 
@@ -203,7 +190,7 @@ def test_gpu_full_size_bf16(poisoned, B, T, hq, hkv, d, docs):
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (x.detach().cuda() for x in make_inputs(B, T, hq, hkv, d, torch.bfloat16, gen))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    doc_ids = random_docs(B, T, gen).cuda() if docs else None
+    doc_ids = random_doc_ids(B, T, gen, max_len=40).cuda() if docs else None
     got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids)
     want = float64_reference(q, k, v, do, doc_ids=doc_ids)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):

@@ -133,6 +133,21 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: to
 # ----------------------------------------------------------------------------------------------
 
 
+def random_doc_ids(B: int, T: int, gen: torch.Generator, max_len: int = 600) -> torch.Tensor:
+    """Test and benchmark data: per row, contiguous documents of random lengths (one in four of length 1,
+    else 2..max_len-1) labelled by random, unsorted ids. A (B, T) int64 CPU tensor."""
+    rows = []
+    for _ in range(B):
+        lens = []
+        while sum(lens) < T:
+            singleton = torch.rand(1, generator=gen).item() < 0.25
+            lens.append(1 if singleton else int(torch.randint(2, max_len, (1,), generator=gen)))
+        lens[-1] -= sum(lens) - T
+        labels = torch.randperm(10 * len(lens), generator=gen)[: len(lens)]  # ids need not be sorted or consecutive
+        rows.append(torch.repeat_interleave(labels, torch.tensor(lens)))
+    return torch.stack(rows)
+
+
 def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Every kernel output is allocated here (tests swap it for a NaN-filled one to catch unwritten elements)."""
     return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
