@@ -6,9 +6,10 @@
      dropout included), off in evaluation (two evaluations agree);
    - gradients of the compiled bf16 step (Triton flash attention, document masks) against eager fp32
      PyTorch attention;
-   - host stalls: ms/step of the shakespeare-char step with its batches copied from pageable memory (the
-     old path) and through pinned memory (`trainer.to_device`), in one process; the operations that make
-     the host wait for the GPU in 5 steps (torch.cuda.set_sync_debug_mode); a profile of 10 steps in
+   - the CUDA-graphed step against the launched one: 20 steps from one seed, dropout on, give the same
+     losses and weights (so capture's warm-up steps were undone, RNG included);
+   - where the shakespeare-char step's time goes: ms/step with and without document masks, launched from
+     Python or replayed as one CUDA graph, in one process; a profile of 10 launched steps in
      $OUT/step_profile.txt.
 2. shakespeare-char: nanoGPT's baby GPT (6 x 384, context 256, batch 64, 5000 steps, dropout 0.2) on Tiny
    Shakespeare must reach val loss <= 1.47 in less wall time than nanoGPT's 35 s (7 ms/iter x 5000).
@@ -35,7 +36,6 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,11 +57,6 @@ DATA_CANDIDATES = ("shared/data/tinyshakespeare.txt", "/work/shared/data/tinysha
 
 # --- 1. diagnose ---------------------------------------------------------------------------------------
 
-def _pageable(batch, device):
-    """The old host-to-device path: a non-blocking copy straight from pageable memory."""
-    return batch.to(device, non_blocking=True)
-
-
 def diagnose(out: Path, device: str = "cuda", steps: int = 200) -> dict:
     dev = torch.device(device)
     cfg = model_preset("shakespeare-char").replace(vocab_size=65)
@@ -73,7 +68,6 @@ def diagnose(out: Path, device: str = "cuda", steps: int = 200) -> dict:
     # Dropout: on in (compiled) training steps, off in evaluation. The same model is timed below.
     torch.manual_seed(0)
     model = Transformer(cfg).to(dev).train()
-    optimizer = make_optimizer(model, train_cfg)
     loss_fn = trainer.make_loss_fn(model, trainer.training_attention(trainer.document_attention, cfg.dropout), True)
     b = trainer.to_device(batches[0], dev)
     with amp:
@@ -101,49 +95,71 @@ def diagnose(out: Path, device: str = "cuda", steps: int = 200) -> dict:
     result["gradients"] = {"loss_fp32_eager": ref_loss, "loss_bf16_compiled": loss, "worst_rel_error": worst,
                            "pass": worst < 5e-2 and abs(loss - ref_loss) < 1e-2}
 
-    # Host stalls: the same compiled step fed from pageable vs pinned memory (pageable again last, for drift).
+    # CUDA graph: the graphed step must compute what the launched one does (same seed, same batches, dropout
+    # on: equal losses also show that the warm-up steps before capture were undone, RNG included).
+    def losses(graphed: bool, n: int = 20) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        m = Transformer(cfg).to(dev).train()
+        opt = make_optimizer(m, train_cfg, capturable=graphed)
+        fn = trainer.make_loss_fn(m, trainer.training_attention(trainer.causal_attention, cfg.dropout), True)
+        step = trainer.make_stepper(fn, m, opt, grad_clip=1.0, amp=trainer.autocast(dev, "auto", not graphed),
+                                    graphed=graphed)
+        out = [step([batches[i % len(batches)]], 1e-3) for i in range(n)]
+        return [x.item() for x in out], [p.detach().clone() for p in m.parameters()]
+
+    eager_losses, eager_params = losses(False)
+    graph_losses, graph_params = losses(True)
+    loss_diff = max(abs(a - b) for a, b in zip(eager_losses, graph_losses))
+    param_diff = max(((a - b).norm() / a.norm()).item() for a, b in zip(eager_params, graph_params))
+    result["cuda_graph_vs_launched"] = {"eager_losses": eager_losses, "graph_losses": graph_losses,
+                                        "max_loss_diff": loss_diff, "max_param_rel_diff": param_diff,
+                                        "pass": loss_diff < 2e-3 * max(eager_losses) and param_diff < 1e-2}
+
+    # Where the step's time goes: documents masked or not, launched from Python or replayed as a graph.
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def run(n: int) -> float:
-        sync()
-        t0 = time.perf_counter()
-        for i in range(n):
-            trainer.train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=1e-3, grad_clip=1.0, amp=amp)
-        sync()
-        return 1000 * (time.perf_counter() - t0) / n
-
-    run(min(20, steps))  # compilation, autotuning
-    pinned_path, timings = trainer.to_device, {}
-    try:
-        for name, move in (("pageable", _pageable), ("pinned", pinned_path), ("pageable_again", _pageable)):
-            trainer.to_device = move
-            timings[name] = run(steps)
-    finally:
-        trainer.to_device = pinned_path
-    result["ms_per_step"] = timings
-    if dev.type == "cuda":  # PyTorch warns at every operation that makes the host wait for the GPU
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+    timings = {}
+    for attn_name, attention in (("doc-mask", trainer.document_attention), ("causal", trainer.causal_attention)):
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            m = Transformer(cfg).to(dev).train()
+            opt = make_optimizer(m, train_cfg, capturable=graphed)
+            fn = trainer.make_loss_fn(m, trainer.training_attention(attention, cfg.dropout), True)
+            step = trainer.make_stepper(fn, m, opt, grad_clip=1.0, amp=trainer.autocast(dev, "auto", not graphed),
+                                        graphed=graphed)
+            t0 = time.perf_counter()
             for i in range(5):
-                trainer.train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=1e-3, grad_clip=1.0,
-                                   amp=amp)
-        torch.cuda.set_sync_debug_mode(0)
-        result["host_syncs_in_5_steps"] = [str(w.message).splitlines()[0] for w in caught]
-    from torch.profiler import ProfilerActivity, profile
+                step([batches[i % len(batches)]], 1e-3)
+            sync()
+            first5 = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step([batches[i % len(batches)]], 1e-3)
+            sync()
+            name = f"{attn_name}, {'CUDA graph' if graphed else 'launched'}"
+            timings[name] = {"ms_per_step": 1000 * (time.perf_counter() - t0) / steps, "first_5_steps_s": first5}
+            print(f"  step variant {name}: {timings[name]['ms_per_step']:.2f} ms/step, first 5 steps {first5:.1f} s",
+                  flush=True)
+            if attn_name == "causal" and not graphed:
+                from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run(min(10, steps))
-    (out / "step_profile.txt").write_text(
-        "10 shakespeare-char steps (pinned batches)\n\nby CUDA time:\n"
-        + prof.key_averages().table(sort_by="device_time_total", row_limit=30)
-        + "\n\nby CPU time:\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for i in range(10):
+                        step([batches[i % len(batches)]], 1e-3)
+                    sync()
+                (out / "step_profile.txt").write_text(
+                    "10 shakespeare-char steps (causal, launched)\n\nby CUDA time:\n"
+                    + prof.key_averages().table(sort_by="device_time_total", row_limit=40)
+                    + "\n\nby CPU time:\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+            del m, opt, fn, step
+    result["ms_per_step"] = timings
     torch._dynamo.reset()  # the sections below compile the same loss function again; start them afresh
-    syncs = len(result.get("host_syncs_in_5_steps", []))
+    graph = result["cuda_graph_vs_launched"]
     print(f"diagnose: dropout {'ok' if result['dropout']['pass'] else 'FAILED'} {result['dropout']}; gradients "
-          f"{'ok' if result['gradients']['pass'] else 'FAILED'} (worst relative error {worst:.2e}); shakespeare-char "
-          "step " + ", ".join(f"{k} {v:.2f} ms" for k, v in timings.items())
-          + f"; host syncs in 5 steps: {syncs}; profile in {out}/step_profile.txt")
+          f"{'ok' if result['gradients']['pass'] else 'FAILED'} (worst relative error {worst:.2e}); CUDA graph vs "
+          f"launched {'ok' if graph['pass'] else 'FAILED'} (loss diff {graph['max_loss_diff']:.2e}, param diff "
+          f"{graph['max_param_rel_diff']:.2e}); shakespeare-char step "
+          + ", ".join(f"{k} {v['ms_per_step']:.2f} ms" for k, v in timings.items())
+          + f"; profile in {out}/step_profile.txt")
     return result
 
 
@@ -158,7 +174,11 @@ def shakespeare(data: Path, out: Path, compile: bool | None, name: str = "shakes
         history = json.loads((Path(tmp) / "run" / "log.json").read_text())["history"]
     torch._dynamo.reset()
     result = {k: s[k] for k in ("val_loss", "best_val_loss", "final_val_loss_full_split", "wall_time_s",
-                                "ms_per_step", "tokens_per_s", "mfu", "compiled")}
+                                "ms_per_step", "tokens_per_s", "mfu", "compiled", "cuda_graph")}
+    reached = next((r for r in history["val"] if r["loss"] <= TARGET_VAL_LOSS), None)
+    result["target_reached_at_step"] = reached["step"] if reached else None
+    result["target_reached_at_wall_s"] = reached["wall_s"] if reached else None
+    result["pass_time_to_target"] = reached is not None and reached["wall_s"] < NANOGPT_WALL_S
     result["steady_wall_s_for_5000_steps"] = s["ms_per_step"] * 5 if s["ms_per_step"] else None
     result["pass_val_loss"] = s["final_val_loss_full_split"] <= TARGET_VAL_LOSS
     result["pass_best_val_loss_like_nanogpt"] = s["best_val_loss"] <= TARGET_VAL_LOSS
@@ -170,9 +190,12 @@ def shakespeare(data: Path, out: Path, compile: bool | None, name: str = "shakes
         return sum(losses) / len(losses) if losses else None
 
     result["curve"] = [(r["step"], r["loss"], train_loss_before(r["step"])) for r in history["val"]]
-    print(f"\n{name}: step, val loss, mean train loss of the 50 steps before")
-    for step, val, train in result["curve"]:
-        print(f"  {step:>5} {val:.4f} " + (f"{train:.4f}" if train is not None else "-"))
+    print(f"\n{name}: step, wall s, val loss, mean train loss of the 50 steps before")
+    for (step, val, train), r in zip(result["curve"], history["val"]):
+        print(f"  {step:>5} {r['wall_s']:>6.1f} {val:.4f} " + (f"{train:.4f}" if train is not None else "-"))
+    print(f"{name}: val loss <= {TARGET_VAL_LOSS} first at step {result['target_reached_at_step']}, "
+          f"{result['target_reached_at_wall_s'] or float('nan'):.1f} s after the start (nanoGPT: 5000 steps x 7 ms "
+          f"= {NANOGPT_WALL_S:.0f} s)")
     print(f"{name}: val loss {s['final_val_loss_full_split']:.4f} at the end over the whole split (best "
           f"{s['best_val_loss']:.4f}; "
           f"target <= {TARGET_VAL_LOSS}, nanoGPT's best 1.4697), wall time {s['wall_time_s']:.1f} s "

@@ -1,12 +1,14 @@
 """`nanoforge bench train`: training throughput of the real training step, against a baseline.
 
-Each variant builds the same model from the same seed and times `train_step`
-(forward, backward, clipping, fused AdamW) on packed batches of random tokens
-whose documents have random lengths, as the pretraining loader makes them:
+Each variant builds the same model from the same seed and times the training
+step (forward, backward, clipping, fused AdamW) on packed batches of random
+tokens whose documents have random lengths, as the pretraining loader makes them:
 
-  nanoforge      our Triton flash attention with document masking (what `train` runs)
-  no-doc-mask    our flash attention, plain causal (every row one sequence)
-  baseline       PyTorch's scaled_dot_product_attention, plain causal: nanoGPT's attention
+  nanoforge      our Triton flash attention with document masking (what `train` runs),
+                 the whole step replayed as one CUDA graph on a GPU (unless --no-cuda-graph)
+  no-doc-mask    the same, plain causal (every row one sequence)
+  baseline       nanoGPT's step: PyTorch's scaled_dot_product_attention, plain causal,
+                 torch.compile and fused AdamW, launched from Python (no CUDA graph)
 
 All run in one process, so the ratios compare like with like. Prints a table
 and writes the numbers to a JSON file.
@@ -31,7 +33,7 @@ from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import make_optimizer
 from nanoforge.train.progress import format_mfu, peak_flops
 from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, document_attention, make_loss_fn,
-                                     train_step)
+                                     make_stepper, use_cuda_graph)
 
 
 class SDPACausal(AttentionBackend):
@@ -67,7 +69,8 @@ def packed_batches(n: int, batch_size: int, seq_len: int, vocab: int, eos: int, 
 
 def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int = 1024, steps: int = 30,
                 warmup: int = 8, mean_doc_len: int = 512, variants: list[str] | None = None, device: str = "auto",
-                dtype: str = "auto", compile: bool | None = None, pad_vocab: int = 64, seed: int = 0) -> dict:
+                dtype: str = "auto", compile: bool | None = None, cuda_graph: bool | None = None, pad_vocab: int = 64,
+                seed: int = 0) -> dict:
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps), ("doc_len", mean_doc_len)):
         if value <= 0:
             raise NanoforgeError(f"bench train: {name} must be positive, got {value}", param=name)
@@ -81,42 +84,46 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
     seq_len = min(seq_len, cfg.max_seq_len)
     train_cfg = TrainConfig(lr=6e-4, weight_decay=0.1, beta2=0.95)
     compiled = compile if compile is not None else dev.type == "cuda"
+    graphed = use_cuda_graph(dev, cuda_graph)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 0
     batches = packed_batches(4, batch_size, seq_len, cfg.vocab_size, eos, mean_doc_len, seed)
     if dev.type == "cuda":
         batches = [b.pin_memory() for b in batches]  # pinned once, outside the timed steps
     tokens_per_step = batch_size * seq_len
     flops, peak = cfg.flops_per_token(seq_len), peak_flops(dev)
-    amp = autocast(dev, dtype)
+    amp = autocast(dev, dtype, cache=not graphed)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     results = []
     for name in variants or list(VARIANTS):
         what, attention = VARIANTS[name]
+        graph_it = graphed and name != "baseline"  # nanoGPT launches its step from Python
         torch.manual_seed(seed)
         model = Transformer(cfg).to(dev).train()
-        optimizer = make_optimizer(model, train_cfg)
-        loss_fn = make_loss_fn(model, attention, compiled)
+        optimizer = make_optimizer(model, train_cfg, capturable=graph_it)
+        step = make_stepper(make_loss_fn(model, attention, compiled), model, optimizer, grad_clip=1.0, amp=amp,
+                            graphed=graph_it)
         counters.clear()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
         for i in range(warmup):  # compilation and autotuning happen here
-            train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=6e-4, grad_clip=1.0, amp=amp)
+            step([batches[i % len(batches)]], 6e-4)
         sync()
         warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for i in range(steps):
-            loss = train_step(loss_fn, model, optimizer, [batches[i % len(batches)]], lr=6e-4, grad_clip=1.0, amp=amp)
+            loss = step([batches[i % len(batches)]], 6e-4)
         sync()
         step_s = (time.perf_counter() - t0) / steps
         tok_s = tokens_per_step / step_s
-        results.append({"variant": name, "attention": what, "ms_per_step": 1000 * step_s, "tokens_per_s": tok_s,
+        results.append({"variant": name, "attention": what, "cuda_graph": graph_it,
+                        "ms_per_step": 1000 * step_s, "tokens_per_s": tok_s,
                         "mfu": tok_s * flops / peak if peak else None, "warmup_s": warm_s, "loss": loss.item(),
                         "graph_breaks": sum(counters["graph_break"].values()),
                         "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
                         else None})
-        del model, optimizer, loss_fn
+        del model, optimizer, step
         if compiled:
             torch._dynamo.reset()
         if dev.type == "cuda":
@@ -127,13 +134,14 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
     return {"preset": preset, "params_m": cfg.num_params(non_embedding=False) / 1e6,
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "batch_size": batch_size,
             "seq_len": seq_len, "mean_doc_len": mean_doc_len, "dtype": compute_dtype(dev, dtype),
-            "compiled": compiled, "steps": steps, "warmup": warmup, "flops_per_token": flops, "peak_flops": peak,
+            "compiled": compiled, "cuda_graph": graphed, "steps": steps, "warmup": warmup, "flops_per_token": flops, "peak_flops": peak,
             "results": results}
 
 
 def print_table(report: dict) -> None:
     print(f"training step, {report['preset']} ({report['params_m']:.1f}M params), {report['batch_size']} x "
           f"{report['seq_len']} tokens, {report['dtype']}, compile {'on' if report['compiled'] else 'off'}, "
+          f"CUDA graph {'on' if report.get('cuda_graph') else 'off'}, "
           f"{report['device']}, documents of mean length {report['mean_doc_len']}")
     print(f"{'variant':<12} {'attention':<36} {'ms/step':>9} {'tokens/s':>12} {'MFU':>7} {'vs baseline':>12} "
           f"{'graph breaks':>13}")

@@ -43,11 +43,13 @@ def _add_loop_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--dtype", default=None, help="auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on GPU only)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the whole optimizer step as one CUDA graph (default: on GPU only)")
 
 
 def _overrides(args) -> dict:
     """TrainConfig fields given on the command line."""
-    names = [*_LOOP_FLAGS, "device", "dtype", "compile", "tokenizer", "doc_masking"]
+    names = [*_LOOP_FLAGS, "device", "dtype", "compile", "cuda_graph", "tokenizer", "doc_masking"]
     found = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if getattr(args, "data", None):
         found["data"] = [str(p) for p in args.data]
@@ -171,6 +173,8 @@ def add_bench_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 autocast on GPU), bf16 or fp32")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on GPU only")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each step as one CUDA graph (default: on GPU only)")
     p.add_argument("--json", type=Path, default=Path("runs/bench/train.json"), help="where to write the numbers")
 
 
@@ -180,7 +184,7 @@ def run_bench_train(args) -> int:
 
     report = bench_train(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
                          warmup=args.warmup, mean_doc_len=args.doc_len, variants=args.variants, device=args.device,
-                         dtype=args.dtype, compile=args.compile)
+                         dtype=args.dtype, compile=args.compile, cuda_graph=args.cuda_graph)
     print_table(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.json, report)

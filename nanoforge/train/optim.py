@@ -9,16 +9,18 @@ import torch
 from nanoforge.train.config import TrainConfig
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, capturable: bool = False) -> torch.optim.AdamW:
     """AdamW where matrices and embeddings decay and biases and norm gains do not (nanoGPT's rule: dim >= 2).
 
     Fused into one kernel on CUDA; the multi-tensor (foreach) path elsewhere. Tied weights appear once.
+    `capturable`: its step can be recorded in a CUDA graph (step counts and learning rate on the device).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     on_cuda = params[0].is_cuda
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=on_cuda, foreach=not on_cuda)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=on_cuda, foreach=not on_cuda,
+                             capturable=capturable)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -28,7 +28,7 @@ from nanoforge.runtime import pick_device
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
 from nanoforge.train.config import TrainConfig
-from nanoforge.train.trainer import RunData, train
+from nanoforge.train.trainer import RunData, train, use_cuda_graph
 
 # Fields that do not change the weights' shapes or meaning.
 _NOT_ARCHITECTURE = {"dropout", "bos_token_id", "eos_token_id", "extra"}
@@ -69,6 +69,7 @@ def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> 
     out_dir = Path(out_dir)
     state = load_state(out_dir) if resume else None
     device = pick_device(cfg.device)
+    use_cuda_graph(device, cfg.cuda_graph)  # refuse before anything is written
     data_dir = prepared_data(cfg, out_dir, resuming=resume)
     tokenizer = Tokenizer.load(data_dir)
     expected = model_config(cfg, tokenizer)

@@ -25,7 +25,7 @@ from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.progress import write_json
-from nanoforge.train.trainer import RunData, train
+from nanoforge.train.trainer import RunData, train, use_cuda_graph
 
 
 def split_records(records: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -75,6 +75,7 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
     out_dir = Path(out_dir)
     state = load_state(out_dir) if resume else None
     device = pick_device(cfg.device)
+    use_cuda_graph(device, cfg.cuda_graph)  # refuse before anything is written
     source = out_dir if resume else Path(cfg.init or "runs/pretrain")
     if not (source / "config.json").is_file():
         raise NanoforgeError(f"{source}/config.json not found: SFT starts from a pretrained model folder "

@@ -69,11 +69,19 @@ def compute_dtype(device: torch.device, dtype: str) -> str:
     return dtype
 
 
-def autocast(device: torch.device, dtype: str):
-    """bf16 autocast (weights and optimizer state stay fp32), or nothing for fp32."""
+def autocast(device: torch.device, dtype: str, cache: bool = True):
+    """bf16 autocast (weights and optimizer state stay fp32), or nothing for fp32. `cache=False` under CUDA
+    graph capture: autocast's cache of bf16 weight copies must not outlive the captured step."""
     if compute_dtype(device, dtype) == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
+
+
+def use_cuda_graph(device: torch.device, cuda_graph: bool | None) -> bool:
+    """Whether the optimizer step runs as a CUDA graph: on a GPU unless asked not to; never elsewhere."""
+    if cuda_graph and device.type != "cuda":
+        raise NanoforgeError(f"--cuda-graph needs a CUDA GPU; this run is on {device}", param="cuda_graph")
+    return device.type == "cuda" if cuda_graph is None else cuda_graph
 
 
 # --- the loss -----------------------------------------------------------------------------------
@@ -180,6 +188,110 @@ def train_step(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module,
     return step_loss
 
 
+class GraphedStep:
+    """`train_step`, captured once into a CUDA graph and replayed: one launch per optimizer step.
+
+    A small model's step is hundreds of short kernels; launched one by one from Python, the GPU waits for
+    the host between them (nanoGPT's baby GPT spends more time launching than computing). The graph holds
+    the forward and backward of every micro-batch, the clipping and the fused AdamW update; a step copies
+    its batches into the graph's static input buffers, sets the learning rate and the loss divisor (device
+    scalars the graph reads) and replays.
+
+    Capture needs a few warm-up steps first (compilation, autotuning, lazy allocations). They run on the
+    first real batches; afterwards the weights, the optimizer state and the CUDA RNG are put back as they
+    were, so a graphed run computes the same steps as an eager one, and a resumed run the same as one
+    that never stopped. Every step must have the batches' shapes of the first (the packed loaders give
+    fixed (batch, seq_len) batches); another shape is an error, not a silent recapture.
+    """
+
+    WARMUP = 3
+
+    def __init__(self, loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, *, grad_clip: float, amp):
+        if not all(group.get("capturable") for group in optimizer.param_groups):
+            raise ValueError("GraphedStep needs an optimizer made with capturable=True")
+        self.loss_fn, self.model, self.optimizer, self.grad_clip, self.amp = loss_fn, model, optimizer, grad_clip, amp
+        self.device = model.embed.weight.device
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _signature(self, micro: list[Batch]) -> list:
+        return [[None if t is None else (tuple(t.shape), t.dtype) for t in vars(b).values()] for b in micro]
+
+    def _body(self) -> torch.Tensor:
+        """The step as the graph records it: static batches in, summed-then-scaled loss out."""
+        step_loss = torch.zeros((), device=self.device)
+        for batch in self.static:
+            with self.amp:
+                loss = self.loss_fn(batch) * self.inv_count
+            loss.backward()
+            step_loss += loss.detach()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        return step_loss
+
+    def _load(self, micro: list[Batch], lr: float) -> None:
+        for static, batch in zip(self.static, micro):
+            for name, value in vars(batch).items():
+                if value is not None:
+                    getattr(static, name).copy_(value.pin_memory() if not value.is_pinned() else value,
+                                                non_blocking=True)
+        self.lr.fill_(lr)
+        self.inv_count.fill_(1.0 / max(sum(count_trained(b) for b in micro), 1))
+
+    def _capture(self, micro: list[Batch], lr: float) -> None:
+        self.signature = self._signature(micro)
+        self.static = [to_device(b, self.device) for b in micro]  # the graph's input buffers
+        self.lr = torch.tensor(lr, device=self.device)
+        self.inv_count = torch.zeros((), device=self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr  # a device tensor: the graph reads the step's learning rate from it
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved_params = [p.detach().clone() for p in params]
+        saved_state = {id(p): {k: v.clone() for k, v in self.optimizer.state[p].items()} for p in params
+                       if p in self.optimizer.state}
+        saved_rng = torch.cuda.get_rng_state(self.device)
+        self._load(micro, lr)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.WARMUP):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._body()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.no_grad():  # back to where the run was: the warm-up steps never happened
+            for p, saved in zip(params, saved_params):
+                p.copy_(saved)
+            for p in params:
+                for k, v in self.optimizer.state[p].items():
+                    before = saved_state.get(id(p), {}).get(k)
+                    v.copy_(before) if before is not None else v.zero_()
+        torch.cuda.set_rng_state(saved_rng, self.device)
+        self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients it writes
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self._body()
+
+    def __call__(self, micro: list[Batch], lr: float) -> torch.Tensor:
+        if self.graph is None:
+            self._capture(micro, lr)
+        elif self._signature(micro) != self.signature:
+            raise NanoforgeError(f"a CUDA-graphed training step needs batches of one shape; got "
+                                 f"{self._signature(micro)} after {self.signature} (use --no-cuda-graph)",
+                                 param="cuda_graph")
+        self._load(micro, lr)
+        self.graph.replay()
+        return self.loss.clone()
+
+
+def make_stepper(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 *, grad_clip: float, amp, graphed: bool) -> Callable[[list[Batch], float], torch.Tensor]:
+    """(micro-batches, lr) -> the step's mean loss on the device: `train_step`, or its CUDA graph."""
+    if graphed:
+        return GraphedStep(loss_fn, model, optimizer, grad_clip=grad_clip, amp=amp)
+    return lambda micro, lr: train_step(loss_fn, model, optimizer, micro, lr=lr, grad_clip=grad_clip, amp=amp)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[Batch], *, device, amp,
              attention: AttentionFor = document_attention) -> float:
@@ -211,12 +323,15 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     if resume is None and cfg.lr_decay_steps is None:
         cfg = cfg.replace(lr_decay_steps=cfg.max_steps)  # fixed now, so a resume with more steps keeps it
     device = model.embed.weight.device
+    graphed = use_cuda_graph(device, cfg.cuda_graph)
     amp = autocast(device, cfg.dtype)
     seq_len = cfg.seq_len or model.cfg.max_seq_len
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg, capturable=graphed)
     step, history = 0, {"train": [], "val": []}
     if resume is not None:
         optimizer.load_state_dict(resume["optimizer"])
+        for group in optimizer.param_groups:  # the checkpoint may come from a run with(out) a CUDA graph
+            group["capturable"], group["lr"] = graphed, float(group["lr"])
         data.train.load_state_dict(resume["data"])
         restore_rng(resume["rng"])
         step, history = resume["step"], resume["history"]
@@ -225,6 +340,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
     # Evaluation runs eagerly (no recompiles for eval mode) and without dropout.
     loss_fn = make_loss_fn(model, training_attention(attention, model.cfg.dropout), compiled)
+    step_fn = make_stepper(loss_fn, model, optimizer, grad_clip=cfg.grad_clip, amp=autocast(device, cfg.dtype, not graphed),
+                           graphed=graphed)
     model.train()
 
     meter = Throughput(cfg.batch_size * seq_len * cfg.grad_accum, model.cfg.flops_per_token(seq_len),
@@ -239,7 +356,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
                 "initial_val_loss": vals[0] if vals else None, "val_loss": vals[-1] if vals else None,
                 "best_val_loss": min(vals) if vals else None, "wall_time_s": time.perf_counter() - wall_start,
                 "ms_per_step": ms_per_step, "tokens_per_s": tok_s, "mfu": meter.mfu(tok_s), "device": str(device),
-                "compiled": compiled, "model": model.cfg.to_dict(), "config": cfg.to_dict()}
+                "compiled": compiled, "cuda_graph": graphed, "model": model.cfg.to_dict(), "config": cfg.to_dict()}
 
     def write_log(extra: dict | None = None) -> dict:
         log = summary() | (extra or {})
@@ -271,7 +388,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
             meter.pause()  # evaluation and saving are not training time
             read_back_losses()
             val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp, attention=attention)
-            history["val"].append({"step": step, "loss": val})
+            history["val"].append({"step": step, "loss": val, "wall_s": time.perf_counter() - wall_start})
             if not math.isfinite(val):
                 bar.close()
                 write_log({"stopped": f"non-finite validation loss at step {step}"})
@@ -292,7 +409,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
         # --- one optimizer step over grad_accum micro-batches ---
         lr = lr_at(step, cfg)
         micro = [next(data.train) for _ in range(cfg.grad_accum)]
-        step_loss = train_step(loss_fn, model, optimizer, micro, lr=lr, grad_clip=cfg.grad_clip, amp=amp)
+        step_loss = step_fn(micro, lr)
         step += 1
         meter.steps += 1
         pending.append((step, step_loss, lr))
