@@ -31,8 +31,11 @@ interpreter = pytest.mark.skipif(
 
 
 def nan_empty(*shape, like, dtype=None):
-    """A stand-in for a kernel module's `_empty`: outputs start as NaN, so an unwritten element fails."""
-    return torch.full(shape, math.nan, device=like.device, dtype=dtype or like.dtype)
+    """A stand-in for a kernel module's `_empty`: outputs start as NaN (integers: their minimum), so an
+    unwritten element fails."""
+    dtype = dtype or like.dtype
+    poison = math.nan if dtype.is_floating_point else torch.iinfo(dtype).min
+    return torch.full(shape, poison, device=like.device, dtype=dtype)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -79,9 +79,20 @@ def test_reference_matches_naive_definition(causal):
 
 def test_doc_bounds_are_each_tokens_document_range():
     doc_ids = torch.tensor([[7, 7, 3, 9, 9, 9, 7], [1, 1, 1, 1, 1, 1, 1]])
-    starts, ends = fa._doc_bounds(doc_ids)
+    starts, ends = fa._doc_bounds_ref(doc_ids)
     assert starts.tolist() == [[0, 0, 2, 3, 3, 3, 6], [0] * 7]
     assert ends.tolist() == [[2, 2, 3, 6, 6, 6, 7], [7] * 7]
+
+
+@interpreter
+@pytest.mark.parametrize("T", [1, 7, 16, 45, 100])
+def test_doc_bounds_kernel_matches_the_reference(T, poisoned):
+    """The one-launch scan kernel (16-token blocks here, so the carry between blocks is exercised) against
+    the PyTorch reference, on random documents including length 1 and one spanning the whole row."""
+    gen = torch.Generator().manual_seed(T)
+    doc_ids = torch.cat([random_doc_ids(3, T, gen, max_len=12), torch.zeros(1, T, dtype=torch.long)])
+    got, want = fa.doc_bounds(doc_ids), fa._doc_bounds_ref(doc_ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # ------------------------------------------------------------------------------ Triton vs float64

@@ -44,11 +44,18 @@ _EXTERNAL = {"flash": "flash_attention", "paged": "paged_attention"}
 # --------------------------------------------------------------------------- measuring
 
 
-def time_ms(fn: Callable[[], object], quick: bool = False, grad_to_none: list | None = None) -> float:
-    """Median milliseconds of fn() on the GPU (triton.testing.do_bench; it clears L2 before every call).
-    `grad_to_none`: tensors whose .grad is reset between calls (timing a backward)."""
-    from triton.testing import do_bench
+def time_ms(fn: Callable[[], object], quick: bool = False, grad_to_none: list | None = None,
+            graph: bool = False) -> float:
+    """Median milliseconds of fn() on the GPU. One untimed call first (compilation, autotuning), then
+    triton.testing.do_bench, which clears L2 before every call; with `graph`, do_bench_cudagraph: the calls
+    replayed from a CUDA graph, so the time is the GPU's alone, without the host's launch overhead (how the
+    training step runs them). `grad_to_none`: tensors whose .grad is reset between calls (timing a backward)."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return do_bench_cudagraph(fn, rep=40 if quick else 100, grad_to_none=grad_to_none, return_mode="median")
     return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, grad_to_none=grad_to_none,
                     return_mode="median")
 
@@ -261,6 +268,8 @@ def run(kinds: list[str], out_dir: Path, quick: bool = False) -> dict:
     rows: list[dict] = []
     for kind in kinds:
         rows += _SUITES[kind](quick) if kind in _SUITES else _external_rows(kind, quick)
+        # what is measured so far survives a run cut short (a time limit, a crash in a later suite)
+        (out_dir / "kernels_bench.partial.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}))
     summary = summarize(rows)
     report = {"device": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,
               "triton": triton.__version__, "quick": quick, "kinds": list(kinds), "ceilings": ceilings,
@@ -277,6 +286,7 @@ def run(kinds: list[str], out_dir: Path, quick: bool = False) -> dict:
               f"{summary['streamk_vs_dp_geomean']:.3f}, min {summary['streamk_vs_dp_min']:.3f} "
               f"(target >= 1.15)")
     (out_dir / "kernels_bench.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "kernels_bench.partial.json").unlink()
     plot_roofline(rows, ceilings, out_dir / "roofline.png", f"nanoforge kernels on {props.name}")
     print(f"wrote {out_dir / 'kernels_bench.json'} and {out_dir / 'roofline.png'}")
     return report

@@ -58,11 +58,13 @@ def attention(
     doc_ids: torch.Tensor | None = None,
     causal: bool = True,
     scale: float | None = None,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, (B, T, Hq, D) x (B, T, Hkv, D) -> (B, T, Hq, D), differentiable.
 
     Query i of row b attends key j iff (j <= i when `causal`) and doc_ids[b, i] == doc_ids[b, j].
     `scale` defaults to 1/sqrt(D). Triton on CUDA tensors, the PyTorch reference elsewhere.
+    `bounds`: doc_bounds(doc_ids), when the caller has it already (computed here otherwise).
     """
     _check_inputs(q, k, v, doc_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -70,7 +72,10 @@ def attention(
         return attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=scale)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise NanoforgeError(f"flash attention runs on float16/bfloat16/float32, not {q.dtype}", param="q")
-    return _flash_attention(q, k, v, doc_ids, causal, scale)
+    if doc_ids is not None and bounds is None:
+        bounds = doc_bounds(doc_ids)
+    starts, ends = bounds if doc_ids is not None else (None, None)
+    return _flash_fwd(q, k, v, starts, ends, causal, scale)[0]
 
 
 def attention_ref(
@@ -153,8 +158,33 @@ def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
     return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
 
 
-def _doc_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, the [start, end) of its document, as two int32 (B, T) tensors. Documents are contiguous runs."""
+def doc_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the [start, end) of its document, as two int32 (B, T) tensors: what the kernels read
+    instead of the ids. One Triton launch on a GPU (`_doc_bounds_ref`, a dozen PyTorch ops, elsewhere).
+    Every layer of a forward pass sees the same documents, so callers compute this once per batch
+    (`DenseAttention` does) and pass it to `attention(..., bounds=...)`."""
+    if not use_fast(doc_ids):
+        return _doc_bounds_ref(doc_ids)
+    return _doc_bounds_op(doc_ids)
+
+
+@torch.library.custom_op("nanoforge::doc_bounds", mutates_args=())
+def _doc_bounds_op(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    doc_ids = doc_ids.contiguous()
+    B, T = doc_ids.shape
+    starts = _empty(B, T, like=doc_ids, dtype=torch.int32)
+    ends = _empty(B, T, like=doc_ids, dtype=torch.int32)
+    _doc_bounds_kernel[(B,)](doc_ids, starts, ends, T, BLOCK=1024 if os.environ.get("TRITON_INTERPRET") != "1" else 16)
+    return starts, ends
+
+
+@_doc_bounds_op.register_fake
+def _(doc_ids):
+    return doc_ids.new_empty(doc_ids.shape, dtype=torch.int32), doc_ids.new_empty(doc_ids.shape, dtype=torch.int32)
+
+
+def _doc_bounds_ref(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """doc_bounds in PyTorch ops: the reference of the kernel, and the CPU path."""
     B, T = doc_ids.shape
     idx = torch.arange(T, device=doc_ids.device).expand(B, T)
     first = torch.ones_like(doc_ids, dtype=torch.bool)
@@ -261,11 +291,6 @@ def _backward(ctx, do, _dlse):
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _flash_attention(q, k, v, doc_ids, causal: bool, scale: float) -> torch.Tensor:
-    starts, ends = _doc_bounds(doc_ids) if doc_ids is not None else (None, None)
-    return _flash_fwd(q, k, v, starts, ends, causal, scale)[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
@@ -288,13 +313,52 @@ _FWD_CONFIGS = _configs(
 )
 _DKDV_CONFIGS = _configs(
     ("BLOCK_M", "BLOCK_N"),
-    [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3),
-     (32, 64, 4, 3), (32, 64, 8, 3), (64, 64, 8, 3)],
+    [(32, 128, 4, 3), (32, 128, 4, 5), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3),
+     (32, 64, 4, 3), (32, 64, 4, 5), (64, 64, 4, 3), (64, 64, 8, 3)],
 )
 _DQ_CONFIGS = _configs(
     ("BLOCK_M", "BLOCK_N"),
-    [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+    [(128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
+     (64, 32, 4, 3)],
 )
+
+
+@triton.jit
+def _max2(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min2(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _doc_bounds_kernel(IDS, STARTS, ENDS, T, BLOCK: tl.constexpr):
+    """One program per row. starts: a running max of "a document starts here" positions, left to right;
+    ends: a running min of "one past a document's last token" positions, right to left. Each BLOCK of
+    tokens is one associative scan, carried into the next block."""
+    row = tl.program_id(0).to(tl.int64) * T
+    carry = tl.zeros([], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        ok = offs < T
+        ids = tl.load(IDS + row + offs, mask=ok)
+        prev = tl.load(IDS + row + offs - 1, mask=ok & (offs > 0))
+        first = (offs == 0) | (ids != prev)
+        s = tl.maximum(tl.associative_scan(tl.where(first, offs, 0), 0, _max2), carry)
+        tl.store(STARTS + row + offs, s, mask=ok)
+        carry = tl.max(tl.where(ok, s, 0), 0)
+    carry = tl.zeros([], dtype=tl.int32) + T
+    for t0 in range(0, T, BLOCK):
+        offs = T - 1 - t0 - tl.arange(0, BLOCK)  # right to left
+        ok = offs >= 0
+        ids = tl.load(IDS + row + offs, mask=ok)
+        nxt = tl.load(IDS + row + offs + 1, mask=ok & (offs < T - 1))
+        last = (offs == T - 1) | (ids != nxt)
+        e = tl.minimum(tl.associative_scan(tl.where(last, offs + 1, T), 0, _min2), carry)
+        tl.store(ENDS + row + offs, e, mask=ok)
+        carry = tl.min(tl.where(ok, e, T), 0)
 
 
 @triton.jit
@@ -350,6 +414,36 @@ def _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N: tl.constexpr, CAUSAL: tl
 
 
 @triton.jit
+def _tile_ok(offs_d, offs_t, T, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """The load mask of a (D, tokens) tile: None (no mask, so loads vectorize and pipeline freely) when the
+    tile is inside T and the head size fills BLOCK_D, as in every unmasked block at D = 64 or 128."""
+    if MASKED:
+        return (offs_d[:, None] < HEAD_D) & (offs_t[None, :] < T)
+    elif BLOCK_D != HEAD_D:
+        return (offs_d[:, None] < HEAD_D) & (offs_t[None, :] >= 0)
+    else:
+        return None
+
+
+@triton.jit
+def _load(ptrs, mask):
+    """tl.load with zeros where the mask is off, or a plain load when the mask is None."""
+    if mask is None:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _trans(mask):
+    """The transposed mask, or None."""
+    if mask is None:
+        return None
+    else:
+        return tl.trans(mask)
+
+
+@triton.jit
 def _visible(offs_q, offs_k, q_start, q_end, T, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
     """(len(offs_q), len(offs_k)) mask: key in range, not in the future, in the query's document.
 
@@ -371,10 +465,8 @@ def _attn_fwd_inner(
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv_ok = offs_d[:, None] < HEAD_D
-        if MASKED:
-            kv_ok &= offs_n[None, :] < T
-        kt = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=kv_ok, other=0.0)  # (D, N)
+        kv_ok = _tile_ok(offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED)  # (D, N); None: no mask needed
+        kt = _load(K + offs_n[None, :] * stride_kt + offs_d[:, None], kv_ok)  # (D, N)
         s = _dot(q, kt, None) * qk_scale  # scores in log2 units
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), s, float("-inf"))
@@ -382,7 +474,7 @@ def _attn_fwd_inner(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs_n[:, None] * stride_vt + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0)
+        v = _load(V + offs_n[:, None] * stride_vt + offs_d[None, :], _trans(kv_ok))
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -464,10 +556,8 @@ def _attn_bwd_dkdv_inner(
     offs_d = tl.arange(0, BLOCK_D)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q_ok = offs_d[:, None] < HEAD_D
-        if MASKED:
-            q_ok &= offs_m[None, :] < T
-        qt = tl.load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], mask=q_ok, other=0.0)  # (D, M)
+        q_ok = _tile_ok(offs_d, offs_m, T, HEAD_D, BLOCK_D, MASKED)  # (D, M); None: no mask needed
+        qt = _load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], q_ok)  # (D, M)
         lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
         pt = tl.exp2(_dot(k, qt, None) * qk_scale - lse[None, :])  # (N, M) probabilities
         if MASKED:
@@ -477,7 +567,7 @@ def _attn_bwd_dkdv_inner(
             if CAUSAL:
                 keep &= offs_m[None, :] >= offs_n[:, None]
             pt = tl.where(keep, pt, 0.0)
-        do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=tl.trans(q_ok), other=0.0)
+        do = _load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], _trans(q_ok))
         dv = _dot(pt.to(do.dtype), do, dv)
         delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
         dst = pt * (_dot(v, tl.trans(do), None) - delta[None, :])
@@ -544,11 +634,9 @@ def _attn_bwd_dq_inner(
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv_ok = offs_d[:, None] < HEAD_D
-        if MASKED:
-            kv_ok &= offs_n[None, :] < T
-        kt = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=kv_ok, other=0.0)  # (D, N)
-        vt = tl.load(V + offs_n[None, :] * stride_vt + offs_d[:, None], mask=kv_ok, other=0.0)
+        kv_ok = _tile_ok(offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED)  # (D, N); None: no mask needed
+        kt = _load(K + offs_n[None, :] * stride_kt + offs_d[:, None], kv_ok)  # (D, N)
+        vt = _load(V + offs_n[None, :] * stride_vt + offs_d[:, None], kv_ok)
         p = tl.exp2(_dot(q, kt, None) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), p, 0.0)
@@ -646,8 +734,10 @@ def bench_rows(quick: bool) -> list[dict]:
             doc_lens = [T // ndocs] * ndocs
             doc_ids = torch.arange(T, device="cuda").div(T // ndocs, rounding_mode="floor").expand(B, T)
 
+        bounds = doc_bounds(doc_ids) if ndocs else None  # once per batch, shared by every layer
+
         def ours():
-            return attention(q, k, v, doc_ids=doc_ids)
+            return attention(q, k, v, doc_ids=doc_ids, bounds=bounds)
 
         def base():  # with documents, the same kernel without them: masking should pay for itself
             return attention(q, k, v) if ndocs else _sdpa_flash(q, k, v, causal=True)
@@ -656,9 +746,11 @@ def bench_rows(quick: bool) -> list[dict]:
         shape = f"B{B} T{T} Hq{hq} Hkv{hkv} D{d} causal" + (f" {ndocs} docs" if ndocs else "")
         flops = 4 * B * hq * d * _visible_pairs(T, doc_lens)
         io = B * T * (2 * hq + 2 * hkv) * d * (torch.finfo(dtype).bits // 8)  # forward: read q, k, v; write o
-        rows.append(make_row("flash_fwd", shape, time_ms(ours), time_ms(base), baseline, flops, io))
+        # GPU time (CUDA-graph replays, as in the training step): the host's launch overhead is not the kernel's.
+        rows.append(make_row("flash_fwd", shape, time_ms(ours, graph=True), time_ms(base, graph=True), baseline,
+                             flops, io))
         # The backward does 5 matmuls to the forward's 2; it reads q, k, v, o, dO and writes dq, dk, dv.
-        ours_ms = time_ms(lambda: ours().backward(do), grad_to_none=[q, k, v])
-        base_ms = time_ms(lambda: base().backward(do), grad_to_none=[q, k, v])
+        ours_ms = time_ms(lambda: ours().backward(do), grad_to_none=[q, k, v], graph=True)
+        base_ms = time_ms(lambda: base().backward(do), grad_to_none=[q, k, v], graph=True)
         rows.append(make_row("flash_fwd_bwd", shape, ours_ms, base_ms, baseline, 3.5 * flops, 3 * io))
     return rows

@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoforge.kernels.dispatch import use_fast
 from nanoforge.kernels.flash_attention import attention as flash_attention
+from nanoforge.kernels.flash_attention import doc_bounds
 
 
 class AttentionBackend:
@@ -36,9 +38,12 @@ class DenseAttention(AttentionBackend):
 
     def __init__(self, doc_ids: torch.Tensor | None = None):
         self.doc_ids = doc_ids
+        self.bounds = None  # the kernels' view of the documents: computed by the first layer, reused by the rest
 
     def attend(self, layer, q, k, v):
-        return flash_attention(q, k, v, doc_ids=self.doc_ids, causal=True)
+        if self.doc_ids is not None and self.bounds is None and use_fast(q, k, v):
+            self.bounds = doc_bounds(self.doc_ids)
+        return flash_attention(q, k, v, doc_ids=self.doc_ids, causal=True, bounds=self.bounds)
 
 
 class KVCache(AttentionBackend):
