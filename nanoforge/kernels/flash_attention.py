@@ -414,33 +414,23 @@ def _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N: tl.constexpr, CAUSAL: tl
 
 
 @triton.jit
-def _tile_ok(offs_d, offs_t, T, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """The load mask of a (D, tokens) tile: None (no mask, so loads vectorize and pipeline freely) when the
-    tile is inside T and the head size fills BLOCK_D, as in every unmasked block at D = 64 or 128."""
+def _load_tile(ptrs, offs_d, offs_t, T, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               TOKENS_FIRST: tl.constexpr):
+    """A (D, tokens) tile, or (tokens, D) with TOKENS_FIRST, with zeros outside T and HEAD_D. Unmasked blocks
+    whose head size fills BLOCK_D (D = 64, 128) load without any mask, so the loads vectorize freely."""
+    if TOKENS_FIRST:
+        t_ok = offs_t[:, None] < T
+        d_ok = offs_d[None, :] < HEAD_D
+    else:
+        t_ok = offs_t[None, :] < T
+        d_ok = offs_d[:, None] < HEAD_D
     if MASKED:
-        return (offs_d[:, None] < HEAD_D) & (offs_t[None, :] < T)
+        x = tl.load(ptrs, mask=t_ok & d_ok, other=0.0)
     elif BLOCK_D != HEAD_D:
-        return (offs_d[:, None] < HEAD_D) & (offs_t[None, :] >= 0)
+        x = tl.load(ptrs, mask=d_ok, other=0.0)
     else:
-        return None
-
-
-@triton.jit
-def _load(ptrs, mask):
-    """tl.load with zeros where the mask is off, or a plain load when the mask is None."""
-    if mask is None:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _trans(mask):
-    """The transposed mask, or None."""
-    if mask is None:
-        return None
-    else:
-        return tl.trans(mask)
+        x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
@@ -465,8 +455,7 @@ def _attn_fwd_inner(
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv_ok = _tile_ok(offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED)  # (D, N); None: no mask needed
-        kt = _load(K + offs_n[None, :] * stride_kt + offs_d[:, None], kv_ok)  # (D, N)
+        kt = _load_tile(K + offs_n[None, :] * stride_kt + offs_d[:, None], offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED, False)  # (D, N)
         s = _dot(q, kt, None) * qk_scale  # scores in log2 units
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), s, float("-inf"))
@@ -474,7 +463,7 @@ def _attn_fwd_inner(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load(V + offs_n[:, None] * stride_vt + offs_d[None, :], _trans(kv_ok))
+        v = _load_tile(V + offs_n[:, None] * stride_vt + offs_d[None, :], offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED, True)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
@@ -556,8 +545,7 @@ def _attn_bwd_dkdv_inner(
     offs_d = tl.arange(0, BLOCK_D)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q_ok = _tile_ok(offs_d, offs_m, T, HEAD_D, BLOCK_D, MASKED)  # (D, M); None: no mask needed
-        qt = _load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], q_ok)  # (D, M)
+        qt = _load_tile(Q + offs_m[None, :] * stride_qt + offs_d[:, None], offs_d, offs_m, T, HEAD_D, BLOCK_D, MASKED, False)  # (D, M)
         lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
         pt = tl.exp2(_dot(k, qt, None) * qk_scale - lse[None, :])  # (N, M) probabilities
         if MASKED:
@@ -567,7 +555,7 @@ def _attn_bwd_dkdv_inner(
             if CAUSAL:
                 keep &= offs_m[None, :] >= offs_n[:, None]
             pt = tl.where(keep, pt, 0.0)
-        do = _load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], _trans(q_ok))
+        do = _load_tile(DO + offs_m[:, None] * stride_dot + offs_d[None, :], offs_d, offs_m, T, HEAD_D, BLOCK_D, MASKED, True)
         dv = _dot(pt.to(do.dtype), do, dv)
         delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
         dst = pt * (_dot(v, tl.trans(do), None) - delta[None, :])
@@ -634,9 +622,8 @@ def _attn_bwd_dq_inner(
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv_ok = _tile_ok(offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED)  # (D, N); None: no mask needed
-        kt = _load(K + offs_n[None, :] * stride_kt + offs_d[:, None], kv_ok)  # (D, N)
-        vt = _load(V + offs_n[None, :] * stride_vt + offs_d[:, None], kv_ok)
+        kt = _load_tile(K + offs_n[None, :] * stride_kt + offs_d[:, None], offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED, False)  # (D, N)
+        vt = _load_tile(V + offs_n[None, :] * stride_vt + offs_d[:, None], offs_d, offs_n, T, HEAD_D, BLOCK_D, MASKED, False)
         p = tl.exp2(_dot(q, kt, None) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, q_start, q_end, T, CAUSAL, HAS_DOCS), p, 0.0)

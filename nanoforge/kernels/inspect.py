@@ -253,6 +253,28 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         {"GROUP": 1, "HEAD_D": 128, "BLOCK_D": 128, "CAUSAL": True, "HAS_DOCS": True, "BLOCK_M": 128, "BLOCK_N": 64},
         num_warps=8,
     ),
+    "flash_attention_bwd_dkdv": TritonKernel(
+        "nanoforge.kernels.flash_attention:_attn_bwd_dkdv",
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16",
+         "DV": "*bf16", "STARTS": "*i32", "ENDS": "*i32",
+         **_i32(*(f"stride_{t}{d}" for t in ("q", "k", "v", "do", "dk", "dv") for d in "bth"), "T", "HKV"),
+         "scale": "fp32", "qk_scale": "fp32"},
+        {"GROUP": 1, "HEAD_D": 64, "BLOCK_D": 64, "CAUSAL": True, "HAS_DOCS": True, "BLOCK_M": 32, "BLOCK_N": 128},
+        num_warps=4,
+    ),
+    "flash_attention_bwd_dq": TritonKernel(
+        "nanoforge.kernels.flash_attention:_attn_bwd_dq",
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*bf16",
+         "STARTS": "*i32", "ENDS": "*i32",
+         **_i32(*(f"stride_{t}{d}" for t in ("q", "k", "v", "do", "dq") for d in "bth"), "T", "H"),
+         "scale": "fp32", "qk_scale": "fp32"},
+        {"GROUP": 1, "HEAD_D": 64, "BLOCK_D": 64, "CAUSAL": True, "HAS_DOCS": True, "BLOCK_M": 128, "BLOCK_N": 32},
+        num_warps=4,
+    ),
+    "doc_bounds": TritonKernel(
+        "nanoforge.kernels.flash_attention:_doc_bounds_kernel",
+        {"IDS": "*i64", "STARTS": "*i32", "ENDS": "*i32", "T": "i32"}, {"BLOCK": 1024}, num_warps=4,
+    ),
     "paged_attention_decode": TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel",
         {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
