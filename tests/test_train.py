@@ -319,11 +319,15 @@ def test_bench_train_runs_all_variants_and_writes_json(tmp_path, capsys):
                    "--warmup", "1", "--doc-len", "8", "--json", path) == 0
     table = capsys.readouterr().out
     report = json.loads(path.read_text())
-    assert [r["variant"] for r in report["results"]] == ["nanoforge", "no-doc-mask", "baseline"]
+    assert [r["variant"] for r in report["results"]] == ["nanoforge", "no-doc-mask", "torch-doc-mask", "baseline"]
     for r in report["results"]:
         assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"]) and r["mfu"] is None  # CPU: MFU n/a
         assert r["variant"] in table
     assert report["results"][-1]["vs_baseline"] == 1.0
+    # The dense-mask variant trains the same masked model as ours (same seed, same batches), unlike causal-only.
+    loss = {r["variant"]: r["loss"] for r in report["results"]}
+    assert loss["torch-doc-mask"] == pytest.approx(loss["nanoforge"], rel=1e-5)
+    assert loss["no-doc-mask"] != pytest.approx(loss["nanoforge"], rel=1e-5)
 
 
 # --- GPU -------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ tokens whose documents have random lengths, as the pretraining loader makes them
   nanoforge      our Triton flash attention with document masking (what `train` runs),
                  the whole step replayed as one CUDA graph on a GPU (unless --no-cuda-graph)
   no-doc-mask    the same, plain causal (every row one sequence)
+  torch-doc-mask the same documents masked without our kernels: SDPA with a dense boolean mask
   baseline       nanoGPT's step: PyTorch's scaled_dot_product_attention, plain causal,
                  torch.compile and fused AdamW, launched from Python (no CUDA graph)
 
@@ -36,6 +37,21 @@ from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, 
                                      make_stepper, use_cuda_graph)
 
 
+class MaskedSDPA(AttentionBackend):
+    """Document masking without the kernels: PyTorch SDPA with a dense (B, 1, T, T) boolean mask, built once
+    per batch (`attention_ref`'s mask, what `NANOFORGE_KERNELS=torch` runs)."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        T = doc_ids.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+        self.mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None] & causal
+
+    def attend(self, layer, q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=self.mask, enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
+
+
 class SDPACausal(AttentionBackend):
     """The baseline: torch's fused causal attention, no document mask."""
 
@@ -48,6 +64,7 @@ class SDPACausal(AttentionBackend):
 VARIANTS = {
     "nanoforge": ("flash attention + document masking", document_attention),
     "no-doc-mask": ("flash attention, causal only", causal_attention),
+    "torch-doc-mask": ("torch SDPA + dense document mask", lambda batch: MaskedSDPA(batch.doc_ids)),
     "baseline": ("torch SDPA, causal only (nanoGPT)", lambda batch: SDPACausal()),
 }
 
