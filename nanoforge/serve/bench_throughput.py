@@ -36,9 +36,11 @@ def make_workload(num_requests: int, max_input: int, max_output: int, vocab: int
     return prompts, outputs
 
 
-def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, temperature: float = 0.6) -> dict:
+def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, temperature: float = 0.6,
+               use_cuda_graphs: bool = True) -> dict:
     engine = LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
-                                                 max_model_len=max(len(p) + o for p, o in zip(prompts, outputs)) + 1))
+                                                 max_model_len=max(len(p) + o for p, o in zip(prompts, outputs)) + 1,
+                                                 use_cuda_graphs=use_cuda_graphs))
     # warm up (compilation, autotuning, graph capture happen in the constructor and the first steps)
     engine.add_request(prompts[0][:64], SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished():
