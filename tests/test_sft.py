@@ -197,3 +197,20 @@ def test_offline_default_pipeline_needs_no_arguments(tmp_path, monkeypatch, caps
     assert records["init"] == "runs/pretrain" and records["data"] is None
     capsys.readouterr()
     assert run_cli("generate", "--chat", "--model", "runs/sft", "--prompt", "What is a list?", "--max-tokens", "4") == 0
+
+
+@pytest.mark.gpu
+def test_sft_on_gpu_graphed_step_matches_launched(init_dir, tmp_path):
+    """On CUDA, SFT's default step is one CUDA graph; its losses follow the step launched from Python (the
+    trained-token count, hence the loss divisor, changes every step here)."""
+    data = tmp_path / "say.json"
+    data.write_text(json.dumps(make_records(60)))
+    common = ["--init", init_dir, "--data", data, "--batch-size", "4", "--max-steps", "6", "--eval-interval", "3",
+              "--log-interval", "1", "--eval-samples", "2", "--answer-tokens", "8", "--device", "cuda", "--dtype",
+              "fp32", "--no-compile"]
+    losses = {}
+    for flag in ("--cuda-graph", "--no-cuda-graph"):
+        assert run_cli("sft", "--out", tmp_path / flag, *common, flag) == 0
+        losses[flag] = [r["loss"] for r in json.loads((tmp_path / flag / "log.json").read_text())["history"]["train"]]
+    assert len(losses["--cuda-graph"]) == 6
+    assert losses["--cuda-graph"] == pytest.approx(losses["--no-cuda-graph"], rel=1e-4)
