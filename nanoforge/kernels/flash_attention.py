@@ -373,20 +373,28 @@ def _split_range(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """Keys that rows [m0, m0+BLOCK_M) may see: [lo, hi); every row sees all of [full_lo, full_hi)."""
-    m_last = tl.minimum(m0 + BLOCK_M, T) - 1
-    if HAS_DOCS:  # doc starts and ends are non-decreasing along the row
-        lo = tl.load(STARTS + m0)
-        full_lo = tl.load(STARTS + m_last)
-        full_hi = tl.load(ENDS + m0)
-        hi = tl.load(ENDS + m_last)
+def _doc_range(STARTS, ENDS, x0, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """For tokens [x0, x0+BLOCK): the union [lo, hi) and the intersection [full_lo, full_hi) of their
+    documents (doc starts and ends are non-decreasing along the row), and the block's last token."""
+    x_last = tl.minimum(x0 + BLOCK, T) - 1
+    if HAS_DOCS:
+        lo = tl.load(STARTS + x0)
+        full_lo = tl.load(STARTS + x_last)
+        full_hi = tl.load(ENDS + x0)
+        hi = tl.load(ENDS + x_last)
     else:
         lo = 0
         full_lo = 0
         full_hi = T
         hi = T
-    if CAUSAL:
+    return lo, full_lo, full_hi, hi, x_last
+
+
+@triton.jit
+def _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """Keys that rows [m0, m0+BLOCK_M) may see: [lo, hi); every row sees all of [full_lo, full_hi)."""
+    lo, full_lo, full_hi, hi, m_last = _doc_range(STARTS, ENDS, m0, T, BLOCK_M, HAS_DOCS)
+    if CAUSAL:  # no key after the query
         full_hi = tl.minimum(full_hi, m0 + 1)
         hi = tl.minimum(hi, m_last + 1)
     return lo, full_lo, full_hi, hi
@@ -395,18 +403,8 @@ def _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M: tl.constexpr, CAUSAL: tl.
 @triton.jit
 def _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Queries that may see keys [n0, n0+BLOCK_N): [lo, hi); all of [full_lo, full_hi) see every key."""
-    n_last = tl.minimum(n0 + BLOCK_N, T) - 1
-    if HAS_DOCS:
-        lo = tl.load(STARTS + n0)
-        full_lo = tl.load(STARTS + n_last)
-        full_hi = tl.load(ENDS + n0)
-        hi = tl.load(ENDS + n_last)
-    else:
-        lo = 0
-        full_lo = 0
-        full_hi = T
-        hi = T
-    if CAUSAL:
+    lo, full_lo, full_hi, hi, n_last = _doc_range(STARTS, ENDS, n0, T, BLOCK_N, HAS_DOCS)
+    if CAUSAL:  # no query before the key
         lo = tl.maximum(lo, n0)
         full_lo = tl.maximum(full_lo, n_last)
     return lo, full_lo, full_hi, hi
