@@ -81,19 +81,25 @@ def test_fused_epilogue(force_triton, schedule, activation, use_bias):
 
 @interpreter
 @pytest.mark.parametrize("num_sms", [1, 3, 4, 7])
-@pytest.mark.parametrize("schedule", ["persistent", "streamk", "hybrid"])
+@pytest.mark.parametrize("schedule", ["persistent", "streamk", "hybrid", "hybrid-atomic"])
 @pytest.mark.parametrize("M,N,K", [(32, 16, 80), (70, 50, 48), (96, 64, 200)])
 def test_streamk_splits(force_triton, monkeypatch, num_sms, schedule, M, N, K):
     """Vary the program count so that tiles are split 1..7 ways, including ranges that
-    neither start nor end a tile; stale workspace contents (NaN) must never be read,
-    and every flag must be reset for the next launch."""
+    neither start nor end a tile; stale owner-slot contents (NaN) must never be read,
+    every flag must be reset for the next launch, and the atomic fix-up's tiles must be
+    left zero. Two launches, so the second one runs on what the first left behind."""
     monkeypatch.setattr(mm, "_INTERPRET_NUM_SMS", num_sms)
+    if schedule == "hybrid-atomic":
+        monkeypatch.setattr(mm, "_INTERPRET_FIXUP", "atomic")
+        schedule = "hybrid"
     partials, flags = mm._workspace(torch.device("cpu"), num_sms)
-    partials.fill_(float("nan"))
-    a, b, bias = _inputs(M, N, K, torch.float16, seed=num_sms)
-    out = _run(a, b, bias=bias, schedule=schedule)
-    _assert_matches(out, a.double() @ b.double() + bias.double(), torch.float16)
-    assert flags.eq(0).all()
+    owner_slots, atomic_tiles = partials[: num_sms * mm._MAX_TILE_ELEMS], partials[num_sms * mm._MAX_TILE_ELEMS :]
+    owner_slots.fill_(float("nan"))
+    for seed in (num_sms, num_sms + 10):
+        a, b, bias = _inputs(M, N, K, torch.float16, seed=seed)
+        out = _run(a, b, bias=bias, schedule=schedule)
+        _assert_matches(out, a.double() @ b.double() + bias.double(), torch.float16)
+        assert flags.eq(0).all() and atomic_tiles.eq(0).all()
 
 
 @interpreter

@@ -37,6 +37,14 @@ needs no clearing between launches (it is cached per device; do not run two
 Stream-K matmuls concurrently on different streams of one device).
 Deterministic: partials are summed in a fixed order, no float atomics.
 
+The hybrid's tail can instead use an atomic fix-up (FIXUP="atomic", one of the
+autotuner's candidates for "hybrid"): every piece of a split tail tile adds its
+partial into a zeroed fp32 tile of the workspace and counts itself in; the
+piece that arrives last reads the sum, zeroes the tile and runs the epilogue.
+Nobody waits and nobody reads more than one partial, where the owner otherwise
+reads its contributors' partials one after another. The price: the summation
+order, hence the last bits of the result, can vary from run to run.
+
 Dispatch: `nanoforge.kernels.dispatch.use_fast` decides between Triton and
 the torch reference. The Triton path covers float16/bfloat16 inputs without
 autograd; anything else (float32/float64, tensors that need gradients, empty
@@ -259,14 +267,32 @@ def _sk_start(worker, workers, sk_iters):
     return worker * per_worker + tl.minimum(worker, sk_iters % workers)
 
 
+@triton.jit
+def _sk_worker_of(it, workers, sk_iters):
+    """The Stream-K worker whose range holds K-iteration `it` (the inverse of _sk_start)."""
+    per_worker = sk_iters // workers
+    rem = sk_iters % workers
+    first_short = rem * (per_worker + 1)  # workers [0, rem) take per_worker + 1 iterations
+    return tl.where(it < first_short, it // (per_worker + 1), rem + (it - first_short) // per_worker)
+
+
 @triton.jit(do_not_specialize=["M_BUCKET", "NUM_SMS"])
 def _matmul_persistent_kernel(a, b, c, bias, partials, flags, M, N, K, M_BUCKET, NUM_SMS,
                               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, SK_ITERS: tl.constexpr, MODE: tl.constexpr,
                               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                              USE_TMA: tl.constexpr, B_NK: tl.constexpr):
-    """MODE "persistent", "streamk" or "hybrid"; one program per SM (grid <= NUM_SMS)."""
+                              USE_TMA: tl.constexpr, B_NK: tl.constexpr, FIXUP: tl.constexpr = "owner",
+                              WS_TILE: tl.constexpr = 0):
+    """MODE "persistent", "streamk" or "hybrid"; one program per SM (grid <= NUM_SMS).
+
+    FIXUP (hybrid only; Stream-K always uses "owner"): "owner", the tile's owner waits for its
+    contributors' partials and adds them in order; or "atomic", every piece of a split tail tile is
+    added into a zeroed fp32 tile of the workspace (float atomics, spread over all the pieces), and
+    whichever piece arrives last reads the sum, zeroes the tile again and runs the epilogue: nobody
+    waits, and no program reads more than one partial tile (the owner's serial reads are what the
+    tail costs otherwise). The summation order then varies from run to run (last-bit differences).
+    WS_TILE: the workspace's slot size; the atomic tiles live after the NUM_SMS owner slots."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -289,7 +315,40 @@ def _matmul_persistent_kernel(a, b, c, bias, partials, flags, M, N, K, M_BUCKET,
         _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
                         ACTIVATION, USE_TMA)
 
-    if MODE != "persistent":
+    if MODE == "hybrid" and FIXUP == "atomic":
+        sk_tiles = num_tiles - dp_tiles  # < NUM_SMS: one workspace tile each
+        sk_iters = sk_tiles * k_tiles
+        splits = tl.maximum(k_tiles // SK_ITERS, 1)
+        workers = tl.minimum(tl.minimum(NUM_SMS, sk_tiles * splits), sk_iters)
+        if pid < workers:
+            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            it = _sk_start(pid, workers, sk_iters)
+            end = _sk_start(pid + 1, workers, sk_iters)
+            while it < end:
+                t = it // k_tiles
+                t_begin = t * k_tiles
+                t_end = t_begin + k_tiles
+                seg_end = tl.minimum(end, t_end)
+                pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                acc = _mac(a, b, pid_m, pid_n, it - t_begin, seg_end - t_begin, M, N, K, stride_am, stride_ak,
+                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+                pieces = _sk_worker_of(t_end - 1, workers, sk_iters) - _sk_worker_of(t_begin, workers, sk_iters) + 1
+                if pieces == 1:  # the whole tile is this program's
+                    _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                                    HAS_BIAS, ACTIVATION, USE_TMA)
+                else:
+                    slot = partials + NUM_SMS * WS_TILE + t * BLOCK_M * BLOCK_N + offs
+                    tl.atomic_add(slot, acc, sem="relaxed")
+                    tl.debug_barrier()  # every thread's share is added before the count goes up
+                    if tl.atomic_add(flags + NUM_SMS + t, 1, sem="acq_rel") == pieces - 1:  # the last piece
+                        tl.debug_barrier()
+                        acc = tl.load(slot, cache_modifier=".cg")
+                        tl.store(slot, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), cache_modifier=".cg")
+                        tl.atomic_xchg(flags + NUM_SMS + t, 0, sem="relaxed")  # zero again for the next launch
+                        _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                                        HAS_BIAS, ACTIVATION, USE_TMA)
+                it = seg_end
+    elif MODE != "persistent":
         sk_tiles = num_tiles - dp_tiles
         sk_iters = sk_tiles * k_tiles
         if MODE == "streamk":
@@ -359,6 +418,7 @@ _SK_ITERS = 16
 # and short Stream-K pieces so that small test shapes split tiles many ways.
 _INTERPRET_CONFIG = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=3)
 _INTERPRET_SK_ITERS = 2
+_INTERPRET_FIXUP = "owner"  # the hybrid's fix-up under the interpreter (tests run both)
 _INTERPRET_NUM_SMS = 4
 _MAX_TILE_ELEMS = max([bm * bn for bm, bn, *_ in _GPU_TILES] + [32 * 16])
 
@@ -379,6 +439,14 @@ def _gpu_configs(**extra) -> list:
             for bm, bn, bk, s, w in _GPU_TILES]
 
 
+def _prune_persistent(configs: list, named_args: dict, **kwargs) -> list:
+    """_prune_by_m, and the atomic fix-up only where it exists (MODE "hybrid")."""
+    configs = _prune_by_m(configs, named_args)
+    if named_args["MODE"] == "hybrid":
+        return configs
+    return [c for c in configs if c.kwargs["FIXUP"] == "owner"]
+
+
 def _prune_by_m(configs: list, named_args: dict, **kwargs) -> list:
     """Few tokens (M <= 64): only BLOCK_M=64 tiles, so small batches never autotune. Many
     tokens (M >= 2048): no BLOCK_M=64 tiles, they never win there."""
@@ -391,8 +459,10 @@ def _prune_by_m(configs: list, named_args: dict, **kwargs) -> list:
 _KEY = ["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "USE_TMA", "B_NK"]
 _PRUNE = {"early_config_prune": _prune_by_m}
 _tiled_tuned = triton.autotune(_gpu_configs(), key=_KEY, prune_configs_by=_PRUNE)(_matmul_tiled_kernel)
-_persistent_tuned = triton.autotune(_gpu_configs(SK_ITERS=_SK_ITERS), key=_KEY + ["MODE", "NUM_SMS"],
-                                    prune_configs_by=_PRUNE)(_matmul_persistent_kernel)
+_persistent_tuned = triton.autotune(
+    [c for fixup in ("owner", "atomic") for c in _gpu_configs(SK_ITERS=_SK_ITERS, FIXUP=fixup, WS_TILE=_MAX_TILE_ELEMS)],
+    key=_KEY + ["MODE", "NUM_SMS"], prune_configs_by={"early_config_prune": _prune_persistent},
+)(_matmul_persistent_kernel)
 
 
 def _interpreting() -> bool:
@@ -408,9 +478,10 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.cache
 def _workspace(device: torch.device, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stream-K partial tiles (one slot per program) and their flags (kept zero between launches)."""
-    partials = torch.empty(programs * _MAX_TILE_ELEMS, device=device, dtype=torch.float32)
-    flags = torch.zeros(programs, device=device, dtype=torch.int32)
+    """Stream-K partial tiles and their flags: `programs` owner slots (any contents) and flags, then
+    `programs` atomic fix-up tiles and piece counts (both kept zero between launches)."""
+    partials = torch.zeros(2 * programs * _MAX_TILE_ELEMS, device=device, dtype=torch.float32)
+    flags = torch.zeros(2 * programs, device=device, dtype=torch.int32)
     return partials, flags
 
 
@@ -471,7 +542,8 @@ def _matmul_triton(a, b, bias, activation, schedule, out):
     else:
         kernel = _persistent_tuned if tuned else _matmul_persistent_kernel
         if not tuned:
-            common["SK_ITERS"] = _INTERPRET_SK_ITERS
+            common |= dict(SK_ITERS=_INTERPRET_SK_ITERS, WS_TILE=_MAX_TILE_ELEMS,
+                           FIXUP=_INTERPRET_FIXUP if schedule == "hybrid" else "owner")
         partials, flags = _workspace(a.device, num_sms)
         # Stream-K modes: num_sms programs; the kernel decides how many get a share of the work.
         grid = (lambda meta: (min(num_sms, tiles(meta)),)) if schedule == "persistent" else (num_sms,)
