@@ -442,7 +442,7 @@ def _gpu_configs(**extra) -> list:
 def _prune_persistent(configs: list, named_args: dict, **kwargs) -> list:
     """_prune_by_m, and the atomic fix-up only where it exists (MODE "hybrid")."""
     configs = _prune_by_m(configs, named_args)
-    if named_args["MODE"] == "hybrid":
+    if named_args.get("MODE", kwargs.get("MODE")) == "hybrid":  # a constexpr: in kwargs on some Triton versions
         return configs
     return [c for c in configs if c.kwargs["FIXUP"] == "owner"]
 
