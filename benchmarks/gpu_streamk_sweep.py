@@ -40,7 +40,7 @@ def main() -> int:
         rows.append(row)
         print(f"{row['shape']}: tiled {dp:.4f} ms, streamk {row['streamk_vs_dp']:.3f}x, hybrid "
               f"{row['hybrid_vs_dp']:.3f}x (fix-up {cfg.kwargs['FIXUP']}, {cfg.kwargs['BLOCK_M']}x"
-              f"{cfg.kwargs['BLOCK_N']}), rel err {row['hybrid_rel_err']:.1e}", flush=True)
+              f"{cfg.kwargs['BLOCK_N']}, SK_ITERS {cfg.kwargs['SK_ITERS']}), rel err {row['hybrid_rel_err']:.1e}", flush=True)
         (out / "streamk_sweep.json").write_text(json.dumps(rows, indent=2))
     best = [max(r["streamk_vs_dp"], r["hybrid_vs_dp"]) for r in rows]
     print(f"min over the sweep {min(best):.3f}x (target >= 1.15)")

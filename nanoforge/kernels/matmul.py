@@ -444,7 +444,7 @@ def _prune_persistent(configs: list, named_args: dict, **kwargs) -> list:
     configs = _prune_by_m(configs, named_args)
     if named_args.get("MODE", kwargs.get("MODE")) == "hybrid":  # a constexpr: in kwargs on some Triton versions
         return configs
-    return [c for c in configs if c.kwargs["FIXUP"] == "owner"]
+    return [c for c in configs if c.kwargs["FIXUP"] == "owner" and c.kwargs["SK_ITERS"] == _SK_ITERS]
 
 
 def _prune_by_m(configs: list, named_args: dict, **kwargs) -> list:
@@ -460,7 +460,8 @@ _KEY = ["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "USE_TMA", "B_NK"]
 _PRUNE = {"early_config_prune": _prune_by_m}
 _tiled_tuned = triton.autotune(_gpu_configs(), key=_KEY, prune_configs_by=_PRUNE)(_matmul_tiled_kernel)
 _persistent_tuned = triton.autotune(
-    [c for fixup in ("owner", "atomic") for c in _gpu_configs(SK_ITERS=_SK_ITERS, FIXUP=fixup, WS_TILE=_MAX_TILE_ELEMS)],
+    [c for fixup in ("owner", "atomic") for sk in (_SK_ITERS, 2 * _SK_ITERS)
+     for c in _gpu_configs(SK_ITERS=sk, FIXUP=fixup, WS_TILE=_MAX_TILE_ELEMS)],
     key=_KEY + ["MODE", "NUM_SMS"], prune_configs_by={"early_config_prune": _prune_persistent},
 )(_matmul_persistent_kernel)
 
