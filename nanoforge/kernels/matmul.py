@@ -460,7 +460,7 @@ _KEY = ["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "USE_TMA", "B_NK"]
 _PRUNE = {"early_config_prune": _prune_by_m}
 _tiled_tuned = triton.autotune(_gpu_configs(), key=_KEY, prune_configs_by=_PRUNE)(_matmul_tiled_kernel)
 _persistent_tuned = triton.autotune(
-    [c for fixup in ("owner", "atomic") for sk in (_SK_ITERS, 2 * _SK_ITERS)
+    [c for fixup in ("owner", "atomic") for sk in (_SK_ITERS // 2, _SK_ITERS, 2 * _SK_ITERS)
      for c in _gpu_configs(SK_ITERS=sk, FIXUP=fixup, WS_TILE=_MAX_TILE_ELEMS)],
     key=_KEY + ["MODE", "NUM_SMS"], prune_configs_by={"early_config_prune": _prune_persistent},
 )(_matmul_persistent_kernel)
