@@ -200,7 +200,8 @@ class GraphedStep:
     Capture needs a few warm-up steps first (compilation, autotuning, lazy allocations). They run on the
     first real batches; afterwards the weights, the optimizer state and the CUDA RNG are put back as they
     were, so a graphed run computes the same steps as an eager one, and a resumed run the same as one
-    that never stopped. Every step must have the batches' shapes of the first (the packed loaders give
+    that never stopped. The copies kept meanwhile cost three times the weights' memory on the device
+    during capture: a model near the GPU's memory limit wants --no-cuda-graph. Every step must have the batches' shapes of the first (the packed loaders give
     fixed (batch, seq_len) batches); another shape is an error, not a silent recapture.
     """
 
