@@ -22,9 +22,11 @@
 3. bench train: GPT-2 124M training steps of 16 x 1024 tokens in bf16 with document masking on must
    reach >= 498,000 tokens/s (43% MFU of 989 TFLOP/s), against PyTorch SDPA in the same process.
 
+4. with --profile: a kernel-level profile of the GPT-2 step, $OUT/gpt2_step_profile.txt.
+
 Run from the repository root on the GPU machine:
     python benchmarks/gpu_train.py [--data tinyshakespeare.txt] [--skip-diagnose] [--skip-shakespeare]
-                                   [--skip-bench] [--ablate]
+                                   [--skip-bench] [--ablate] [--seeds S ...] [--max-steps N] [--profile]
 """
 
 from __future__ import annotations
@@ -209,6 +211,36 @@ def shakespeare(data: Path, out: Path, compile: bool | None, name: str = "shakes
     return result
 
 
+# --- 4. where the GPT-2 step's time goes -------------------------------------------------------------
+
+def profile_gpt2_step(out: Path, steps: int = 5) -> None:
+    """Kernel-level profile of `bench train`'s nanoforge step (launched, so each kernel shows), to
+    $OUT/gpt2_step_profile.txt: what to fuse or tune next for the tokens/s target."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda")
+    cfg = model_preset("gpt2-124m")
+    cfg = cfg.replace(vocab_size=-(-cfg.vocab_size // 64) * 64, dropout=0.0)
+    batches = [b.pin_memory() for b in packed_batches(2, 16, 1024, cfg.vocab_size, eos=0, mean_doc_len=512, seed=0)]
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dev).train()
+    optimizer = make_optimizer(model, preset("gpt2-124m"))
+    step = trainer.make_stepper(trainer.make_loss_fn(model, trainer.document_attention, True), model, optimizer,
+                                grad_clip=1.0, amp=trainer.autocast(dev, "auto"), graphed=False)
+    for i in range(5):
+        step([batches[i % 2]], 6e-4)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step([batches[i % 2]], 6e-4)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=45)
+    (out / "gpt2_step_profile.txt").write_text(f"{steps} GPT-2 124M steps, 16 x 1024, document masking, launched\n\n"
+                                               + table)
+    print(f"GPT-2 step profile: {out / 'gpt2_step_profile.txt'}")
+    torch._dynamo.reset()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, default=None,
@@ -222,6 +254,7 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=5000,
                    help="stop shakespeare-char here (the schedule stays the recipe's 5000 steps)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on (GPU)")
+    p.add_argument("--profile", action="store_true", help="also profile the GPT-2 step ($OUT/gpt2_step_profile.txt)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"torch": torch.__version__, "cuda": torch.version.cuda,
@@ -267,6 +300,9 @@ def main() -> int:
                                  "pass_tokens_per_s": ours["tokens_per_s"] >= TARGET_TOKENS_PER_S}
         print(f"GPT-2 124M with document masking: {ours['tokens_per_s']:,.0f} tokens/s "
               f"(target {TARGET_TOKENS_PER_S:,}), {ours['vs_baseline']:.2f}x the SDPA baseline")
+
+    if args.profile:
+        profile_gpt2_step(args.out)
 
     write_json(args.out / "gpu_train.json", report)
     print(json.dumps(report, indent=1))
