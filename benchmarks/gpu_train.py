@@ -213,15 +213,18 @@ def shakespeare(data: Path, out: Path, compile: bool | None, name: str = "shakes
 
 # --- 4. where the GPT-2 step's time goes -------------------------------------------------------------
 
-def profile_gpt2_step(out: Path, steps: int = 5) -> None:
+def profile_gpt2_step(out: Path, steps: int = 5, device: str = "cuda", model_name: str = "gpt2-124m") -> None:
     """Kernel-level profile of `bench train`'s nanoforge step (launched, so each kernel shows), to
     $OUT/gpt2_step_profile.txt: what to fuse or tune next for the tokens/s target."""
     from torch.profiler import ProfilerActivity, profile
 
-    dev = torch.device("cuda")
-    cfg = model_preset("gpt2-124m")
+    dev = torch.device(device)
+    cfg = model_preset(model_name)
     cfg = cfg.replace(vocab_size=-(-cfg.vocab_size // 64) * 64, dropout=0.0)
-    batches = [b.pin_memory() for b in packed_batches(2, 16, 1024, cfg.vocab_size, eos=0, mean_doc_len=512, seed=0)]
+    seq_len = min(1024, cfg.max_seq_len)
+    batches = packed_batches(2, 16, seq_len, cfg.vocab_size, eos=0, mean_doc_len=512, seed=0)
+    if dev.type == "cuda":
+        batches = [b.pin_memory() for b in batches]
     torch.manual_seed(0)
     model = Transformer(cfg).to(dev).train()
     optimizer = make_optimizer(model, preset("gpt2-124m"))
@@ -229,13 +232,16 @@ def profile_gpt2_step(out: Path, steps: int = 5) -> None:
                                 grad_clip=1.0, amp=trainer.autocast(dev, "auto"), graphed=False)
     for i in range(5):
         step([batches[i % 2]], 6e-4)
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             step([batches[i % 2]], 6e-4)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="device_time_total", row_limit=45)
-    (out / "gpt2_step_profile.txt").write_text(f"{steps} GPT-2 124M steps, 16 x 1024, document masking, launched\n\n"
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="device_time_total" if dev.type == "cuda" else "cpu_time_total",
+                                      row_limit=45)
+    (out / "gpt2_step_profile.txt").write_text(f"{steps} {model_name} steps, 16 x {seq_len}, document masking, launched\n\n"
                                                + table)
     print(f"GPT-2 step profile: {out / 'gpt2_step_profile.txt'}")
     torch._dynamo.reset()
