@@ -152,9 +152,9 @@ def test_training_steps_drop_attention_weights_and_evaluation_does_not(corpus, t
     seen = []  # the attention that the loop's training steps get
     real_make_loss_fn = trainer.make_loss_fn
 
-    def spy(model, attention, compiled):
+    def spy(model, attention, compiled, loss_chunk=None):
         seen.append(attention)
-        return real_make_loss_fn(model, attention, compiled)
+        return real_make_loss_fn(model, attention, compiled, loss_chunk)
 
     monkeypatch.setattr(trainer, "make_loss_fn", spy)
     assert run_cli(*tiny_args(corpus, tmp_path / "run", "--max-steps", "1")) == 0  # --dropout 0.1
@@ -226,8 +226,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
     out = tmp_path / "run"
     real_loss, calls = trainer.batch_loss, {"train": 0}
 
-    def loss_turning_nan(model, batch, attention=trainer.document_attention):
-        loss = real_loss(model, batch, attention)
+    def loss_turning_nan(model, batch, attention=trainer.document_attention, loss_chunk=None):
+        loss = real_loss(model, batch, attention, loss_chunk)
         if model.training:
             calls["train"] += 1
             if calls["train"] == 6:  # the 6th training step
@@ -319,7 +319,8 @@ def test_bench_train_runs_all_variants_and_writes_json(tmp_path, capsys):
                    "--warmup", "1", "--doc-len", "8", "--json", path) == 0
     table = capsys.readouterr().out
     report = json.loads(path.read_text())
-    assert [r["variant"] for r in report["results"]] == ["nanoforge", "no-doc-mask", "torch-doc-mask", "baseline"]
+    assert [r["variant"] for r in report["results"]] == ["nanoforge", "chunked-loss", "no-doc-mask", "torch-doc-mask",
+                                                         "baseline"]
     for r in report["results"]:
         assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"]) and r["mfu"] is None  # CPU: MFU n/a
         assert r["variant"] in table
@@ -327,6 +328,7 @@ def test_bench_train_runs_all_variants_and_writes_json(tmp_path, capsys):
     # The dense-mask variant trains the same masked model as ours (same seed, same batches), unlike causal-only.
     loss = {r["variant"]: r["loss"] for r in report["results"]}
     assert loss["torch-doc-mask"] == pytest.approx(loss["nanoforge"], rel=1e-5)
+    assert loss["chunked-loss"] == pytest.approx(loss["nanoforge"], rel=1e-5)
     assert loss["no-doc-mask"] != pytest.approx(loss["nanoforge"], rel=1e-5)
 
 
@@ -398,3 +400,17 @@ def test_cuda_graphed_training_resumes_exactly(corpus, tmp_path):
     a, b = history(straight), history(split)
     assert a["train"][-1]["step"] == b["train"][-1]["step"] == 8
     assert [r["loss"] for r in a["train"]] == pytest.approx([r["loss"] for r in b["train"]], rel=1e-3)
+
+
+def test_loss_chunk_flag_trains_the_same_run(corpus, tmp_path, capsys):
+    """`--loss-chunk` (the fused, chunked head + loss) gives the plain run's losses; 0 is refused."""
+    runs = {}
+    for extra in ([], ["--loss-chunk", "20"]):
+        out = tmp_path / f"run{len(extra)}"
+        assert run_cli(*tiny_args(corpus, out, "--max-steps", "4", "--eval-interval", "4", *extra)) == 0
+        runs[len(extra)] = history(out)
+    assert [r["loss"] for r in runs[2]["train"]] == pytest.approx([r["loss"] for r in runs[0]["train"]], rel=1e-5)
+    assert [r["loss"] for r in runs[2]["val"]] == pytest.approx([r["loss"] for r in runs[0]["val"]], rel=1e-5)
+    capsys.readouterr()
+    assert run_cli(*tiny_args(corpus, tmp_path / "bad", "--loss-chunk", "0")) == 2
+    assert "loss_chunk must be positive" in capsys.readouterr().err

@@ -6,6 +6,7 @@ tokens whose documents have random lengths, as the pretraining loader makes them
 
   nanoforge      our Triton flash attention with document masking (what `train` runs),
                  the whole step replayed as one CUDA graph on a GPU (unless --no-cuda-graph)
+  chunked-loss   the same, with the LM head and the loss fused 1,024 tokens at a time (--loss-chunk)
   no-doc-mask    the same, plain causal (every row one sequence)
   torch-doc-mask the same documents masked without our kernels: SDPA with a dense boolean mask
   baseline       nanoGPT's step: PyTorch's scaled_dot_product_attention, plain causal,
@@ -61,11 +62,13 @@ class SDPACausal(AttentionBackend):
         return o.transpose(1, 2)
 
 
+# name -> (what it runs, attention, tokens per chunk of the fused head + loss or None)
 VARIANTS = {
-    "nanoforge": ("flash attention + document masking", document_attention),
-    "no-doc-mask": ("flash attention, causal only", causal_attention),
-    "torch-doc-mask": ("torch SDPA + dense document mask", lambda batch: MaskedSDPA(batch.doc_ids)),
-    "baseline": ("torch SDPA, causal only (nanoGPT)", lambda batch: SDPACausal()),
+    "nanoforge": ("flash attention + document masking", document_attention, None),
+    "chunked-loss": ("the same, head + loss fused per 1k tokens", document_attention, 1024),
+    "no-doc-mask": ("flash attention, causal only", causal_attention, None),
+    "torch-doc-mask": ("torch SDPA + dense document mask", lambda batch: MaskedSDPA(batch.doc_ids), None),
+    "baseline": ("torch SDPA, causal only (nanoGPT)", lambda batch: SDPACausal(), None),
 }
 
 
@@ -113,13 +116,13 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
 
     results = []
     for name in variants or list(VARIANTS):
-        what, attention = VARIANTS[name]
+        what, attention, loss_chunk = VARIANTS[name]
         graph_it = graphed and name != "baseline"  # nanoGPT launches its step from Python
         torch.manual_seed(seed)
         model = Transformer(cfg).to(dev).train()
         optimizer = make_optimizer(model, train_cfg, capturable=graph_it)
-        step = make_stepper(make_loss_fn(model, attention, compiled), model, optimizer, grad_clip=1.0, amp=amp,
-                            graphed=graph_it)
+        step = make_stepper(make_loss_fn(model, attention, compiled, loss_chunk), model, optimizer, grad_clip=1.0,
+                            amp=amp, graphed=graph_it)
         counters.clear()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)

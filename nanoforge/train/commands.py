@@ -29,6 +29,7 @@ _LOOP_FLAGS = {
     "log_interval": (int, "steps between progress updates"),
     "val_fraction": (float, "share of the data held out for validation"),
     "seed": (int, "seed of initialisation, batches and dropout"),
+    "loss_chunk": (int, "fuse the LM head and the loss, this many tokens at a time (saves the logits' memory)"),
 }
 
 

@@ -54,13 +54,14 @@ class TrainConfig:
     dtype: str = "auto"  # one of DTYPES; auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool | None = None  # torch.compile the model; None: on GPU only
     cuda_graph: bool | None = None  # capture the whole optimizer step in a CUDA graph; None: on GPU only
+    loss_chunk: int | None = None  # fuse the LM head and cross-entropy, this many tokens at a time; None: off
 
     def __post_init__(self):
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "log_interval", "pad_vocab")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise NanoforgeError(f"{name} must be positive, got {getattr(self, name)}", param=name)
-        for name in ("seq_len", "lr_decay_steps", "eval_iters", "epochs"):
+        for name in ("seq_len", "lr_decay_steps", "eval_iters", "epochs", "loss_chunk"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise NanoforgeError(f"{name} must be positive, got {getattr(self, name)}", param=name)
         if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:

@@ -39,6 +39,7 @@ from nanoforge.model.transformer import Transformer
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import restore_rng, rng_state, save_checkpoint
 from nanoforge.train.config import DTYPES, TrainConfig
+from nanoforge.train.loss import linear_cross_entropy
 from nanoforge.train.optim import lr_at, make_optimizer
 from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, write_json
 
@@ -133,9 +134,15 @@ def training_attention(attention: AttentionFor, dropout: float) -> AttentionFor:
     return lambda batch: AttentionDropout(attention(batch), dropout)
 
 
-def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = document_attention) -> torch.Tensor:
+def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = document_attention,
+               loss_chunk: int | None = None) -> torch.Tensor:
     """Summed cross-entropy (in fp32 at least) over the trained tokens of a batch; the caller divides by
-    their count."""
+    their count. With `loss_chunk`, the head and the loss run fused, that many tokens at a time
+    (`nanoforge.train.loss`), so the whole logits never exist."""
+    if loss_chunk:
+        hidden = model(batch.input_ids, batch.positions, attention(batch), return_hidden=True)
+        return linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, trained_targets(batch).flatten(),
+                                    chunk=loss_chunk)
     logits = model(batch.input_ids, batch.positions, attention(batch))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.flatten(0, 1), trained_targets(batch).flatten(), ignore_index=IGNORE_INDEX,
@@ -154,12 +161,14 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return batch.to(device, non_blocking=True)
 
 
-def make_loss_fn(model: torch.nn.Module, attention: AttentionFor, compiled: bool) -> Callable[[Batch], torch.Tensor]:
+def make_loss_fn(model: torch.nn.Module, attention: AttentionFor, compiled: bool,
+                 loss_chunk: int | None = None) -> Callable[[Batch], torch.Tensor]:
     """batch -> summed loss. Compiled, the model and the cross-entropy become one graph, so the
-    (tokens x vocab) logits are never upcast to fp32 in memory."""
+    (tokens x vocab) logits are never upcast to fp32 in memory; with `loss_chunk` the head and loss run
+    fused and chunked instead (outside the compiled graph)."""
 
     def loss_of(batch: Batch) -> torch.Tensor:
-        return batch_loss(model, batch, attention)
+        return batch_loss(model, batch, attention, loss_chunk)
 
     return torch.compile(loss_of, dynamic=False) if compiled else loss_of
 
@@ -295,7 +304,7 @@ def make_stepper(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Modul
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[Batch], *, device, amp,
-             attention: AttentionFor = document_attention) -> float:
+             attention: AttentionFor = document_attention, loss_chunk: int | None = None) -> float:
     """Mean loss per trained token over the batches (dropout off)."""
     was_training = model.training
     model.eval()
@@ -303,7 +312,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], *, device, amp,
     for batch in batches:
         count += count_trained(batch)
         with amp:
-            total += batch_loss(model, to_device(batch, device), attention)
+            total += batch_loss(model, to_device(batch, device), attention, loss_chunk)
     model.train(was_training)
     if count == 0:
         raise NanoforgeError("the validation data holds no trained tokens", param="data")
@@ -340,7 +349,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     attention = document_attention if cfg.doc_masking else causal_attention
     compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
     # Evaluation runs eagerly (no recompiles for eval mode) and without dropout.
-    loss_fn = make_loss_fn(model, training_attention(attention, model.cfg.dropout), compiled)
+    loss_fn = make_loss_fn(model, training_attention(attention, model.cfg.dropout), compiled, cfg.loss_chunk)
     step_fn = make_stepper(loss_fn, model, optimizer, grad_clip=cfg.grad_clip, amp=autocast(device, cfg.dtype, not graphed),
                            graphed=graphed)
     model.train()
@@ -388,7 +397,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
         if (step % cfg.eval_interval == 0 or done) and not (resume is not None and step == start_step):
             meter.pause()  # evaluation and saving are not training time
             read_back_losses()
-            val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp, attention=attention)
+            val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp, attention=attention,
+                           loss_chunk=cfg.loss_chunk)
             history["val"].append({"step": step, "loss": val, "wall_s": time.perf_counter() - wall_start})
             if not math.isfinite(val):
                 bar.close()
@@ -425,5 +435,6 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
                                 f"MFU {format_mfu(meter.mfu(tok_s))}")
     bar.close()
 
-    final = evaluate(model, data.eval_batches(None), device=device, amp=amp, attention=attention)
+    final = evaluate(model, data.eval_batches(None), device=device, amp=amp, attention=attention,
+                     loss_chunk=cfg.loss_chunk)
     return write_log({"final_val_loss_full_split": final})
