@@ -315,89 +315,86 @@ def _matmul_persistent_kernel(a, b, c, bias, partials, flags, M, N, K, M_BUCKET,
         _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
                         ACTIVATION, USE_TMA)
 
-    if MODE == "hybrid" and FIXUP == "atomic":
-        sk_tiles = num_tiles - dp_tiles  # < NUM_SMS: one workspace tile each
-        sk_iters = sk_tiles * k_tiles
-        splits = tl.maximum(k_tiles // SK_ITERS, 1)
-        workers = tl.minimum(tl.minimum(NUM_SMS, sk_tiles * splits), sk_iters)
-        if pid < workers:
-            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            it = _sk_start(pid, workers, sk_iters)
-            end = _sk_start(pid + 1, workers, sk_iters)
-            while it < end:
-                t = it // k_tiles
-                t_begin = t * k_tiles
-                t_end = t_begin + k_tiles
-                seg_end = tl.minimum(end, t_end)
-                pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
-                acc = _mac(a, b, pid_m, pid_n, it - t_begin, seg_end - t_begin, M, N, K, stride_am, stride_ak,
-                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
-                pieces = _sk_worker_of(t_end - 1, workers, sk_iters) - _sk_worker_of(t_begin, workers, sk_iters) + 1
-                if pieces == 1:  # the whole tile is this program's
-                    _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
-                                    HAS_BIAS, ACTIVATION, USE_TMA)
-                else:
-                    slot = partials + NUM_SMS * WS_TILE + t * BLOCK_M * BLOCK_N + offs
-                    tl.atomic_add(slot, acc, sem="relaxed")
-                    tl.debug_barrier()  # every thread's share is added before the count goes up
-                    if tl.atomic_add(flags + NUM_SMS + t, 1, sem="acq_rel") == pieces - 1:  # the last piece
-                        tl.debug_barrier()
-                        acc = tl.load(slot, cache_modifier=".cg")
-                        tl.store(slot, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), cache_modifier=".cg")
-                        tl.atomic_xchg(flags + NUM_SMS + t, 0, sem="relaxed")  # zero again for the next launch
-                        _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
-                                        HAS_BIAS, ACTIVATION, USE_TMA)
-                it = seg_end
-    elif MODE != "persistent":
+    if MODE != "persistent":
         sk_tiles = num_tiles - dp_tiles
         sk_iters = sk_tiles * k_tiles
         if MODE == "streamk":
             workers = tl.minimum(NUM_SMS, sk_iters)
         else:
             # Split each tail tile into ~k_tiles/SK_ITERS pieces, not NUM_SMS/tail
-            # pieces: each split costs its owner one serial partial-tile read.
+            # pieces: each split costs a partial-tile read (the owner's, serially) or add.
             splits = tl.maximum(k_tiles // SK_ITERS, 1)
             workers = tl.minimum(tl.minimum(NUM_SMS, sk_tiles * splits), sk_iters)
-        if pid < workers:
-            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            start = _sk_start(pid, workers, sk_iters)
-            end = _sk_start(pid + 1, workers, sk_iters)
-            owned_end = end
-            # 1) Contributor segment first: the range ends inside tile t, whose
-            #    last K-iteration belongs to a later program. Publish it.
-            if end % k_tiles != 0:
-                t = (end - 1) // k_tiles
-                t_begin = t * k_tiles
-                lo = tl.maximum(start, t_begin)
-                pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
-                acc = _mac(a, b, pid_m, pid_n, lo - t_begin, end - t_begin, M, N, K, stride_am, stride_ak,
-                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
-                tl.store(partials + pid * BLOCK_M * BLOCK_N + offs, acc, cache_modifier=".cg")
-                tl.debug_barrier()  # every thread's partial is written before the flag goes up
-                tl.atomic_xchg(flags + pid, 1, sem="release")
-                owned_end = lo
-            # 2) Owned segments: each ends at its tile's last K-iteration.
-            it = start
-            while it < owned_end:
-                t = it // k_tiles
-                t_begin = t * k_tiles
-                pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
-                acc = _mac(a, b, pid_m, pid_n, it - t_begin, k_tiles, M, N, K, stride_am, stride_ak,
-                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
-                # Fix-up: the tile's first iterations were done by workers
-                # pid-1, pid-2, ... back to the one whose range holds t_begin.
-                q = pid
-                q_start = it
-                while q_start > t_begin:
-                    q -= 1
-                    while tl.atomic_cas(flags + q, 1, 0, sem="acquire") != 1:  # take the flag, reset it
-                        pass
-                    tl.debug_barrier()
-                    acc += tl.load(partials + q * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
-                    q_start = _sk_start(q, workers, sk_iters)
-                _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
-                                HAS_BIAS, ACTIVATION, USE_TMA)
-                it = t_begin + k_tiles
+        if MODE == "hybrid" and FIXUP == "atomic":  # sk_tiles < NUM_SMS: one workspace tile each
+            if pid < workers:
+                offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                it = _sk_start(pid, workers, sk_iters)
+                end = _sk_start(pid + 1, workers, sk_iters)
+                while it < end:
+                    t = it // k_tiles
+                    t_begin = t * k_tiles
+                    t_end = t_begin + k_tiles
+                    seg_end = tl.minimum(end, t_end)
+                    pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                    acc = _mac(a, b, pid_m, pid_n, it - t_begin, seg_end - t_begin, M, N, K, stride_am, stride_ak,
+                               stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+                    pieces = _sk_worker_of(t_end - 1, workers, sk_iters) - _sk_worker_of(t_begin, workers, sk_iters) + 1
+                    if pieces == 1:  # the whole tile is this program's
+                        _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                                        HAS_BIAS, ACTIVATION, USE_TMA)
+                    else:
+                        slot = partials + NUM_SMS * WS_TILE + t * BLOCK_M * BLOCK_N + offs
+                        tl.atomic_add(slot, acc, sem="relaxed")
+                        tl.debug_barrier()  # every thread's share is added before the count goes up
+                        if tl.atomic_add(flags + NUM_SMS + t, 1, sem="acq_rel") == pieces - 1:  # the last piece
+                            tl.debug_barrier()
+                            acc = tl.load(slot, cache_modifier=".cg")
+                            tl.store(slot, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), cache_modifier=".cg")
+                            tl.atomic_xchg(flags + NUM_SMS + t, 0, sem="relaxed")  # zero again for the next launch
+                            _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                                            HAS_BIAS, ACTIVATION, USE_TMA)
+                    it = seg_end
+        else:
+            if pid < workers:
+                offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                start = _sk_start(pid, workers, sk_iters)
+                end = _sk_start(pid + 1, workers, sk_iters)
+                owned_end = end
+                # 1) Contributor segment first: the range ends inside tile t, whose
+                #    last K-iteration belongs to a later program. Publish it.
+                if end % k_tiles != 0:
+                    t = (end - 1) // k_tiles
+                    t_begin = t * k_tiles
+                    lo = tl.maximum(start, t_begin)
+                    pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                    acc = _mac(a, b, pid_m, pid_n, lo - t_begin, end - t_begin, M, N, K, stride_am, stride_ak,
+                               stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+                    tl.store(partials + pid * BLOCK_M * BLOCK_N + offs, acc, cache_modifier=".cg")
+                    tl.debug_barrier()  # every thread's partial is written before the flag goes up
+                    tl.atomic_xchg(flags + pid, 1, sem="release")
+                    owned_end = lo
+                # 2) Owned segments: each ends at its tile's last K-iteration.
+                it = start
+                while it < owned_end:
+                    t = it // k_tiles
+                    t_begin = t * k_tiles
+                    pid_m, pid_n = _tile_coords(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                    acc = _mac(a, b, pid_m, pid_n, it - t_begin, k_tiles, M, N, K, stride_am, stride_ak,
+                               stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+                    # Fix-up: the tile's first iterations were done by workers
+                    # pid-1, pid-2, ... back to the one whose range holds t_begin.
+                    q = pid
+                    q_start = it
+                    while q_start > t_begin:
+                        q -= 1
+                        while tl.atomic_cas(flags + q, 1, 0, sem="acquire") != 1:  # take the flag, reset it
+                            pass
+                        tl.debug_barrier()
+                        acc += tl.load(partials + q * BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
+                        q_start = _sk_start(q, workers, sk_iters)
+                    _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                                    HAS_BIAS, ACTIVATION, USE_TMA)
+                    it = t_begin + k_tiles
 
 
 # --------------------------------------------------------------------------- configs and launch
