@@ -178,6 +178,12 @@ def test_training_steps_drop_attention_weights_and_evaluation_does_not(corpus, t
     with torch.no_grad():
         exact = trainer.batch_loss(model, batch).item() / trainer.count_trained(batch)
     assert evals[0] == evals[1] == pytest.approx(exact, rel=1e-6)
+    # The loop evaluates with training's attention implementation, dropout off: the same, deterministic loss.
+    eval_attention = trainer.evaluation_attention(trainer.document_attention, 0.3)
+    assert eval_attention(batch).p == 0.0
+    via_training_path = [trainer.evaluate(model, [batch], device=torch.device("cpu"), amp=amp,
+                                          attention=eval_attention) for _ in range(2)]
+    assert via_training_path[0] == via_training_path[1] == pytest.approx(exact, rel=1e-5)
 
 
 def test_the_final_val_loss_covers_the_whole_split(corpus, tmp_path):

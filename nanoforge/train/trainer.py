@@ -134,6 +134,15 @@ def training_attention(attention: AttentionFor, dropout: float) -> AttentionFor:
     return lambda batch: AttentionDropout(attention(batch), dropout)
 
 
+def evaluation_attention(attention: AttentionFor, dropout: float) -> AttentionFor:
+    """The attention of evaluations: training's implementation without its dropout, so validation scores
+    the model the way training computes it (and a run whose training attends through SDPA never builds
+    the flash kernels just to evaluate)."""
+    if dropout == 0:
+        return attention
+    return lambda batch: AttentionDropout(attention(batch), 0.0)
+
+
 def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = document_attention,
                loss_chunk: int | None = None) -> torch.Tensor:
     """Summed cross-entropy (in fp32 at least) over the trained tokens of a batch; the caller divides by
@@ -349,6 +358,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     attention = document_attention if cfg.doc_masking else causal_attention
     compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
     # Evaluation runs eagerly (no recompiles for eval mode) and without dropout.
+    eval_attention = evaluation_attention(attention, model.cfg.dropout)
     loss_fn = make_loss_fn(model, training_attention(attention, model.cfg.dropout), compiled, cfg.loss_chunk)
     step_fn = make_stepper(loss_fn, model, optimizer, grad_clip=cfg.grad_clip, amp=autocast(device, cfg.dtype, not graphed),
                            graphed=graphed)
@@ -397,8 +407,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
         if (step % cfg.eval_interval == 0 or done) and not (resume is not None and step == start_step):
             meter.pause()  # evaluation and saving are not training time
             read_back_losses()
-            val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp, attention=attention,
-                           loss_chunk=cfg.loss_chunk)
+            val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp,
+                           attention=eval_attention, loss_chunk=cfg.loss_chunk)
             history["val"].append({"step": step, "loss": val, "wall_s": time.perf_counter() - wall_start})
             if not math.isfinite(val):
                 bar.close()
@@ -435,6 +445,6 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
                                 f"MFU {format_mfu(meter.mfu(tok_s))}")
     bar.close()
 
-    final = evaluate(model, data.eval_batches(None), device=device, amp=amp, attention=attention,
+    final = evaluate(model, data.eval_batches(None), device=device, amp=amp, attention=eval_attention,
                      loss_chunk=cfg.loss_chunk)
     return write_log({"final_val_loss_full_split": final})
