@@ -134,10 +134,10 @@ def test_attention_dropout_keeps_the_masks_and_is_unbiased():
     doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
     dense = DenseAttention(doc_ids)
     want = naive_attention(q, k, v, doc_ids)
-    torch.testing.assert_close(trainer.AttentionDropout(dense, 0.0).attend(0, q, k, v), want)
+    torch.testing.assert_close(trainer.TorchAttention(dense, 0.0).attend(0, q, k, v), want)
     # Dropout on the weights, rescaled by 1 / (1 - p): each draw differs, the average is the attention.
     torch.manual_seed(0)
-    draws = torch.stack([trainer.AttentionDropout(dense, 0.5).attend(0, q, k, v) for _ in range(4000)])
+    draws = torch.stack([trainer.TorchAttention(dense, 0.5).attend(0, q, k, v) for _ in range(4000)])
 
     def rel_error(x):
         return ((x - want).norm() / want.norm()).item()
@@ -159,7 +159,7 @@ def test_training_steps_drop_attention_weights_and_evaluation_does_not(corpus, t
     monkeypatch.setattr(trainer, "make_loss_fn", spy)
     assert run_cli(*tiny_args(corpus, tmp_path / "run", "--max-steps", "1")) == 0  # --dropout 0.1
     backend = seen[0](_batch(torch.randint(0, 60, (2, 9))))
-    assert isinstance(backend, trainer.AttentionDropout) and backend.p == 0.1
+    assert isinstance(backend, trainer.TorchAttention) and backend.p == 0.1
     monkeypatch.undo()
 
     torch.manual_seed(0)

@@ -89,12 +89,8 @@ def attention_ref(
 ) -> torch.Tensor:
     """The definition of correct: PyTorch SDPA with one boolean mask built per call (any dtype, float64 too)."""
     _check_inputs(q, k, v, doc_ids)
-    T, hq, hkv = q.shape[1], q.shape[2], k.shape[2]
-    mask = None
-    if doc_ids is not None:
-        mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # (B, 1, T, T)
-        if causal:
-            mask = mask & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    hq, hkv = q.shape[2], k.shape[2]
+    mask = document_mask(doc_ids, causal) if doc_ids is not None else None
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -105,6 +101,16 @@ def attention_ref(
         enable_gqa=hq != hkv,
     )
     return out.transpose(1, 2)
+
+
+def document_mask(doc_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """The dense (B, 1, T, T) boolean mask of `doc_ids` (B, T) for SDPA: same document, and not later when
+    `causal`. What the kernels compute without ever building it."""
+    mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
+    if causal:
+        T = doc_ids.shape[1]
+        mask = mask & torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return mask
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> None:

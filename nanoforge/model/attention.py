@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoforge.kernels.dispatch import use_fast
 from nanoforge.kernels.flash_attention import attention as flash_attention
 from nanoforge.kernels.flash_attention import doc_bounds
 
@@ -41,7 +40,7 @@ class DenseAttention(AttentionBackend):
         self.bounds = None  # the kernels' view of the documents: computed by the first layer, reused by the rest
 
     def attend(self, layer, q, k, v):
-        if self.doc_ids is not None and self.bounds is None and use_fast(q, k, v):
+        if self.doc_ids is not None and self.bounds is None:
             self.bounds = doc_bounds(self.doc_ids)
         return flash_attention(q, k, v, doc_ids=self.doc_ids, causal=True, bounds=self.bounds)
 

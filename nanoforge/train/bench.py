@@ -22,44 +22,18 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from nanoforge.data.loader import Batch, doc_ids_and_positions
 from nanoforge.errors import NanoforgeError
-from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.config import preset as model_preset
 from nanoforge.model.transformer import Transformer
 from nanoforge.runtime import pick_device
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import make_optimizer
 from nanoforge.train.progress import format_mfu, peak_flops
-from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, document_attention, make_loss_fn,
-                                     make_stepper, use_cuda_graph)
-
-
-class MaskedSDPA(AttentionBackend):
-    """Document masking without the kernels: PyTorch SDPA with a dense (B, 1, T, T) boolean mask, built once
-    per batch (`attention_ref`'s mask, what `NANOFORGE_KERNELS=torch` runs)."""
-
-    def __init__(self, doc_ids: torch.Tensor):
-        T = doc_ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-        self.mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None] & causal
-
-    def attend(self, layer, q, k, v):
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=self.mask, enable_gqa=q.shape[2] != k.shape[2])
-        return o.transpose(1, 2)
-
-
-class SDPACausal(AttentionBackend):
-    """The baseline: torch's fused causal attention, no document mask."""
-
-    def attend(self, layer, q, k, v):
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=q.shape[2] != k.shape[2])
-        return o.transpose(1, 2)
+from nanoforge.train.trainer import (TorchAttention, autocast, causal_attention, compute_dtype, document_attention,
+                                     make_loss_fn, make_stepper, use_cuda_graph)
 
 
 # name -> (what it runs, attention, tokens per chunk of the fused head + loss or None)
@@ -67,8 +41,9 @@ VARIANTS = {
     "nanoforge": ("flash attention + document masking", document_attention, None),
     "chunked-loss": ("the same, head + loss fused per 1k tokens", document_attention, 1024),
     "no-doc-mask": ("flash attention, causal only", causal_attention, None),
-    "torch-doc-mask": ("torch SDPA + dense document mask", lambda batch: MaskedSDPA(batch.doc_ids), None),
-    "baseline": ("torch SDPA, causal only (nanoGPT)", lambda batch: SDPACausal(), None),
+    "torch-doc-mask": ("torch SDPA + dense document mask", lambda batch: TorchAttention(document_attention(batch)),
+                       None),
+    "baseline": ("torch SDPA, causal only (nanoGPT)", lambda batch: TorchAttention(causal_attention(batch)), None),
 }
 
 
@@ -154,8 +129,8 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
     return {"preset": preset, "params_m": cfg.num_params(non_embedding=False) / 1e6,
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "batch_size": batch_size,
             "seq_len": seq_len, "mean_doc_len": mean_doc_len, "dtype": compute_dtype(dev, dtype),
-            "compiled": compiled, "cuda_graph": graphed, "steps": steps, "warmup": warmup, "flops_per_token": flops, "peak_flops": peak,
-            "results": results}
+            "compiled": compiled, "cuda_graph": graphed, "steps": steps, "warmup": warmup, "flops_per_token": flops,
+            "peak_flops": peak, "results": results}
 
 
 def print_table(report: dict) -> None:

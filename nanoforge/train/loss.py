@@ -25,42 +25,46 @@ import torch
 from nanoforge.data.sft import IGNORE_INDEX
 
 
+def _chunked(hidden, weight, targets, chunk: int, compute_dtype: torch.dtype, need_h: bool, need_w: bool):
+    """The summed loss and, as asked, the gradients of hidden and weight (None otherwise), chunk by chunk."""
+    acc = torch.promote_types(compute_dtype, torch.float32)  # the loss and the softmax: fp32 at least
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, h.shape[0], chunk):
+            hc, tc = h[start : start + chunk], targets[start : start + chunk]
+            logits = (hc @ w.t()).to(acc)  # (chunk, V)
+            keep = tc != IGNORE_INDEX
+            safe = torch.where(keep, tc, 0)[:, None]
+            lse = torch.logsumexp(logits, dim=-1)
+            total += ((lse - logits.gather(1, safe).squeeze(1)) * keep).sum()
+            if need_h or need_w:
+                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g.scatter_add_(1, safe, -keep[:, None].to(g.dtype))  # minus the one-hot target
+                g = (g * keep[:, None]).to(compute_dtype)  # ignored tokens get no gradient
+                if need_h:
+                    grad_h[start : start + chunk] = g @ w
+                if need_w:
+                    grad_w += g.t() @ hc
+    return total, grad_h, grad_w
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, compute_dtype: torch.dtype):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = torch.promote_types(compute_dtype, torch.float32)  # the loss and the softmax: fp32 at least
-        with torch.autocast(hidden.device.type, enabled=False):
-            h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
-            grad_h = torch.empty_like(h) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-            total = torch.zeros((), dtype=acc, device=hidden.device)
-            for start in range(0, h.shape[0], chunk):
-                hc, tc = h[start : start + chunk], targets[start : start + chunk]
-                logits = (hc @ w.t()).to(acc)  # (chunk, V)
-                keep = tc != IGNORE_INDEX
-                safe = torch.where(keep, tc, 0)[:, None]
-                lse = torch.logsumexp(logits, dim=-1)
-                total += ((lse - logits.gather(1, safe).squeeze(1)) * keep).sum()
-                if need_h or need_w:
-                    g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                    g.scatter_add_(1, safe, -keep[:, None].to(g.dtype))  # minus the one-hot target
-                    g = (g * keep[:, None]).to(compute_dtype)  # ignored tokens get no gradient
-                    if need_h:
-                        grad_h[start : start + chunk] = g @ w
-                    if need_w:
-                        grad_w += g.t() @ hc
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
-        ctx.need = (need_h, need_w)
+        total, grad_h, grad_w = _chunked(hidden, weight, targets, chunk, compute_dtype, need_h, need_w)
+        ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = list(ctx.saved_tensors)
-        need_h, need_w = ctx.need
-        grad_h = (saved.pop(0) * grad_out).to(ctx.dtypes[0]) if need_h else None
-        grad_w = (saved.pop(0) * grad_out).to(ctx.dtypes[1]) if need_w else None
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = None if grad_h is None else (grad_h * grad_out).to(ctx.dtypes[0])
+        grad_w = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[1])
         return grad_h, grad_w, None, None, None
 
 
@@ -75,14 +79,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, dtype)
-    with torch.no_grad():  # evaluation: the loss alone (Function.forward would also make gradients)
-        return _LinearCrossEntropy.forward(_NoGrad(), hidden, weight, targets, chunk, dtype)
-
-
-class _NoGrad:
-    """A stand-in autograd context asking for no gradients."""
-
-    needs_input_grad = (False, False, False, False, False)
-
-    def save_for_backward(self, *tensors):
-        pass
+    return _chunked(hidden, weight, targets, chunk, dtype, False, False)[0]  # evaluation: the loss alone

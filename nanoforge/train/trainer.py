@@ -34,6 +34,7 @@ from tqdm import tqdm
 from nanoforge.data.loader import Batch
 from nanoforge.data.sft import IGNORE_INDEX
 from nanoforge.errors import NanoforgeError
+from nanoforge.kernels.flash_attention import document_mask
 from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.transformer import Transformer
 from nanoforge.tokenizer import Tokenizer
@@ -107,19 +108,16 @@ def causal_attention(batch: Batch) -> AttentionBackend:
     return DenseAttention(None)
 
 
-class AttentionDropout(AttentionBackend):
-    """A DenseAttention's masks (causal, documents apart) with dropout on the attention weights, as
-    nanoGPT trains its dropout models, through PyTorch SDPA: the flash kernels have no dropout."""
+class TorchAttention(AttentionBackend):
+    """A DenseAttention's masks (causal, documents apart) through PyTorch SDPA, optionally with dropout on
+    the attention weights as nanoGPT trains its dropout models (the flash kernels have no dropout). With
+    documents, SDPA gets the dense mask, built once per batch."""
 
-    def __init__(self, dense: DenseAttention, p: float):
-        self.doc_ids, self.p = dense.doc_ids, p
-        self.mask = None  # built by the first layer, shared by the others
+    def __init__(self, dense: DenseAttention, p: float = 0.0):
+        self.p = p
+        self.mask = None if dense.doc_ids is None else document_mask(dense.doc_ids)  # (B, 1, T, T)
 
     def attend(self, layer, q, k, v):
-        if self.doc_ids is not None and self.mask is None:
-            T = q.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-            self.mask = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :])[:, None] & causal  # (B, 1, T, T)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=self.mask, is_causal=self.mask is None, dropout_p=self.p,
                                            enable_gqa=q.shape[2] != k.shape[2])
@@ -131,7 +129,7 @@ def training_attention(attention: AttentionFor, dropout: float) -> AttentionFor:
     as nanoGPT's recipes have it (with residual dropout alone a small model overfits more)."""
     if dropout == 0:
         return attention
-    return lambda batch: AttentionDropout(attention(batch), dropout)
+    return lambda batch: TorchAttention(attention(batch), dropout)
 
 
 def evaluation_attention(attention: AttentionFor, dropout: float) -> AttentionFor:
@@ -140,7 +138,7 @@ def evaluation_attention(attention: AttentionFor, dropout: float) -> AttentionFo
     the flash kernels just to evaluate)."""
     if dropout == 0:
         return attention
-    return lambda batch: AttentionDropout(attention(batch), 0.0)
+    return lambda batch: TorchAttention(attention(batch))
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch, attention: AttentionFor = document_attention,
@@ -219,8 +217,9 @@ class GraphedStep:
     first real batches; afterwards the weights, the optimizer state and the CUDA RNG are put back as they
     were, so a graphed run computes the same steps as an eager one, and a resumed run the same as one
     that never stopped. The copies kept meanwhile cost three times the weights' memory on the device
-    during capture: a model near the GPU's memory limit wants --no-cuda-graph. Every step must have the batches' shapes of the first (the packed loaders give
-    fixed (batch, seq_len) batches); another shape is an error, not a silent recapture.
+    during capture: a model near the GPU's memory limit wants --no-cuda-graph. Every step must have the
+    batches' shapes of the first (the packed loaders give fixed (batch, seq_len) batches); another shape
+    is an error, not a silent recapture.
     """
 
     WARMUP = 3
@@ -251,10 +250,9 @@ class GraphedStep:
 
     def _load(self, micro: list[Batch], lr: float) -> None:
         for static, batch in zip(self.static, micro):
-            for name, value in vars(batch).items():
+            for name, value in vars(batch.pin_memory()).items():  # pinned: the copies queue, the host goes on
                 if value is not None:
-                    getattr(static, name).copy_(value.pin_memory() if not value.is_pinned() else value,
-                                                non_blocking=True)
+                    getattr(static, name).copy_(value, non_blocking=True)
         self.lr.fill_(lr)
         self.inv_count.fill_(1.0 / max(sum(count_trained(b) for b in micro), 1))
 
