@@ -170,10 +170,12 @@ def diagnose(out: Path, device: str = "cuda", steps: int = 200) -> dict:
 # --- 2. shakespeare-char -------------------------------------------------------------------------------
 
 def shakespeare(data: Path, out: Path, compile: bool | None, name: str = "shakespeare-char", seed: int = 1337,
-                max_steps: int = 5000) -> dict:
-    # lr_decay_steps stays at the recipe's 5000, so a shorter run follows the recipe's first max_steps steps
-    cfg = preset("shakespeare-char", data=[str(data)], compile=compile, seed=seed, max_steps=max_steps,
-                 lr_decay_steps=5000)
+                max_steps: int = 5000, ema: float | None = None, schedule_steps: int = 5000) -> dict:
+    # lr_decay_steps stays at the schedule's length (the recipe's 5000), so a shorter run follows its first steps
+    overrides = {"compile": compile} if compile is not None else {}
+    overrides |= {"ema": ema} if ema is not None else {}
+    cfg = preset("shakespeare-char", data=[str(data)], seed=seed, max_steps=max_steps, lr_decay_steps=schedule_steps,
+                 **overrides)
     with tempfile.TemporaryDirectory() as tmp:
         s = pretrain(cfg, Path(tmp) / "run")
         (out / name).mkdir(parents=True, exist_ok=True)
@@ -181,7 +183,7 @@ def shakespeare(data: Path, out: Path, compile: bool | None, name: str = "shakes
             shutil.copy(Path(tmp) / "run" / f, out / name / f)
         history = json.loads((Path(tmp) / "run" / "log.json").read_text())["history"]
     torch._dynamo.reset()
-    result = {"seed": seed, "max_steps": max_steps}
+    result = {"seed": seed, "max_steps": max_steps, "schedule_steps": schedule_steps, "ema": cfg.ema}
     result |= {k: s[k] for k in ("val_loss", "best_val_loss", "final_val_loss_full_split", "wall_time_s",
                                 "ms_per_step", "tokens_per_s", "mfu", "compiled", "cuda_graph")}
     reached = next((r for r in history["val"] if r["loss"] <= TARGET_VAL_LOSS), None)
@@ -261,7 +263,10 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1337], help="shakespeare-char runs, one per seed")
     p.add_argument("--max-steps", type=int, default=5000,
                    help="stop shakespeare-char here (the schedule stays the recipe's 5000 steps)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="default: on (GPU)")
+    p.add_argument("--schedule-steps", type=int, default=5000, help="shakespeare-char's cosine schedule length")
+    p.add_argument("--ema", type=float, default=None, help="shakespeare-char's weight average decay (default: the preset's)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: the preset's")
     p.add_argument("--profile", action="store_true", help="also profile the GPT-2 step ($OUT/gpt2_step_profile.txt)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -280,7 +285,8 @@ def main() -> int:
             return 2
         runs = []
         for seed in args.seeds:
-            runs.append(shakespeare(data, args.out, args.compile, f"shakespeare-char-seed{seed}", seed, args.max_steps))
+            runs.append(shakespeare(data, args.out, args.compile, f"shakespeare-char-seed{seed}", seed, args.max_steps,
+                                    args.ema, args.schedule_steps))
             write_json(args.out / "gpu_train.json", report | {"shakespeare_char": runs})
         report["shakespeare_char"] = runs
         print("\nshakespeare-char: seed, best val loss, first step <= 1.47, wall s then")

@@ -115,6 +115,41 @@ def test_gradient_accumulation_equals_one_big_batch():
     assert any(g.abs().sum() > 0 for g in grads[0])
 
 
+def test_weight_average_follows_a_float64_running_average():
+    """The average after each step is avg + w (weights - avg), w = 1 - min(decay, (1 + t) / (10 + t)),
+    recomputed here in float64 from the weights each step left; training itself is not changed by it."""
+    torch.manual_seed(0)
+    cfg = model_preset("tiny-llama")
+    batches = [_batch(torch.randint(0, cfg.vocab_size, (2, 17))) for _ in range(3)]
+    amp = torch.autocast("cpu", enabled=False)
+    runs = {}
+    for decay in (0.0, 0.95):
+        torch.manual_seed(1)
+        model = Transformer(cfg)
+        opt = make_optimizer(model, TrainConfig(weight_decay=0.1))
+        average = trainer.WeightAverage(model, decay) if decay else None
+        step = trainer.make_stepper(trainer.make_loss_fn(model, trainer.document_attention, False), model, opt,
+                                    grad_clip=1.0, amp=amp, graphed=False, average=average)
+        naive = [p.detach().double().clone() for p in model.parameters()]
+        losses = []
+        for t in range(12):
+            if average is not None:
+                average.set_step(t)
+            losses.append(step([batches[t % 3]], 3e-3).item())
+            w = 1 - min(decay, (1 + t) / (10 + t))
+            naive = [a + w * (p.detach().double() - a) for a, p in zip(naive, model.parameters())]
+        runs[decay] = losses, [p.detach().clone() for p in model.parameters()], average, naive
+    (plain_losses, plain_weights, _, _), (losses, weights, average, naive) = runs[0.0], runs[0.95]
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    for got, want, w in zip(average.avg, naive, weights):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert max((a - w).abs().max().item() for a, w in zip(average.avg, weights)) > 1e-3  # a real average
+    with average.swapped_in() as training:
+        assert all(torch.equal(p, a) for p, a in zip(average.params, average.avg))
+        assert all(torch.equal(t, w) for t, w in zip(training, weights))
+    assert all(torch.equal(p, w) for p, w in zip(average.params, weights))  # put back
+
+
 # --- dropout and evaluation ------------------------------------------------------------------------------
 
 def naive_attention(q, k, v, doc_ids):
@@ -206,11 +241,13 @@ def test_the_final_val_loss_covers_the_whole_split(corpus, tmp_path):
 
 # --- exact resume, non-finite loss, checkpoints ------------------------------------------------------
 
-def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path):
+@pytest.mark.parametrize("ema", ["0", "0.9"])
+def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path, ema):
     """8 steps straight vs 4 steps, stop, resume for 4: the same losses and weights, bit for bit
-    (dropout is on, so the RNG state must come back too; the data position and schedule as well)."""
+    (dropout is on, so the RNG state must come back too; the data position and schedule as well).
+    With a weight average, the checkpoint's model is the average and its state the training weights."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    common = ["--lr-decay-steps", "8", "--warmup-steps", "2", "--eval-interval", "4"]
+    common = ["--lr-decay-steps", "8", "--warmup-steps", "2", "--eval-interval", "4", "--ema", ema]
     assert run_cli(*tiny_args(corpus, straight, "--max-steps", "8", *common)) == 0
     assert run_cli(*tiny_args(corpus, split, "--max-steps", "4", *common)) == 0
     assert torch.load(split / "trainer_state.pt", weights_only=True)["step"] == 4
@@ -225,7 +262,17 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # The run really learnt something and was really resumed (not restarted).
     assert a["val"][-1]["loss"] < a["val"][0]["loss"]
-    assert torch.load(split / "trainer_state.pt", weights_only=True)["step"] == 8
+    state = torch.load(split / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 8
+    if ema != "0":
+        # The folder holds the average: a model of those weights scores the last val loss; the training
+        # weights differ from it, and training itself is the run without an average.
+        model = load_model(split)
+        assert not all(torch.equal(t, p.float()) for t, p in zip(state["training_weights"], model.parameters()))
+        plain = tmp_path / "plain"
+        assert run_cli(*tiny_args(corpus, plain, "--max-steps", "8", *common[:-1], "0")) == 0
+        assert [r["loss"] for r in history(plain)["train"]] == [r["loss"] for r in a["train"]]
+        assert history(plain)["val"][-1]["loss"] != a["val"][-1]["loss"]
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch, capsys):
@@ -368,7 +415,7 @@ def test_compiled_bf16_training_on_gpu_tracks_eager(corpus, tmp_path):
 @pytest.mark.gpu
 def test_cuda_graphed_step_computes_what_the_launched_step_does():
     """Same seed, same batches, dropout on: the graphed steps give the launched steps' losses and weights,
-    so the warm-up steps before capture were undone (weights, AdamW state, RNG), and the graph reads the
+    so the warm-up steps before capture were undone (weights, AdamW state, weight average, RNG), and the graph reads the
     learning rate and loss divisor of each step (both change here)."""
     from nanoforge.train.bench import packed_batches
 
@@ -382,14 +429,18 @@ def test_cuda_graphed_step_computes_what_the_launched_step_does():
         model = Transformer(cfg).to(dev).train()
         opt = make_optimizer(model, TrainConfig(weight_decay=0.1), capturable=graphed)
         loss_fn = trainer.make_loss_fn(model, trainer.training_attention(trainer.document_attention, 0.1), False)
+        average = trainer.WeightAverage(model, 0.9)  # its update is in the graph too
         step = trainer.make_stepper(loss_fn, model, opt, grad_clip=0.5, amp=trainer.autocast(dev, "fp32"),
-                                    graphed=graphed)
-        losses = [step([batches[i % 3], batches[(i + 1) % 3]], 1e-3 * (i + 1)).item() for i in range(6)]
-        runs[graphed] = losses, [p.detach().clone() for p in model.parameters()]
-    (eager, eager_p), (graph, graph_p) = runs[False], runs[True]
+                                    graphed=graphed, average=average)
+        losses = []
+        for i in range(6):
+            average.set_step(i)
+            losses.append(step([batches[i % 3], batches[(i + 1) % 3]], 1e-3 * (i + 1)).item())
+        runs[graphed] = losses, [p.detach().clone() for p in model.parameters()], average.avg
+    (eager, eager_p, eager_avg), (graph, graph_p, graph_avg) = runs[False], runs[True]
     assert graph == pytest.approx(eager, rel=1e-4)
     assert len(set(eager)) == len(eager)
-    for a, b in zip(eager_p, graph_p):
+    for a, b in zip(eager_p + eager_avg, graph_p + graph_avg):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
     with pytest.raises(NanoforgeError, match="batches of one shape"):
         step([batches[0]], 1e-3)

@@ -24,6 +24,7 @@ _LOOP_FLAGS = {
     "weight_decay": (float, "AdamW weight decay of matrices and embeddings"),
     "beta2": (float, "AdamW beta2"),
     "grad_clip": (float, "clip the gradient norm to this (0: off)"),
+    "ema": (float, "evaluate and save a moving average of the weights with this decay, e.g. 0.998 (0: off)"),
     "eval_interval": (int, "validate and checkpoint every this many steps"),
     "eval_iters": (int, "validation batches per evaluation"),
     "log_interval": (int, "steps between progress updates"),

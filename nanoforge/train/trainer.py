@@ -13,6 +13,10 @@ pinned memory, and losses stay on the device until a log step. They are read
 back at each log step and before each checkpoint, and a non-finite one stops
 the run before anything is saved, keeping the last good checkpoint.
 
+With `ema` > 0, an exponential moving average of the weights follows the
+training weights (`WeightAverage`): evaluation, checkpoints and the final model
+use the average; the trainer state keeps the training weights for the resume.
+
 Exact resume: the batches are a function of the data position, the learning
 rate a function of the step, and dropout draws from the restored RNG, so a
 resumed run continues with the same numbers as one that never stopped.
@@ -180,8 +184,53 @@ def make_loss_fn(model: torch.nn.Module, attention: AttentionFor, compiled: bool
     return torch.compile(loss_of, dynamic=False) if compiled else loss_of
 
 
+class WeightAverage:
+    """An exponential moving average of a model's weights (Polyak averaging), updated after every
+    optimizer step: avg += w * (weights - avg), w = 1 - min(decay, (1 + step) / (10 + step)).
+
+    The ramp keeps the random initial weights from lingering in the average (with decay 0.998, the
+    initialisation would still weigh 5% at step 1,500). The average is fp32 on the weights' device; the
+    step's w is a device scalar (a CUDA graph reads it, as it reads the learning rate). Averaging
+    smooths the optimizer's noise: at a high learning rate the average scores lower than the weights
+    being trained, without changing the training at all.
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.params = [p for p in model.parameters()]
+        self.avg = [p.detach().clone() for p in self.params]
+        self.decay = decay
+        self.weight = torch.zeros((), device=self.params[0].device)
+        self._weights = [self.weight] * len(self.params)  # per-tensor weights: no host sync, capturable
+
+    def set_step(self, step: int) -> None:
+        """Before optimizer step `step` (0-based): the weight its update gives the new weights."""
+        self.weight.fill_(1.0 - min(self.decay, (1 + step) / (10 + step)))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        torch._foreach_lerp_(self.avg, [p.detach() for p in self.params], self._weights)
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[list[torch.Tensor]]:
+        """The model holds the average inside; yields the training weights (copies) meanwhile."""
+        with torch.no_grad():
+            training = [p.detach().clone() for p in self.params]
+            torch._foreach_copy_(self.params, self.avg)
+        try:
+            yield training
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, training)
+
+    @torch.no_grad()
+    def keep(self) -> None:
+        """The run is over: the model holds the average from now on."""
+        torch._foreach_copy_(self.params, self.avg)
+
+
 def train_step(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               micro: list[Batch], *, lr: float, grad_clip: float, amp) -> torch.Tensor:
+               micro: list[Batch], *, lr: float, grad_clip: float, amp,
+               average: WeightAverage | None = None) -> torch.Tensor:
     """One optimizer step over micro-batches (CPU tensors); returns the step's mean loss, on the device.
 
     The loss is the mean over every trained token of the step, so gradient accumulation gives the
@@ -200,6 +249,8 @@ def train_step(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module,
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
+    if average is not None:
+        average.update()
     optimizer.zero_grad(set_to_none=True)
     return step_loss
 
@@ -209,12 +260,13 @@ class GraphedStep:
 
     A small model's step is hundreds of short kernels; launched one by one from Python, the GPU waits for
     the host between them (nanoGPT's baby GPT spends more time launching than computing). The graph holds
-    the forward and backward of every micro-batch, the clipping and the fused AdamW update; a step copies
+    the forward and backward of every micro-batch, the clipping, the fused AdamW update and the weight
+    average's update (if any); a step copies
     its batches into the graph's static input buffers, sets the learning rate and the loss divisor (device
     scalars the graph reads) and replays.
 
     Capture needs a few warm-up steps first (compilation, autotuning, lazy allocations). They run on the
-    first real batches; afterwards the weights, the optimizer state and the CUDA RNG are put back as they
+    first real batches; afterwards the weights, the optimizer state, the average and the CUDA RNG are put back as they
     were, so a graphed run computes the same steps as an eager one, and a resumed run the same as one
     that never stopped. The copies kept meanwhile cost three times the weights' memory on the device
     during capture: a model near the GPU's memory limit wants --no-cuda-graph. Every step must have the
@@ -225,10 +277,12 @@ class GraphedStep:
     WARMUP = 3
 
     def __init__(self, loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, *, grad_clip: float, amp):
+                 optimizer: torch.optim.Optimizer, *, grad_clip: float, amp,
+                 average: WeightAverage | None = None):
         if not all(group.get("capturable") for group in optimizer.param_groups):
             raise ValueError("GraphedStep needs an optimizer made with capturable=True")
         self.loss_fn, self.model, self.optimizer, self.grad_clip, self.amp = loss_fn, model, optimizer, grad_clip, amp
+        self.average = average
         self.device = model.embed.weight.device
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -246,6 +300,8 @@ class GraphedStep:
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
+        if self.average is not None:
+            self.average.update()
         return step_loss
 
     def _load(self, micro: list[Batch], lr: float) -> None:
@@ -267,6 +323,7 @@ class GraphedStep:
         saved_params = [p.detach().clone() for p in params]
         saved_state = {id(p): {k: v.clone() for k, v in self.optimizer.state[p].items()} for p in params
                        if p in self.optimizer.state}
+        saved_avg = [t.clone() for t in self.average.avg] if self.average is not None else []
         saved_rng = torch.cuda.get_rng_state(self.device)
         self._load(micro, lr)
         side = torch.cuda.Stream(self.device)
@@ -283,6 +340,8 @@ class GraphedStep:
                 for k, v in self.optimizer.state[p].items():
                     before = saved_state.get(id(p), {}).get(k)
                     v.copy_(before) if before is not None else v.zero_()
+            if self.average is not None:
+                torch._foreach_copy_(self.average.avg, saved_avg)
         torch.cuda.set_rng_state(saved_rng, self.device)
         self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients it writes
         self.graph = torch.cuda.CUDAGraph()
@@ -302,11 +361,13 @@ class GraphedStep:
 
 
 def make_stepper(loss_fn: Callable[[Batch], torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 *, grad_clip: float, amp, graphed: bool) -> Callable[[list[Batch], float], torch.Tensor]:
+                 *, grad_clip: float, amp, graphed: bool,
+                 average: WeightAverage | None = None) -> Callable[[list[Batch], float], torch.Tensor]:
     """(micro-batches, lr) -> the step's mean loss on the device: `train_step`, or its CUDA graph."""
     if graphed:
-        return GraphedStep(loss_fn, model, optimizer, grad_clip=grad_clip, amp=amp)
-    return lambda micro, lr: train_step(loss_fn, model, optimizer, micro, lr=lr, grad_clip=grad_clip, amp=amp)
+        return GraphedStep(loss_fn, model, optimizer, grad_clip=grad_clip, amp=amp, average=average)
+    return lambda micro, lr: train_step(loss_fn, model, optimizer, micro, lr=lr, grad_clip=grad_clip, amp=amp,
+                                        average=average)
 
 
 @torch.no_grad()
@@ -358,8 +419,13 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     # Evaluation runs eagerly (no recompiles for eval mode) and without dropout.
     eval_attention = evaluation_attention(attention, model.cfg.dropout)
     loss_fn = make_loss_fn(model, training_attention(attention, model.cfg.dropout), compiled, cfg.loss_chunk)
+    # The model folder of a run with a weight average holds the average; the training weights are in its state.
+    average = WeightAverage(model, cfg.ema) if cfg.ema > 0 else None
+    if resume is not None and "training_weights" in resume:
+        with torch.no_grad():
+            torch._foreach_copy_(list(model.parameters()), [t.to(device) for t in resume["training_weights"]])
     step_fn = make_stepper(loss_fn, model, optimizer, grad_clip=cfg.grad_clip, amp=autocast(device, cfg.dtype, not graphed),
-                           graphed=graphed)
+                           graphed=graphed, average=average)
     model.train()
 
     meter = Throughput(cfg.batch_size * seq_len * cfg.grad_accum, model.cfg.flops_per_token(seq_len),
@@ -405,20 +471,23 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
         if (step % cfg.eval_interval == 0 or done) and not (resume is not None and step == start_step):
             meter.pause()  # evaluation and saving are not training time
             read_back_losses()
-            val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp,
-                           attention=eval_attention, loss_chunk=cfg.loss_chunk)
-            history["val"].append({"step": step, "loss": val, "wall_s": time.perf_counter() - wall_start})
-            if not math.isfinite(val):
-                bar.close()
-                write_log({"stopped": f"non-finite validation loss at step {step}"})
-                raise NanoforgeError(f"step {step}: validation loss is {val}; stopped, and the last good checkpoint "
-                                     f"(step {last_saved}) is kept in {out_dir}", param="lr")
-            saved = step > start_step
-            if saved:
-                save_checkpoint(out_dir, model, tokenizer, {
-                    "step": step, "config": cfg.to_dict(), "optimizer": optimizer.state_dict(),
-                    "data": data.train.state_dict(), "rng": rng_state(), "history": history})
-                last_saved = step
+            with average.swapped_in() if average is not None else contextlib.nullcontext() as training_weights:
+                val = evaluate(model, data.eval_batches(cfg.eval_iters), device=device, amp=amp,
+                               attention=eval_attention, loss_chunk=cfg.loss_chunk)
+                history["val"].append({"step": step, "loss": val, "wall_s": time.perf_counter() - wall_start})
+                if not math.isfinite(val):
+                    bar.close()
+                    write_log({"stopped": f"non-finite validation loss at step {step}"})
+                    raise NanoforgeError(f"step {step}: validation loss is {val}; stopped, and the last good "
+                                         f"checkpoint (step {last_saved}) is kept in {out_dir}", param="lr")
+                saved = step > start_step
+                if saved:
+                    state = {"step": step, "config": cfg.to_dict(), "optimizer": optimizer.state_dict(),
+                             "data": data.train.state_dict(), "rng": rng_state(), "history": history}
+                    if training_weights is not None:
+                        state["training_weights"] = [t.cpu() for t in training_weights]
+                    save_checkpoint(out_dir, model, tokenizer, state)
+                    last_saved = step
             write_log()
             bar.write(f"step {step}: val loss {val:.4f}" + (f", saved to {out_dir}" if saved else ""))
             meter.resume()
@@ -427,6 +496,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
 
         # --- one optimizer step over grad_accum micro-batches ---
         lr = lr_at(step, cfg)
+        if average is not None:
+            average.set_step(step)
         micro = [next(data.train) for _ in range(cfg.grad_accum)]
         step_loss = step_fn(micro, lr)
         step += 1
@@ -443,6 +514,8 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
                                 f"MFU {format_mfu(meter.mfu(tok_s))}")
     bar.close()
 
+    if average is not None:
+        average.keep()
     final = evaluate(model, data.eval_batches(None), device=device, amp=amp, attention=eval_attention,
                      loss_chunk=cfg.loss_chunk)
     return write_log({"final_val_loss_full_split": final})
