@@ -47,7 +47,8 @@ def cfg_dict(cfg) -> dict:
 
 def cfg_name(cfg) -> str:
     k = cfg.kwargs
-    return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} s{cfg.num_stages} w{cfg.num_warps} {k['FIXUP']} sk{k['SK_ITERS']}"
+    return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} s{cfg.num_stages} w{cfg.num_warps} {k['FIXUP']} "
+            f"sk{k['SK_ITERS']}")
 
 
 def each_config(fn, tuner) -> list[dict]:

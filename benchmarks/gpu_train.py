@@ -13,12 +13,15 @@
      $OUT/step_profile.txt.
 2. shakespeare-char: nanoGPT's baby GPT (6 x 384, context 256, batch 64, 5000 steps, dropout 0.2) on Tiny
    Shakespeare must reach val loss <= 1.47 in less wall time than nanoGPT's 35 s (7 ms/iter x 5000).
-   What counts is the whole-split val loss at the end; nanoGPT's 1.4697 is the best of its evaluations
-   (it keeps only checkpoints that improve, from the first half of the run); its own logs at step 5000 read val
-   ~1.70-1.71, train ~0.62. So our best is reported beside the final loss. The val curve and the train
-   loss before each evaluation are printed: overfitting shows as val rising while train falls.
-   --ablate repeats the run without attention dropout (residual dropout only, the old behaviour).
-   log.json and loss.png are copied to $OUT/shakespeare-char[-ablated]/.
+   nanoGPT's 1.4697 is the best of its evaluations (it keeps only checkpoints that improve, from the first
+   half of the run); its own logs at step 5000 read val ~1.70-1.71, train ~0.62. So our best is reported
+   beside the final whole-split loss, with the wall time of the first evaluation <= 1.47. The val curve
+   and the train loss before each evaluation are printed: overfitting shows as val rising while train
+   falls. The preset's settings hold unless --ema D (0: nanoGPT's run, no weight average), --compile /
+   --no-compile or --schedule-steps N (the cosine schedule's length; --max-steps cuts a run short
+   without changing it) say otherwise; --seeds runs one per seed, in one process (later seeds reuse
+   compile caches). --ablate repeats the run without attention dropout (residual dropout only).
+   log.json and loss.png are copied to $OUT/shakespeare-char-seedS[-ablated]/.
 3. bench train: GPT-2 124M training steps of 16 x 1024 tokens in bf16 with document masking on must
    reach >= 498,000 tokens/s (43% MFU of 989 TFLOP/s), against PyTorch SDPA in the same process.
 
@@ -27,6 +30,7 @@
 Run from the repository root on the GPU machine:
     python benchmarks/gpu_train.py [--data tinyshakespeare.txt] [--skip-diagnose] [--skip-shakespeare]
                                    [--skip-bench] [--ablate] [--seeds S ...] [--max-steps N] [--profile]
+                                   [--ema D] [--schedule-steps N] [--[no-]compile]
 """
 
 from __future__ import annotations
@@ -264,7 +268,8 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=5000,
                    help="stop shakespeare-char here (the schedule stays the recipe's 5000 steps)")
     p.add_argument("--schedule-steps", type=int, default=5000, help="shakespeare-char's cosine schedule length")
-    p.add_argument("--ema", type=float, default=None, help="shakespeare-char's weight average decay (default: the preset's)")
+    p.add_argument("--ema", type=float, default=None,
+                   help="shakespeare-char's weight average decay (default: the preset's)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="default: the preset's")
     p.add_argument("--profile", action="store_true", help="also profile the GPT-2 step ($OUT/gpt2_step_profile.txt)")
