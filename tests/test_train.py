@@ -322,7 +322,7 @@ def test_checkpoint_is_a_huggingface_model_with_its_tokenizer(corpus, tmp_path, 
 # --- bad input ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["empty", "binary", "preset", "exists", "architecture", "resume-nothing",
-                                  "cuda-graph"])
+                                  "cuda-graph", "ema"])
 def test_bad_input_is_one_line_exit_2_and_nothing_that_looks_good(case, corpus, tmp_path, capsys):
     out = tmp_path / "run"
     if case == "empty":
@@ -342,6 +342,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_that_looks_good(case, corpus, 
         message = "holds a checkpoint of another architecture: d_model is 128 there, 384"
     elif case == "cuda-graph":
         argv, message = tiny_args(corpus, out, "--cuda-graph", "--device", "cpu"), "--cuda-graph needs a CUDA GPU"
+    elif case == "ema":
+        argv, message = tiny_args(corpus, out, "--ema", "1"), "ema must be in [0, 1), got 1.0"
     else:
         argv, message = ["train", "--resume", "--out", out], "holds no training checkpoint to resume"
     before = sorted(p.name for p in out.iterdir()) if out.exists() else []
@@ -349,7 +351,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_that_looks_good(case, corpus, 
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
-    if case in ("empty", "binary", "preset", "resume-nothing", "cuda-graph"):
+    if case in ("empty", "binary", "preset", "resume-nothing", "cuda-graph", "ema"):
         assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
     else:  # the earlier good checkpoint is untouched
         assert sorted(p.name for p in out.iterdir()) == before
