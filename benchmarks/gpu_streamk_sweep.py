@@ -30,7 +30,7 @@ from nanoforge.kernels import matmul as mm  # noqa: E402
 
 
 def host_us(fn, calls: int = 200) -> float:
-    """Host microseconds per call: many calls queued without waiting, minus nothing (the GPU runs behind)."""
+    """Host microseconds per call: `calls` calls queued back to back, timed without waiting for the GPU."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -196,8 +196,8 @@ class WeightAverage:
     """
 
     def __init__(self, model: torch.nn.Module, decay: float):
-        self.params = [p for p in model.parameters()]
-        self.avg = [p.detach().clone() for p in self.params]
+        self.params = [p.detach() for p in model.parameters()]  # views: they see every optimizer step
+        self.avg = [p.clone() for p in self.params]
         self.decay = decay
         self.weight = torch.zeros((), device=self.params[0].device)
         self._weights = [self.weight] * len(self.params)  # per-tensor weights: no host sync, capturable
@@ -208,21 +208,18 @@ class WeightAverage:
 
     @torch.no_grad()
     def update(self) -> None:
-        torch._foreach_lerp_(self.avg, [p.detach() for p in self.params], self._weights)
+        torch._foreach_lerp_(self.avg, self.params, self._weights)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[list[torch.Tensor]]:
         """The model holds the average inside; yields the training weights (copies) meanwhile."""
-        with torch.no_grad():
-            training = [p.detach().clone() for p in self.params]
-            torch._foreach_copy_(self.params, self.avg)
+        training = [p.clone() for p in self.params]
+        torch._foreach_copy_(self.params, self.avg)
         try:
             yield training
         finally:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, training)
+            torch._foreach_copy_(self.params, training)
 
-    @torch.no_grad()
     def keep(self) -> None:
         """The run is over: the model holds the average from now on."""
         torch._foreach_copy_(self.params, self.avg)
