@@ -32,6 +32,7 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+CHAT_ROLES = ("system", "user", "assistant")  # the roles a chat message may have
 
 # ChatML, written the way HF chat templates are, so it can be saved and reused.
 CHATML_TEMPLATE = (
@@ -52,6 +53,16 @@ def _token_content(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+class UnknownCharacters(NanoforgeError):
+    """Text holding characters that the vocabulary cannot encode (a character-level vocabulary has no
+    unknown token); `chars` lists them."""
+
+    def __init__(self, chars: list[str]):
+        super().__init__(f"cannot tokenize the text: characters outside the tokenizer's vocabulary: {chars[:10]!r}",
+                         param="prompt")
+        self.chars = chars
 
 
 class Tokenizer:
@@ -200,27 +211,48 @@ class Tokenizer:
         return backend
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Token ids of `text`. Special-token strings become special ids only if allowed.
-
-        Never adds BOS/EOS on its own (prepend `bos_id` yourself where a model wants it).
-        """
+        """Token ids of `text`, as a piece of a longer sequence: special-token strings become special ids
+        only if allowed, and nothing is added around it (no BOS). A prompt is `encode_prompt`'s."""
         return self.encode_batch([text], allow_special=allow_special)[0]
 
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False) -> list[list[int]]:
         """`encode` for many texts at once (the tokenizers library runs them in parallel)."""
-        backend = self.backend if allow_special else self._literal_backend
-        try:
-            return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
-        except Exception as e:  # vocabularies without an unk token (char-level) fail on unknown characters
-            unknown = sorted({c for t in texts for c in set(t) if self.backend.token_to_id(c) is None})[:10]
-            problem = f"characters outside the tokenizer's vocabulary: {unknown!r}" if unknown else str(e)
-            raise NanoforgeError(f"cannot tokenize the text: {problem}") from e
+        return [e.ids for e in self._encode(texts, allow_special=allow_special, add_special_tokens=False)]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids exactly as the model's own tokenizer makes them, i.e. `tokenizer(text)` in
+        transformers: special-token strings are read as special tokens, and the post-processor of
+        tokenizer.json adds what the model expects around a sequence (Llama 3's adds <|begin_of_text|>;
+        GPT-2's and Qwen's add nothing, whatever tokenizer_config.json calls a BOS token). Every front door
+        (`generate`, `LLM`, the server, `bench serve`) encodes prompt text with this."""
+        return self.encode_prompt_batch([text])[0]
+
+    def encode_prompt_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._encode(texts, allow_special=True, add_special_tokens=True)]
 
     def encode_with_offsets(self, text: str, *, allow_special: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids plus each token's (start, end) character span in `text`."""
-        backend = self.backend if allow_special else self._literal_backend
-        encoding = backend.encode(text, add_special_tokens=False)
+        encoding = self._encode([text], allow_special=allow_special, add_special_tokens=False)[0]
         return encoding.ids, encoding.offsets
+
+    def _encode(self, texts: Sequence[str], *, allow_special: bool, add_special_tokens: bool) -> list:
+        backend = self.backend if allow_special else self._literal_backend
+        try:
+            return backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        except Exception as e:  # vocabularies without an unk token (char-level) fail on unknown characters
+            unknown = self.unknown_characters(texts, allow_special=allow_special)
+            if not unknown:
+                raise  # not the text's fault: keep the traceback
+            raise UnknownCharacters(unknown) from e
+
+    def unknown_characters(self, texts: Sequence[str], *, allow_special: bool = True) -> list[str]:
+        """Characters of `texts` that a vocabulary without an unknown token (character-level) cannot encode,
+        sorted; those inside special-token strings (a chat template's markup) are not counted when those
+        strings are read as special tokens."""
+        if allow_special:
+            for token in self.backend.get_added_tokens_decoder().values():
+                texts = [t.replace(token.content, "") for t in texts]
+        return sorted({c for t in texts for c in set(t) if self.backend.token_to_id(c) is None})
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
@@ -236,6 +268,9 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise NanoforgeError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
+            if m["role"] not in CHAT_ROLES:
+                raise NanoforgeError(f"messages[{i}] has role {m['role']!r}; a message's role is one of "
+                                     f"{', '.join(CHAT_ROLES)}", param="messages")
         from jinja2 import TemplateError
 
         try:

@@ -6,6 +6,7 @@ be set before triton / numba.cuda are imported, hence here, at collection.
 Tests marked `gpu` are skipped with a reason on machines without CUDA.
 """
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -36,6 +37,18 @@ def nan_empty(*shape, like, dtype=None):
     dtype = dtype or like.dtype
     poison = math.nan if dtype.is_floating_point else torch.iinfo(dtype).min
     return torch.full(shape, poison, device=like.device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def raises_bug(match: str):
+    """A wrong call between nanoforge's own parts (a kernel given tensors of the wrong shape, say): a plain
+    ValueError or RuntimeError that keeps its traceback, never the NanoforgeError that front doors answer
+    as bad input (exit 2, HTTP 4xx)."""
+    from nanoforge.errors import NanoforgeError
+
+    with pytest.raises((ValueError, RuntimeError), match=match) as info:
+        yield info
+    assert not isinstance(info.value, NanoforgeError), f"{info.value!r} is reported as bad input"
 
 
 def pytest_collection_modifyitems(config, items):

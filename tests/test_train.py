@@ -319,10 +319,74 @@ def test_checkpoint_is_a_huggingface_model_with_its_tokenizer(corpus, tmp_path, 
     assert not (out / ".checkpoint.tmp").exists()
 
 
+# --- every family, any preset, bf16 ------------------------------------------------------------------
+
+FAMILIES = ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_attends_in_one_dtype_under_bf16_autocast(name):
+    """Under bf16 autocast q, k and v come out of the projection in bf16 while RoPE's cos/sin follow the fp32
+    residual stream: the rotation must hand attention q and k in v's dtype (it once gave fp32 q, k and bf16 v,
+    and attention refused). The logits track the fp32 model's to bf16 precision, gradients included."""
+    torch.manual_seed(0)
+    model = Transformer(model_preset(name))
+    ids = torch.randint(0, 256, (2, 24))
+    doc_ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)
+    seen = []
+    attend = DenseAttention.attend
+
+    def spy(self, layer, q, k, v):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return attend(self, layer, q, k, v)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DenseAttention, "attend", spy)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, positions, DenseAttention(doc_ids))
+        logits.float().logsumexp(-1).sum().backward()
+    assert seen and all(s == (torch.bfloat16,) * 3 for s in seen), seen
+    want = model(ids, positions, DenseAttention(doc_ids)).detach()
+    assert ((logits.float() - want).norm() / want.norm()).item() < 3e-2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_any_model_preset_pretrains_and_finetunes_in_bf16(name, corpus, tmp_path):
+    """`train --preset` takes any model preset (the generic recipe, flags on top), in bf16 autocast on the CPU
+    with document masking; `sft` continues from it. The loss falls in both."""
+    pre, sft = tmp_path / "pre", tmp_path / "sft"
+    records = [{"instruction": f"say {w}", "output": f"{w} {w}"} for w in WORDS * 4]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = ["--dtype", "bf16", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3", "--warmup-steps", "2",
+              "--eval-iters", "2", "--log-interval", "5"]
+    assert run_cli("train", "--preset", name, "--data", corpus, "--tokenizer", "bpe:300", "--out", pre,
+                   "--max-steps", "30", "--eval-interval", "30", *common) == 0
+    assert json.loads((pre / "log.json").read_text())["config"]["beta2"] == 0.95  # the generic recipe
+    val = [r["loss"] for r in history(pre)["val"]]
+    assert val[-1] < val[0] - 1.0, val
+    assert run_cli("sft", "--init", pre, "--data", tmp_path / "sft.jsonl", "--out", sft, "--max-steps", "12",
+                   "--eval-interval", "12", "--eval-samples", "2", "--answer-tokens", "4", *common) == 0
+    val = [r["loss"] for r in history(sft)["val"]]
+    assert val[-1] < val[0], val
+
+
+def test_train_init_continues_a_model_folder(corpus, tmp_path):
+    """`train --init DIR` starts from that folder's weights and tokenizer (no preset initialisation): the
+    first evaluation scores the saved model."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run_cli(*tiny_args(corpus, first, "--max-steps", "20", "--eval-interval", "20", "--dropout", "0")) == 0
+    assert run_cli("train", "--init", first, "--data", corpus, "--out", second, "--max-steps", "2",
+                   "--batch-size", "4", "--seq-len", "32", "--eval-iters", "2", "--eval-interval", "2") == 0
+    assert history(second)["val"][0]["loss"] == pytest.approx(history(first)["val"][-1]["loss"], rel=1e-4)
+    assert json.loads((second / "config.json").read_text())["n_embd"] == 128  # the folder's model, not a preset's
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["empty", "binary", "preset", "exists", "architecture", "resume-nothing",
-                                  "cuda-graph", "ema"])
+@pytest.mark.parametrize("case", ["empty", "binary", "preset", "exists", "architecture", "other-model",
+                                  "resume-nothing", "cuda-graph", "ema"])
 def test_bad_input_is_one_line_exit_2_and_nothing_that_looks_good(case, corpus, tmp_path, capsys):
     out = tmp_path / "run"
     if case == "empty":
@@ -339,7 +403,12 @@ def test_bad_input_is_one_line_exit_2_and_nothing_that_looks_good(case, corpus, 
     elif case == "architecture":
         assert run_cli(*tiny_args(corpus, out, "--max-steps", "2")) == 0
         argv = ["train", "--resume", "--preset", "shakespeare-char", "--out", out, "--max-steps", "4"]
-        message = "holds a checkpoint of another architecture: d_model is 128 there, 384"
+        message = "holds a checkpoint of another model: d_model is 128 there, 384"
+    elif case == "other-model":  # its 128-token sequences are longer than the other preset's context of 64
+        assert run_cli("train", "--preset", "tiny-gpt2", "--data", corpus, "--tokenizer", "char", "--out", out,
+                       "--seq-len", "128", "--batch-size", "2", "--max-steps", "2", "--eval-iters", "2") == 0
+        argv = ["train", "--resume", "--preset", "shakespeare-char-cpu", "--out", out, "--max-steps", "4"]
+        message = "holds a checkpoint of another model: vocab_size is 64 there, 25 in this run's model; d_model is 64"
     elif case == "cuda-graph":
         argv, message = tiny_args(corpus, out, "--cuda-graph", "--device", "cpu"), "--cuda-graph needs a CUDA GPU"
     elif case == "ema":

@@ -18,7 +18,6 @@ loss mask, with doc_ids/positions so examples in a row cannot see each other.
 from __future__ import annotations
 
 import bisect
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,9 +27,8 @@ import torch
 from nanoforge.data.loader import Batch
 from nanoforge.data.prepare import read_json_records
 from nanoforge.errors import NanoforgeError
-from nanoforge.tokenizer import Tokenizer
+from nanoforge.tokenizer import CHAT_ROLES, Tokenizer, UnknownCharacters
 
-ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100  # targets value for tokens without loss (PyTorch cross_entropy's default ignore_index)
 
 
@@ -46,8 +44,8 @@ def to_messages(record: dict, where: str = "record") -> list[dict]:
             for key in ("role", "content"):
                 if not isinstance(m.get(key), str):
                     raise NanoforgeError(f"{where}: messages[{j}] is missing the string field {key!r}", param="messages")
-            if m["role"] not in ROLES:
-                raise NanoforgeError(f"{where}: messages[{j}] has role {m['role']!r}, expected one of {', '.join(ROLES)}", param="messages")
+            if m["role"] not in CHAT_ROLES:
+                raise NanoforgeError(f"{where}: messages[{j}] has role {m['role']!r}, expected one of {', '.join(CHAT_ROLES)}", param="messages")
         if not any(m["role"] == "assistant" for m in messages):
             raise NanoforgeError(f"{where}: no assistant message to train on", param="messages")
         return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -109,6 +107,21 @@ def render(record: dict, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def render_all(records: list[dict], tokenizer: Tokenizer) -> tuple[list[dict], list[tuple[list[int], list[int]]], list[str]]:
+    """`render` every record that the tokenizer can encode: (those records, their examples, the characters
+    that kept the others out). Only a vocabulary without an unknown token (character-level) leaves any out:
+    it cannot read text with characters it has not seen, in training as in `generate` and the server."""
+    kept, examples, unknown = [], [], set()
+    for record in records:
+        try:
+            examples.append(render(record, tokenizer))
+        except UnknownCharacters as e:
+            unknown.update(e.chars)
+            continue
+        kept.append(record)
+    return kept, examples, sorted(unknown)
+
+
 def _pack(lengths: np.ndarray, order: np.ndarray, capacity: int) -> list[list[int]]:
     """Best-fit decreasing bin packing: longest first, each into the fullest row it still fits.
 
@@ -134,8 +147,8 @@ class SFTPacker:
     """Endless batches of packed SFT examples, deterministic per seed and resumable.
 
     An example of n tokens takes n - 1 slots of a row (inputs ids[:-1], targets
-    ids[1:]). Examples longer than seq_len + 1 tokens are dropped, counted in
-    `dropped` and reported once with a warning. Each epoch shuffles the examples,
+    ids[1:]). Examples longer than seq_len + 1 tokens are dropped and counted in
+    `dropped` (the caller says so). Each epoch shuffles the examples,
     packs them into rows, shuffles the rows, and serves them batch_size at a time
     (a batch may straddle two epochs).
     """
@@ -146,8 +159,6 @@ class SFTPacker:
         self.dropped = len(examples) - len(kept)
         if not kept:
             raise NanoforgeError(f"all {len(examples)} SFT examples are longer than seq_len + 1 = {seq_len + 1} tokens", param="seq_len")
-        if self.dropped:
-            warnings.warn(f"SFT: dropped {self.dropped} of {len(examples)} examples longer than seq_len + 1 = {seq_len + 1} tokens", stacklevel=2)
         # Per example: (inputs, targets with IGNORE_INDEX off the answers, loss mask), each n - 1 long.
         self.examples = [(ids[:-1], np.where(mask[1:], ids[1:], IGNORE_INDEX), mask[1:]) for ids, mask in kept]
         self.lengths = np.array([len(e[0]) for e in self.examples])

@@ -71,7 +71,7 @@ def attention(
     if not use_fast(q, k, v):
         return attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=scale)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise NanoforgeError(f"flash attention runs on float16/bfloat16/float32, not {q.dtype}", param="q")
+        raise ValueError(f"flash attention runs on float16/bfloat16/float32, not {q.dtype}")
     if doc_ids is not None and bounds is None:
         bounds = doc_bounds(doc_ids)
     starts, ends = bounds if doc_ids is not None else (None, None)
@@ -115,27 +115,24 @@ def document_mask(doc_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise NanoforgeError(
+        raise ValueError(
             f"attention wants q (B, T, Hq, D) and k, v (B, T, Hkv, D), got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}",
-            param="q",
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     B, T, hq, d = q.shape
     if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != d:
-        raise NanoforgeError(
+        raise ValueError(
             f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B={B}, T={T}, Hkv, D={d}) "
-            f"to match q {tuple(q.shape)}",
-            param="k",
+            f"to match q {tuple(q.shape)}"
         )
     if hq % k.shape[2]:
-        raise NanoforgeError(f"attention: {hq} query heads is not a multiple of {k.shape[2]} kv heads", param="k")
+        raise ValueError(f"attention: {hq} query heads is not a multiple of {k.shape[2]} kv heads")
     if not q.dtype == k.dtype == v.dtype:
-        raise NanoforgeError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", param="q")
+        raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if doc_ids is not None and (doc_ids.shape != (B, T) or doc_ids.is_floating_point() or doc_ids.device != q.device):
-        raise NanoforgeError(
+        raise ValueError(
             f"attention: doc_ids must be an integer tensor of shape (B={B}, T={T}) on {q.device}, got "
-            f"{doc_ids.dtype} {tuple(doc_ids.shape)} on {doc_ids.device}",
-            param="doc_ids",
+            f"{doc_ids.dtype} {tuple(doc_ids.shape)} on {doc_ids.device}"
         )
 
 

@@ -94,17 +94,15 @@ def theoretical_occupancy(
       blocks     at most 32 resident blocks per SM.
     """
     if not 0 < threads_per_block <= limits.max_threads_per_block:
-        raise NanoforgeError(
-            f"threads_per_block must be in 1..{limits.max_threads_per_block}, got {threads_per_block}",
-            param="threads_per_block",
+        raise ValueError(
+            f"threads_per_block must be in 1..{limits.max_threads_per_block}, got {threads_per_block}"
         )
     if not 0 <= registers_per_thread <= limits.max_registers_per_thread:
-        raise NanoforgeError(
-            f"registers_per_thread must be in 0..{limits.max_registers_per_thread}, got {registers_per_thread}",
-            param="registers_per_thread",
+        raise ValueError(
+            f"registers_per_thread must be in 0..{limits.max_registers_per_thread}, got {registers_per_thread}"
         )
     if shared_bytes_per_block < 0:
-        raise NanoforgeError(f"shared_bytes_per_block must be >= 0, got {shared_bytes_per_block}")
+        raise ValueError(f"shared_bytes_per_block must be >= 0, got {shared_bytes_per_block}")
 
     warps = math.ceil(threads_per_block / limits.warp_size)
     by_warps = limits.max_warps_per_sm // warps
@@ -166,7 +164,7 @@ def _run_tool(tool: str, args: list[str], what: str) -> str:
         errors.append(f"{exe}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
     if not errors:
         raise NanoforgeError(f"{what} needs {tool} (from the CUDA toolkit or the triton wheel); none found")
-    raise NanoforgeError(f"{what} failed: " + "; ".join(errors))
+    raise RuntimeError(f"{what} failed: " + "; ".join(errors))
 
 
 def _ptx_to_cubin(ptx: str, cc: tuple[int, int]) -> bytes:
@@ -197,7 +195,7 @@ def _resource_usage(cubin: bytes, kernel_name: str) -> dict[str, int]:
     functions = {m[1]: m for m in _RES_USAGE.finditer(_cuobjdump(cubin, "-res-usage"))}
     matches = [m for name, m in functions.items() if kernel_name in name] or list(functions.values())
     if len(matches) != 1:
-        raise NanoforgeError(f"cannot find kernel {kernel_name!r} in the cubin (functions: {', '.join(functions)})")
+        raise RuntimeError(f"cannot find kernel {kernel_name!r} in the cubin (functions: {', '.join(functions)})")
     m = matches[0]
     return {"registers_per_thread": int(m[2]), "local_bytes_per_thread": int(m[3]) + int(m[4])}
 
@@ -357,7 +355,7 @@ def _compile_numba(name: str, fn, signature: str, threads: int) -> Compiled:
     except NanoforgeError:
         raise
     except Exception as e:  # NVVM missing, driver errors: say which step failed, in one line
-        raise NanoforgeError(f"compiling {name} with Numba failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+        raise RuntimeError(f"compiling {name} with Numba failed: {type(e).__name__}: {e}".splitlines()[0]) from e
     arch = f"sm_{cc[0]}{cc[1]}"
     return Compiled(name, "numba", arch, ptx, cubin, fn.__name__, threads, _ptx_static_shared_bytes(ptx))
 
@@ -376,7 +374,7 @@ def _compile_triton(name: str, spec: TritonKernel) -> Compiled:
         fn = fn.fn
     missing = [a for a in fn.arg_names if a not in spec.signature and a not in spec.constexprs]
     if missing:
-        raise NanoforgeError(f"Triton kernel {name}: no type or constexpr value for argument(s) {', '.join(missing)}")
+        raise ValueError(f"Triton kernel {name}: no type or constexpr value for argument(s) {', '.join(missing)}")
     if not isinstance(fn, triton.runtime.JITFunction):
         raise NanoforgeError(
             f"inspecting {name} needs Triton's compiler, but TRITON_INTERPRET=1 selected the CPU interpreter"

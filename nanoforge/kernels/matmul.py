@@ -68,7 +68,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.dispatch import use_fast
 
 ACTIVATIONS = (None, "gelu_tanh", "silu", "relu")
@@ -123,32 +122,31 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias for torch-layout weights (out_features, in_features); any leading dims of x."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise NanoforgeError(
+        raise ValueError(
             f"linear: x has shape {tuple(x.shape)} but weight has shape {tuple(weight.shape)}; "
-            f"expected x (..., in_features) and weight (out_features, in_features)", param="weight")
+            f"expected x (..., in_features) and weight (out_features, in_features)")
     y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _check_args(a, b, bias, activation, schedule, out) -> None:
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise NanoforgeError(f"matmul: a has shape {tuple(a.shape)} and b has shape {tuple(b.shape)}; "
-                             f"expected a (M, K) and b (K, N)", param="b")
+        raise ValueError(f"matmul: a has shape {tuple(a.shape)} and b has shape {tuple(b.shape)}; "
+                         f"expected a (M, K) and b (K, N)")
     if a.dtype != b.dtype or a.device != b.device:
-        raise NanoforgeError(f"matmul: a is {a.dtype} on {a.device} but b is {b.dtype} on {b.device}; "
-                             f"they must match", param="b")
+        raise ValueError(f"matmul: a is {a.dtype} on {a.device} but b is {b.dtype} on {b.device}; "
+                         f"they must match")
     if bias is not None and (bias.shape != (b.shape[1],) or bias.device != a.device):
-        raise NanoforgeError(f"matmul: bias has shape {tuple(bias.shape)} on {bias.device}; "
-                             f"expected ({b.shape[1]},) on {a.device}", param="bias")
+        raise ValueError(f"matmul: bias has shape {tuple(bias.shape)} on {bias.device}; "
+                         f"expected ({b.shape[1]},) on {a.device}")
     if activation not in ACTIVATIONS:
-        raise NanoforgeError(f"matmul: activation must be one of {ACTIVATIONS}, not {activation!r}",
-                             param="activation")
+        raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, not {activation!r}")
     if schedule not in SCHEDULES:
-        raise NanoforgeError(f"matmul: schedule must be one of {SCHEDULES}, not {schedule!r}", param="schedule")
+        raise ValueError(f"matmul: schedule must be one of {SCHEDULES}, not {schedule!r}")
     if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != a.dtype
                             or out.device != a.device):
-        raise NanoforgeError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
-                             f"({a.shape[0]}, {b.shape[1]}) {a.dtype} on {a.device}", param="out")
+        raise ValueError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
+                         f"({a.shape[0]}, {b.shape[1]}) {a.dtype} on {a.device}")
 
 
 # --------------------------------------------------------------------------- Triton kernels

@@ -111,10 +111,9 @@ def write_kv(
 ) -> None:
     """Store k, v (N, Hkv, D) into the cache at slots slot_mapping (N,), slot = block_id * block_size + offset."""
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != k.shape[:1]:
-        raise NanoforgeError(
+        raise ValueError(
             f"write_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must be (N, Hkv, D) matching the cache "
-            f"{tuple(k_cache.shape)}, with slot_mapping (N,), got {tuple(slot_mapping.shape)}",
-            param="slot_mapping",
+            f"{tuple(k_cache.shape)}, with slot_mapping (N,), got {tuple(slot_mapping.shape)}"
         )
     slots = slot_mapping.long()
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
@@ -123,27 +122,23 @@ def write_kv(
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
-        raise NanoforgeError(
+        raise ValueError(
             f"paged attention wants q (total_q, Hq, D) and k_cache, v_cache (num_blocks, block_size, Hkv, D), got "
-            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}",
-            param="q",
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
         )
     if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise NanoforgeError(
-            f"paged attention: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
-            param="q",
+        raise ValueError(
+            f"paged attention: q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if q.shape[1] % k_cache.shape[2]:
-        raise NanoforgeError(
-            f"paged attention: {q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} kv heads",
-            param="k_cache",
+        raise ValueError(
+            f"paged attention: {q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} kv heads"
         )
     n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if block_tables.dim() != 2 or block_tables.shape[0] != n or cu_seqlens_q.shape != (n + 1,):
-        raise NanoforgeError(
+        raise ValueError(
             f"paged attention: block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and "
-            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be (num_seqs, max_blocks), (num_seqs,), (num_seqs+1,)",
-            param="block_tables",
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be (num_seqs, max_blocks), (num_seqs,), (num_seqs+1,)"
         )
 
 
@@ -196,7 +191,7 @@ def _paged_attention_triton(
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise NanoforgeError("paged attention: the KV cache's head dimension must be contiguous", param="k_cache")
+        raise ValueError("paged attention: the KV cache's head dimension must be contiguous")
     block_tables, seq_lens, cu_seqlens_q = (x.to(torch.int32) for x in (block_tables, seq_lens, cu_seqlens_q))
     out = _empty(total_q, hq, d, like=q)
     if num_splits > 1:

@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.dispatch import use_fast
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,16 +62,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def _check(x, residual, weight, eps) -> None:
     if x.dim() < 1 or weight.shape != x.shape[-1:]:
-        raise NanoforgeError(f"rms_norm: weight has shape {tuple(weight.shape)} but x has shape {tuple(x.shape)}; "
-                             f"weight must be (hidden,) = ({x.shape[-1] if x.dim() else '?'},)", param="weight")
+        raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)} but x has shape {tuple(x.shape)}; "
+                         f"weight must be (hidden,) = ({x.shape[-1] if x.dim() else '?'},)")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise NanoforgeError(f"add_rms_norm: residual is {tuple(residual.shape)} {residual.dtype} but x is "
-                             f"{tuple(x.shape)} {x.dtype}; they must match", param="residual")
+        raise ValueError(f"add_rms_norm: residual is {tuple(residual.shape)} {residual.dtype} but x is "
+                         f"{tuple(x.shape)} {x.dtype}; they must match")
     if not eps > 0:
-        raise NanoforgeError(f"rms_norm: eps must be > 0, not {eps}", param="eps")
+        raise ValueError(f"rms_norm: eps must be > 0, not {eps}")
     if x.shape[-1] > _MAX_N:
-        raise NanoforgeError(f"rms_norm: hidden size {x.shape[-1]} exceeds the kernel's limit of {_MAX_N}",
-                             param="x")
+        raise ValueError(f"rms_norm: hidden size {x.shape[-1]} exceeds the kernel's limit of {_MAX_N}")
 
 
 def _fast(x: torch.Tensor, weight: torch.Tensor) -> bool:

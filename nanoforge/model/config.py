@@ -150,6 +150,8 @@ PRESETS: dict[str, ModelConfig] = {
                              tie_embeddings=True),
     "tiny-llama": ModelConfig(arch="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=176,
                               max_seq_len=128, rope_theta=10000.0),
+    "tiny-qwen2": ModelConfig(arch="qwen2", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160,
+                              max_seq_len=128, norm_eps=1e-6, tie_embeddings=True),
     "tiny-qwen3": ModelConfig(arch="qwen3", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1,
                               head_dim=32, d_ff=160, max_seq_len=128, norm_eps=1e-6, tie_embeddings=True),
 }

@@ -76,8 +76,12 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (i, i + D/2) of each head (the Hugging Face layout), x: (B, T, H, D)."""
-    return x * cos + rotate_half(x) * sin
+    """Rotate pairs (i, i + D/2) of each head (the Hugging Face layout), x: (B, T, H, D).
+
+    The result keeps x's dtype. Under autocast, q and k come out of the projection in bf16 while cos and
+    sin are fp32 (they follow the fp32 residual stream); the rotation is then computed in fp32 and rounded
+    once, so q, k and v reach attention in the same dtype."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 # --- attention and MLP -------------------------------------------------------------------------

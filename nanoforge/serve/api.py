@@ -48,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.errors import InternalError, NanoforgeError
 from nanoforge.serve.async_engine import AsyncEngine, RequestStream
 from nanoforge.serve.llm_engine import LLMEngine, RequestOutput
 from nanoforge.serve.sampling_params import SamplingParams
@@ -124,6 +124,11 @@ async def _read_json(request: Request, limit: int) -> dict:
         raise NanoforgeError(f"request body is not valid JSON: {e}", status=422) from None
     if not isinstance(data, dict):
         raise NanoforgeError(f"request body must be a JSON object, got {type(data).__name__}", status=422)
+    try:  # JSON may spell a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text: nothing can encode it
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise NanoforgeError(f"request body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!r}), which is "
+                             f"not valid Unicode text", status=400) from None
     return data
 
 
@@ -381,7 +386,7 @@ class _Api:
         if isinstance(prompt, str) or _token_ids(prompt) is not None:
             prompt = [prompt]  # a batch of one
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            batch = await asyncio.to_thread(self.tokenizer.encode_batch, prompt)
+            batch = await asyncio.to_thread(self.tokenizer.encode_prompt_batch, prompt)
         elif isinstance(prompt, list) and prompt and all(_token_ids(p) is not None for p in prompt):
             batch = prompt
         else:
@@ -481,6 +486,8 @@ async def _events(stream: RequestStream, choices: _Choices, render: _Render,
             yield _sse(render.usage_chunk(_usage(usage_prompt_tokens, choices.completion_tokens)))
     except NanoforgeError as e:
         yield _sse(error_body(str(e), e.status, e.param))
+    except InternalError as e:  # the engine thread logged it with its traceback
+        yield _sse(error_body(str(e), 500))
     except Exception as e:  # a bug: tell the client, keep the server up
         log.exception("error while streaming %s", render.id)
         yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", 500))
@@ -587,6 +594,11 @@ def build_app(engine: LLMEngine, model_name: str, *, max_waiting: int = 256,
         code = {404: "not_found"}.get(e.status_code)
         return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}", e.status_code, code=code),
                             status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(InternalError)
+    async def engine_failure(request: Request, e: InternalError):  # logged by the engine thread already
+        metrics.rejected.labels("500").inc()
+        return JSONResponse(error_body(str(e), 500), status_code=500)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.errors import InternalError, NanoforgeError
 from nanoforge.serve.llm_engine import LLMEngine, RequestOutput
 from nanoforge.serve.sampling_params import SamplingParams
 
@@ -209,8 +209,7 @@ class AsyncEngine:
                     outputs = self.engine.step()
                 except Exception as e:  # a bug or a device error: fail what is in flight, keep serving
                     log.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
-                    self._fail_all(NanoforgeError(f"internal error in the engine step: {type(e).__name__}: {e}",
-                                                  status=500))
+                    self._fail_all(InternalError(f"internal error in the engine step: {type(e).__name__}: {e}"))
                     continue
                 self._deliver(outputs)
 

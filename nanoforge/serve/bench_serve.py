@@ -52,7 +52,7 @@ PERCENTILES = (50, 90, 99)
 class Request:
     arrival_s: float  # when to send it, in seconds after the start
     prompt: list[int] | str
-    input_len: int  # prompt tokens (as generated; the server's count comes back in `usage`)
+    input_len: int  # prompt tokens, as the server counts them
     output_len: int  # max_tokens
     hash_ids: list[int] = field(default_factory=list)
 
@@ -92,11 +92,15 @@ class _Vocab:
     def draw(self, rng: random.Random, n: int) -> list[int]:
         return rng.choices(self.ids, k=n)
 
-    def prompt(self, blocks: list[list[int]]) -> list[int] | str:
-        """Token ids, or with a tokenizer their text (block by block, so shared blocks give shared text)."""
+    def prompt(self, blocks: list[list[int]]) -> tuple[list[int] | str, int]:
+        """Token ids, or with a tokenizer their text (block by block, so shared blocks give shared text); and
+        the prompt's length in tokens as the server will count it (text is re-encoded as a prompt: its
+        tokenizer's post-processor may add a BOS token, and decoded ids need not encode back to as many)."""
         if self.tokenizer is None:
-            return [t for b in blocks for t in b]
-        return "".join(self.tokenizer.decode(b) for b in blocks)
+            ids = [t for b in blocks for t in b]
+            return ids, len(ids)
+        text = "".join(self.tokenizer.decode(b) for b in blocks)
+        return text, len(self.tokenizer.encode_prompt(text))
 
 
 def poisson_workload(num_requests: int, rate: float, input_len: int, output_len: int, vocab: _Vocab,
@@ -109,7 +113,7 @@ def poisson_workload(num_requests: int, rate: float, input_len: int, output_len:
     for i in range(num_requests):
         if i and math.isfinite(rate):
             t += rng.expovariate(rate)
-        requests.append(Request(t, vocab.prompt([vocab.draw(rng, input_len)]), input_len, output_len))
+        requests.append(Request(t, *vocab.prompt([vocab.draw(rng, input_len)]), output_len))
     return requests
 
 
@@ -170,8 +174,7 @@ def trace_workload(rows: list[dict], vocab: _Vocab, *, length_scale: float = 1.0
         if missing > 0:
             parts.append(vocab.draw(random.Random(f"{seed}/row{i}"), missing))
         parts[-1] = parts[-1][:len(parts[-1]) - (sum(map(len, parts)) - n_in)]  # cut the last block to n_in
-        requests.append(Request((row["timestamp"] - t0) / 1000 * time_scale, vocab.prompt(parts), n_in, n_out,
-                                hashes))
+        requests.append(Request((row["timestamp"] - t0) / 1000 * time_scale, *vocab.prompt(parts), n_out, hashes))
     return requests
 
 

@@ -144,7 +144,7 @@ class LLMEngine:
             raise NanoforgeError("this engine has no tokenizer: give token ids and no stop strings", param="prompt")
         if isinstance(prompt, str):
             text = prompt
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_prompt(prompt)
         else:
             text, ids = None, list(prompt)
         if len(ids) >= self.max_model_len:

@@ -86,9 +86,15 @@ def _print_summary(s: dict) -> None:
 # --- train ---------------------------------------------------------------------------------------
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from nanoforge.train.config import PRESETS
+    from nanoforge.train.config import PRESETS, preset_names
 
-    p.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: default)")
+    others = [n for n in preset_names() if n not in PRESETS]
+    p.add_argument("--preset", default=None,
+                   help=f"a recipe ({', '.join(PRESETS)}; default: default) or any model preset ({', '.join(others)}), "
+                        f"which trains with the generic recipe")
+    p.add_argument("--init", default=None,
+                   help="start from this Hugging Face / nanoforge model folder (its weights and tokenizer) instead of "
+                        "a preset's random initialisation; --preset then only picks the recipe (default: generic)")
     p.add_argument("--data", nargs="+", type=Path, default=None,
                    help="text files/folders, .jsonl/.json/.parquet, or a `nanoforge data prepare` folder "
                         "(default: the built-in offline corpus)")
@@ -101,19 +107,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_train(args) -> int:
     from nanoforge.train.checkpoint import load_state
-    from nanoforge.train.config import TrainConfig, preset
+    from nanoforge.train.config import GENERIC, TrainConfig, preset
     from nanoforge.train.pretrain import pretrain
 
     out = Path(args.out)
     overrides = _overrides(args)
+    if args.init is not None:
+        if not (Path(args.init) / "config.json").is_file():
+            raise NanoforgeError(f"{args.init}/config.json not found: --init takes a model folder", param="init")
+        overrides["init"] = str(args.init)
     if args.resume:
         cfg = TrainConfig.from_dict(load_state(out)["config"])
         if args.preset:  # the checkpoint must hold this preset's model (pretrain checks the shapes)
             chosen = preset(args.preset)
-            cfg = cfg.replace(model=chosen.model, model_overrides=chosen.model_overrides, pad_vocab=chosen.pad_vocab)
+            cfg = cfg.replace(model=chosen.model, model_overrides=chosen.model_overrides, pad_vocab=chosen.pad_vocab,
+                              init=None)
         cfg = cfg.replace(**overrides)
     else:
-        cfg = preset(args.preset or "default", **overrides)
+        cfg = preset(args.preset, **overrides) if args.preset else \
+            GENERIC.replace(**overrides) if args.init else preset("default", **overrides)
     if args.dropout is not None:
         cfg = cfg.replace(model_overrides=cfg.model_overrides | {"dropout": args.dropout})
     _check_out(out, args)  # after the flags are known to be good: --overwrite deletes the old checkpoint

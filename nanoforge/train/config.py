@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import PRESETS as MODEL_PRESETS
+from nanoforge.model.config import ModelConfig
 
 DTYPES = ("auto", "bf16", "fp32")  # what training runs in; fp16 would need loss scaling
 
@@ -26,13 +27,13 @@ class TrainConfig:
     tokenizer: str = "bpe:4096"  # for raw text: char | bpe:VOCAB | a tokenizer.json / model folder
     pad_vocab: int = 64  # round the model's vocabulary up to a multiple of this (matmul-friendly); 1 = exact
     data: list[str] | None = None  # text files/folders or a prepared folder; SFT: one .json/.jsonl; None: built in
-    init: str | None = None  # SFT: the pretrained model folder to start from
+    init: str | None = None  # the model folder to start from (SFT always; pretraining instead of a preset's init)
     val_fraction: float = 0.1  # share of the data held out for validation
     epochs: float | None = None  # SFT: when set, max_steps covers this many passes over the training examples
     doc_masking: bool = True  # packed documents never attend to each other
     # --- batch ---
     batch_size: int = 16  # sequences per micro-batch
-    seq_len: int | None = None  # None: the model's context length
+    seq_len: int | None = None  # None: the model's context length, at most DEFAULT_MAX_SEQ_LEN
     grad_accum: int = 1  # micro-batches per optimizer step
     # --- AdamW with warmup and cosine decay ---
     max_steps: int = 2000
@@ -103,6 +104,14 @@ PRESETS: dict[str, TrainConfig] = {
                                                                      d_ff=384, max_seq_len=256, tie_embeddings=True),
                            tokenizer="bpe:2048", batch_size=16, seq_len=128, max_steps=2000, lr=2e-3, min_lr=2e-4,
                            warmup_steps=50, eval_interval=100, eval_iters=8),
+    # The first run's model on a GPU (`nanoforge serve` with no --model): the default corpus again, with a ~30M
+    # Llama that a GPU trains in a minute or two. It learns the documentation well enough that its answers after
+    # SFT are about the function asked for; on 2 CPU cores that would take hours, so the CPU keeps `default`.
+    "default-gpu": TrainConfig(model="tiny-llama", model_overrides=dict(d_model=512, n_layers=8, n_heads=8,
+                                                                         n_kv_heads=4, d_ff=1408, max_seq_len=512,
+                                                                         tie_embeddings=True, dropout=0.1),
+                               tokenizer="bpe:8192", batch_size=32, seq_len=512, max_steps=2000, lr=1e-3,
+                               min_lr=1e-4, warmup_steps=100, eval_interval=250, eval_iters=20, compile=False),
     # nanoGPT's recipe (train_shakespeare_char.py), plus a moving average of the weights (ema 0.995) that
     # evaluation and checkpoints use: training is unchanged, and the average scores ~0.035 lower (H200, 3 seeds
     # each: best val 1.430-1.439 against 1.460-1.476 without; --ema 0 gives nanoGPT's run back).
@@ -124,12 +133,38 @@ PRESETS: dict[str, TrainConfig] = {
                              eval_interval=1000, eval_iters=200),
 }
 
+# Any model preset (or --init folder) without a recipe of its own trains with this one: a Llama-3-style
+# schedule (AdamW beta2 0.95, peak lr 3e-4 decaying 10x, weight decay 0.1, clipping at 1), a byte-level BPE
+# trained on the data, and sequences of the model's context up to DEFAULT_MAX_SEQ_LEN tokens. Flags change
+# any of it (--lr, --batch-size, --seq-len, --tokenizer, ...).
+GENERIC = TrainConfig(tokenizer="bpe:8192", batch_size=8, max_steps=2000, lr=3e-4, min_lr=3e-5, warmup_steps=100,
+                      beta2=0.95, weight_decay=0.1, eval_interval=250, eval_iters=50)
+DEFAULT_MAX_SEQ_LEN = 2048  # real models' contexts (8k-128k) are no default length for a training sequence
+
 # Defaults of `nanoforge sft` (no preset): three passes over the examples, a gentler schedule.
 SFT_DEFAULTS = TrainConfig(init="runs/pretrain", epochs=3, batch_size=8, lr=5e-4, min_lr=5e-5, warmup_steps=20,
                            weight_decay=0.0, eval_interval=50, eval_iters=16)
 
 
+def sequence_length(cfg: TrainConfig, model: ModelConfig) -> int:
+    """Tokens per training sequence: cfg.seq_len, else the model's context up to DEFAULT_MAX_SEQ_LEN."""
+    seq_len = cfg.seq_len or min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+    if seq_len > model.max_seq_len:
+        raise NanoforgeError(f"seq_len {seq_len} is longer than the model's context ({model.max_seq_len})",
+                             param="seq_len")
+    return seq_len
+
+
+def preset_names() -> list[str]:
+    """What `train --preset` takes: the recipes above, then every other model preset (with GENERIC)."""
+    return [*PRESETS, *(m for m in MODEL_PRESETS if m not in PRESETS)]
+
+
 def preset(name: str, **overrides) -> TrainConfig:
-    if name not in PRESETS:
-        raise NanoforgeError(f"no training preset named {name!r}; choose one of {', '.join(PRESETS)}", param="preset")
-    return PRESETS[name].replace(**overrides)
+    """The recipe of a training preset, or GENERIC for any other model preset."""
+    if name in PRESETS:
+        return PRESETS[name].replace(**overrides)
+    if name in MODEL_PRESETS:
+        return GENERIC.replace(model=name, **overrides)
+    raise NanoforgeError(f"no training preset named {name!r}; choose one of {', '.join(preset_names())}",
+                         param="preset")

@@ -3,7 +3,9 @@
 The corpus is tokenized once into `<out>/data` (train.bin, val.bin, meta.json
 and the tokenizer, by `nanoforge.data.prepare`), unless --data names a folder
 that `nanoforge data prepare` already wrote. The model is the TrainConfig's
-model preset, with the tokenizer's vocabulary (rounded up to `pad_vocab`).
+model preset, freshly initialised with the tokenizer's vocabulary (rounded up
+to `pad_vocab`), or, with `init`, a model folder's weights and tokenizer
+(continued pretraining of a Hugging Face checkpoint, say).
 
 nanoGPT's Tiny Shakespeare results, reproduced:
     nanoforge train --preset shakespeare-char-cpu --data tinyshakespeare.txt --out runs/shakespeare-cpu
@@ -23,11 +25,12 @@ from nanoforge.data.prepare import make_tokenizer, prepare
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import ModelConfig
 from nanoforge.model.config import preset as model_preset
+from nanoforge.model.hf import read_config
 from nanoforge.model.transformer import Transformer
 from nanoforge.runtime import pick_device
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
-from nanoforge.train.config import TrainConfig
+from nanoforge.train.config import TrainConfig, sequence_length
 from nanoforge.train.trainer import RunData, train, use_cuda_graph
 
 # Fields that do not change the weights' shapes or meaning.
@@ -35,18 +38,27 @@ _NOT_ARCHITECTURE = {"dropout", "bos_token_id", "eos_token_id", "extra"}
 
 
 def model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The model a run trains: its preset with the tokenizer's vocabulary and special tokens."""
+    """The model a run trains: the `init` folder's, or its preset with the tokenizer's vocabulary and
+    special tokens."""
+    if cfg.init:
+        found = read_config(cfg.init)
+        if tokenizer.vocab_size > found.vocab_size:
+            raise NanoforgeError(f"the data's tokenizer has {tokenizer.vocab_size} tokens but the model in "
+                                 f"{cfg.init} only {found.vocab_size}; tokenize the data with the model's own "
+                                 f"tokenizer", param="data")
+        return found.replace(**cfg.model_overrides)
     vocab = -(-tokenizer.vocab_size // cfg.pad_vocab) * cfg.pad_vocab
     return model_preset(cfg.model, **cfg.model_overrides).replace(
         vocab_size=vocab, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
 
 
 def check_same_architecture(expected: ModelConfig, found: ModelConfig, where: str | Path) -> None:
-    for f in dataclasses.fields(ModelConfig):
-        if f.name not in _NOT_ARCHITECTURE and getattr(expected, f.name) != getattr(found, f.name):
-            raise NanoforgeError(f"{where} holds a checkpoint of another architecture: {f.name} is "
-                                 f"{getattr(found, f.name)!r} there, {getattr(expected, f.name)!r} in this run's "
-                                 f"preset", param="preset")
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name not in _NOT_ARCHITECTURE and getattr(expected, f.name) != getattr(found, f.name)]
+    if differ:
+        shown = "; ".join(f"{n} is {getattr(found, n)!r} there, {getattr(expected, n)!r} in this run's model"
+                          for n in differ[:3])
+        raise NanoforgeError(f"{where} holds a checkpoint of another model: {shown}", param="preset")
 
 
 def prepared_data(cfg: TrainConfig, out_dir: Path, resuming: bool) -> Path:
@@ -57,9 +69,10 @@ def prepared_data(cfg: TrainConfig, out_dir: Path, resuming: bool) -> Path:
     if resuming and (target / "meta.json").is_file():
         return target
     inputs = [Path(p) for p in cfg.data] if cfg.data else None
-    tokenizer = make_tokenizer(cfg.tokenizer, inputs)
+    spec = cfg.init or cfg.tokenizer  # a model folder keeps its own tokenizer
+    tokenizer = make_tokenizer(spec, inputs)
     meta = prepare(inputs, target, tokenizer, val_fraction=cfg.val_fraction)
-    print(f"tokenized {', '.join(meta['sources'])} with {cfg.tokenizer} (vocab {meta['vocab_size']:,}): "
+    print(f"tokenized {', '.join(meta['sources'])} with {spec} (vocab {meta['vocab_size']:,}): "
           f"train {meta['train_tokens']:,} tokens, val {meta['val_tokens']:,} tokens, in {target}")
     return target
 
@@ -73,13 +86,13 @@ def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> 
     data_dir = prepared_data(cfg, out_dir, resuming=resume)
     tokenizer = Tokenizer.load(data_dir)
     expected = model_config(cfg, tokenizer)
-    seq_len = cfg.seq_len or expected.max_seq_len
-    if seq_len > expected.max_seq_len:
-        raise NanoforgeError(f"seq_len {seq_len} is longer than the model's context ({expected.max_seq_len})",
-                             param="seq_len")
+    if state is not None:  # first: a checkpoint of another model is that, not a mismatch of its settings
+        check_same_architecture(expected, read_config(out_dir), out_dir)
+    seq_len = sequence_length(cfg, expected)
     if state is not None:
         model = load_for_training(out_dir, device, expected.dropout)
-        check_same_architecture(expected, model.cfg, out_dir)
+    elif cfg.init:
+        model = load_for_training(cfg.init, device, expected.dropout)
     else:
         torch.manual_seed(cfg.seed)
         model = Transformer(expected).to(device)
@@ -88,7 +101,7 @@ def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> 
                           doc_masking=cfg.doc_masking)
     val = PackedLoader(data_dir / "val.bin", cfg.batch_size, seq_len, seed=cfg.seed, eot_id=eos,
                        doc_masking=cfg.doc_masking)
-    print(f"pretraining {model.num_params() / 1e6:.2f}M parameters ({cfg.model}) on {device}: "
+    print(f"pretraining {model.num_params() / 1e6:.2f}M parameters ({cfg.init or cfg.model}) on {device}: "
           f"{cfg.batch_size} x {seq_len} tokens x {cfg.grad_accum} micro-batches per step, {cfg.max_steps} steps")
     data = RunData(loader, lambda n: val.iter_eval(cfg.batch_size, seq_len, n))
     return train(model, tokenizer, cfg, data, out_dir, resume=state, title="pretrain")

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoforge.data.sft import SFTPacker, load_records, render, to_messages
+from nanoforge.data.sft import SFTPacker, load_records, render_all, to_messages
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.generate import generate
 from nanoforge.model.transformer import Transformer
 from nanoforge.runtime import pick_device
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
-from nanoforge.train.config import TrainConfig
+from nanoforge.train.config import TrainConfig, sequence_length
 from nanoforge.train.progress import write_json
 from nanoforge.train.trainer import RunData, train, use_cuda_graph
 
@@ -90,12 +90,19 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
 
     records = load_records(cfg.data[0] if cfg.data else None)
     train_records, val_records = split_records(records, cfg.val_fraction, cfg.seed)
-    seq_len = cfg.seq_len or model.cfg.max_seq_len
-    if seq_len > model.cfg.max_seq_len:
-        raise NanoforgeError(f"seq_len {seq_len} is longer than the model's context ({model.cfg.max_seq_len})",
-                             param="seq_len")
-    train_examples = [render(r, tokenizer) for r in train_records]
-    val_examples = [render(r, tokenizer) for r in val_records]
+    seq_len = sequence_length(cfg, model.cfg)
+    train_records, train_examples, unknown = render_all(train_records, tokenizer)
+    val_records, val_examples, val_unknown = render_all(val_records, tokenizer)
+    skipped = len(records) - len(train_records) - len(val_records)
+    if skipped:
+        chars = "".join(sorted(set(unknown) | set(val_unknown)))
+        if not train_records or not val_records:
+            raise NanoforgeError(f"{source}'s tokenizer cannot encode {'any' if not train_records else 'enough'} "
+                                 f"of the {len(records)} records (characters outside its vocabulary: {chars[:40]!r}); "
+                                 f"fine-tune a model whose tokenizer covers the data (e.g. pretrained with "
+                                 f"--tokenizer bpe:N)", param="data")
+        print(f"SFT: skipped {skipped} of {len(records)} records holding characters outside {source}'s vocabulary "
+              f"({chars[:40]!r}): a character-level model cannot read them, here or when it serves")
     packer = SFTPacker(train_examples, seq_len, cfg.batch_size, seed=cfg.seed)
 
     def steps_for(examples, passes: float) -> int:
@@ -106,6 +113,10 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
         cfg = cfg.replace(max_steps=steps_for(train_examples, cfg.epochs))
 
     val_packer = SFTPacker(val_examples, seq_len, cfg.batch_size, seed=cfg.seed)
+    for name, p in (("training", packer), ("held-out", val_packer)):
+        if p.dropped:
+            print(f"SFT: dropped {p.dropped} of {p.dropped + len(p.examples)} {name} examples longer than "
+                  f"seq_len + 1 = {seq_len + 1} tokens")
     val_start, one_pass = val_packer.state_dict(), steps_for(val_examples, 1)
 
     def eval_batches(n: int | None):

@@ -43,7 +43,7 @@ from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.transformer import Transformer
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import restore_rng, rng_state, save_checkpoint
-from nanoforge.train.config import DTYPES, TrainConfig
+from nanoforge.train.config import DTYPES, TrainConfig, sequence_length
 from nanoforge.train.loss import linear_cross_entropy
 from nanoforge.train.optim import lr_at, make_optimizer
 from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, write_json
@@ -400,7 +400,7 @@ def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunD
     device = model.embed.weight.device
     graphed = use_cuda_graph(device, cfg.cuda_graph)
     amp = autocast(device, cfg.dtype)
-    seq_len = cfg.seq_len or model.cfg.max_seq_len
+    seq_len = sequence_length(cfg, model.cfg)
     optimizer = make_optimizer(model, cfg, capturable=graphed)
     step, history = 0, {"train": [], "val": []}
     if resume is not None:

@@ -48,7 +48,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from nanoforge.errors import NanoforgeError
 
 cuda: Any = None  # numba.cuda, bound by numba_cuda() on first use (see the module docstring)
 
@@ -288,11 +287,10 @@ def _as_device(x, name: str, ndim: int):
     elif hasattr(x, "__cuda_array_interface__"):  # e.g. a CUDA torch tensor
         dev, from_host = cuda.as_cuda_array(x), False
     else:
-        raise NanoforgeError(f"{name} must be a numpy array or a CUDA device array, not {type(x).__name__}", param=name)
+        raise ValueError(f"{name} must be a numpy array or a CUDA device array, not {type(x).__name__}")
     if dev.ndim != ndim or dev.dtype != np.float32:
-        raise NanoforgeError(
-            f"{name} must be a {ndim}-D float32 array, got {dev.ndim}-D {dev.dtype} with shape {tuple(dev.shape)}",
-            param=name,
+        raise ValueError(
+            f"{name} must be a {ndim}-D float32 array, got {dev.ndim}-D {dev.dtype} with shape {tuple(dev.shape)}"
         )
     return dev, from_host
 
@@ -303,10 +301,10 @@ def _output(out, shape: tuple[int, ...]):
     if out is None:
         return cuda.to_device(np.full(shape, np.nan, np.float32))
     if isinstance(out, np.ndarray):
-        raise NanoforgeError("out must be a device array (numpy inputs get a new numpy result)", param="out")
+        raise ValueError("out must be a device array (numpy inputs get a new numpy result)")
     dev, _ = _as_device(out, "out", len(shape))
     if tuple(dev.shape) != shape:
-        raise NanoforgeError(f"out has shape {tuple(dev.shape)}, expected {shape}", param="out")
+        raise ValueError(f"out has shape {tuple(dev.shape)}, expected {shape}")
     dev.copy_to_device(np.full(shape, np.nan, np.float32))
     return dev
 
@@ -324,7 +322,7 @@ def launch_vector_add(a, b, c) -> None:
 
 def get_rung(name: str) -> Rung:
     if name not in RUNGS:
-        raise NanoforgeError(f"unknown SGEMM rung {name!r}; choose one of {', '.join(RUNGS)}", param="rung")
+        raise ValueError(f"unknown SGEMM rung {name!r}; choose one of {', '.join(RUNGS)}")
     return RUNGS[name]
 
 
@@ -339,7 +337,7 @@ def sgemm(a, b, rung: str, out=None):
     a_dev, from_host = _as_device(a, "a", 2)
     b_dev, _ = _as_device(b, "b", 2)
     if a_dev.shape[1] != b_dev.shape[0]:
-        raise NanoforgeError(f"sgemm: a is {tuple(a_dev.shape)} but b is {tuple(b_dev.shape)}; inner sizes differ")
+        raise ValueError(f"sgemm: a is {tuple(a_dev.shape)} but b is {tuple(b_dev.shape)}; inner sizes differ")
     c_dev = _output(out, (a_dev.shape[0], b_dev.shape[1]))
     launch_sgemm(spec, a_dev, b_dev, c_dev)
     return c_dev.copy_to_host() if from_host else c_dev
@@ -350,7 +348,7 @@ def vector_add(a, b, out=None):
     a_dev, from_host = _as_device(a, "a", 1)
     b_dev, _ = _as_device(b, "b", 1)
     if a_dev.shape != b_dev.shape:
-        raise NanoforgeError(f"vector_add: a has {a_dev.shape[0]} elements but b has {b_dev.shape[0]}")
+        raise ValueError(f"vector_add: a has {a_dev.shape[0]} elements but b has {b_dev.shape[0]}")
     c_dev = _output(out, tuple(a_dev.shape))
     launch_vector_add(a_dev, b_dev, c_dev)
     return c_dev.copy_to_host() if from_host else c_dev
