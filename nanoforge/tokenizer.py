@@ -32,7 +32,7 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-CHAT_ROLES = ("system", "user", "assistant")  # the roles a chat message may have
+CHAT_ROLES = ("system", "user", "assistant")  # the roles of the chats nanoforge trains on and serves (no tools)
 
 # ChatML, written the way HF chat templates are, so it can be saved and reused.
 CHATML_TEMPLATE = (
@@ -60,8 +60,7 @@ class UnknownCharacters(NanoforgeError):
     unknown token); `chars` lists them."""
 
     def __init__(self, chars: list[str]):
-        super().__init__(f"cannot tokenize the text: characters outside the tokenizer's vocabulary: {chars[:10]!r}",
-                         param="prompt")
+        super().__init__(f"cannot tokenize the text: characters outside the tokenizer's vocabulary: {chars[:10]!r}")
         self.chars = chars
 
 
@@ -268,9 +267,6 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise NanoforgeError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
-            if m["role"] not in CHAT_ROLES:
-                raise NanoforgeError(f"messages[{i}] has role {m['role']!r}; a message's role is one of "
-                                     f"{', '.join(CHAT_ROLES)}", param="messages")
         from jinja2 import TemplateError
 
         try:

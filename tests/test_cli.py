@@ -88,6 +88,50 @@ def test_prompt_longer_than_context(model_dir):
                           "context is 64")
 
 
+def test_generate_says_when_the_context_cuts_the_answer_short(model_dir, tmp_path):
+    """A model whose final norm is zero gives all-zero logits: greedy picks id 0 (a character, not an end
+    token) until the 64-token context is full. The output stops there, and stderr says why."""
+    from nanoforge.model.hf import load_model
+
+    model = load_model(model_dir)
+    model.norm.weight.data.zero_()
+    save_model(model, tmp_path)
+    Tokenizer.load(model_dir).save(tmp_path)
+    r = nanoforge("generate", "--model", str(tmp_path), "--prompt", "hello", "--max-tokens", "100")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout) == 59 + 1  # 64 - 5 prompt characters, then the newline
+    assert "stopped after 59 of --max-tokens 100" in r.stderr and "context of 64" in r.stderr
+
+
+def test_chat_prompt_errors_name_only_the_users_characters(model_dir):
+    """The chat template's markup (<|im_start|>, read as special tokens) is not the user's doing."""
+    r = nanoforge("generate", "--chat", "--model", str(model_dir), "--prompt", "hello 42")
+    assert_one_line_error(r, "outside the tokenizer's vocabulary: ['2', '4']")
+
+
+def test_bare_nanoforge_lists_the_verbs():
+    r = nanoforge()
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    for verb in ("generate", "train", "sft", "serve", "bench", "kernels", "data"):
+        assert verb in r.stderr
+
+
+def test_an_internal_failure_keeps_its_traceback_and_exits_1(model_dir):
+    """A bug is not bad input: a kernel refusing what our own model code handed it (as attention once refused
+    bf16 v with fp32 q, k) must print its traceback and exit 1, not pose as a one-line user error."""
+    code = ("import sys, nanoforge.model.attention as a\n"
+            "def broken(self, layer, q, k, v):\n"
+            "    raise ValueError('attention: q, k, v must share a dtype')\n"
+            "a.KVCache.attend = broken\n"
+            "from nanoforge.cli import main\n"
+            f"sys.exit(main(['generate', '--model', {str(model_dir)!r}, '--prompt', 'hello']))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" in r.stderr and "must share a dtype" in r.stderr
+    assert "nanoforge generate: error" not in r.stderr
+
+
 def test_bad_flags_are_one_line(model_dir):
     assert_one_line_error(nanoforge("generate", "--model", str(model_dir), "--prompt", "x", "--max-tokens", "0"),
                           "max-tokens")

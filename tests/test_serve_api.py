@@ -298,11 +298,13 @@ HOSTILE = [
     ("completions", b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 422, None),
     ("completions", b'{"model": "tiny", "max_tokens": 1' + b"0" * 5000 + b"}", 422, None),
     ("completions", b"", 422, None),
+    ("completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, None),  # valid JSON, but no Unicode text
     ("chat/completions", {"model": MODEL}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": 3, "content": "dog"}]}, 400, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "dog"}]}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "dog"}], "top_logprobs": 2},
@@ -435,7 +437,7 @@ def test_full_waiting_queue_gets_429_then_503_when_draining(model, tok):
             assert r.headers["retry-after"] == "1"
 
 
-def test_failing_engine_step_fails_only_the_requests_in_flight(served):
+def test_failing_engine_step_fails_only_the_requests_in_flight(served, caplog):
     url, app, llm = served
     engine = app.state.engine.engine
     real_step = engine.step
@@ -466,6 +468,8 @@ def test_failing_engine_step_fails_only_the_requests_in_flight(served):
         del engine.step  # back to the class's method
     assert failed
     assert _check_error(whole, 500)["type"] == "server_error"
+    logged = [r for r in caplog.records if r.exc_info and "injected device fault" in str(r.exc_info[1])]
+    assert logged, "the failure must be logged with its traceback, server-side"
     assert events[-1] == "[DONE]" and "injected device fault" in json.loads(events[-2])["error"]["message"]
     assert wait_idle(app)["kv_blocks_used"] == 0
     r = httpx.post(url + "/v1/completions", json=_ok(max_tokens=8, temperature=0, ignore_eos=True), timeout=30)

@@ -159,6 +159,24 @@ def test_sft_resume_continues_exactly(init_dir, tmp_path):
     assert [(r["step"], r["loss"]) for r in a["val"]] == [(r["step"], r["loss"]) for r in b["val"]]
 
 
+def test_a_character_model_skips_records_its_vocabulary_cannot_read(init_dir, tmp_path, capsys):
+    """A character-level model knows only its characters (it once crashed here with a WordLevel traceback):
+    records holding others are skipped, said in one line, and SFT trains on the rest; with none left it
+    refuses in one line."""
+    data, out = tmp_path / "data.jsonl", tmp_path / "sft"
+    records = make_records(40) + [{"instruction": f"Say {n} twice.", "output": f"{n} {n}."} for n in (42, 7, 42)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    assert run_cli("sft", "--init", init_dir, "--data", data, "--out", out, "--max-steps", "2", "--eval-samples", "2",
+                   "--answer-tokens", "4") == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipped" in line]
+    assert len(said) == 1 and "skipped 3 of 43 records" in said[0] and "'247'" in said[0], said
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[40:]))
+    assert run_cli("sft", "--init", init_dir, "--data", data, "--out", tmp_path / "none", "--max-steps", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot encode any of the 3 records" in err[0], err
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["missing-field", "not-a-model", "other-architecture", "empty"])

@@ -52,6 +52,7 @@ from nanoforge.errors import InternalError, NanoforgeError
 from nanoforge.serve.async_engine import AsyncEngine, RequestStream
 from nanoforge.serve.llm_engine import LLMEngine, RequestOutput
 from nanoforge.serve.sampling_params import SamplingParams
+from nanoforge.tokenizer import CHAT_ROLES
 
 log = logging.getLogger("nanoforge.serve")
 
@@ -431,8 +432,11 @@ def _chat_messages(messages) -> list[dict]:
                        for p in content):
                 raise NanoforgeError(f"messages[{i}].content: only text parts are supported", param="messages")
             content = "".join(p["text"] for p in content)
+        if isinstance(m.get("role"), str) and m["role"] not in CHAT_ROLES:
+            raise NanoforgeError(f"messages[{i}] has role {m['role']!r}; this server takes {', '.join(CHAT_ROLES)}",
+                                 param="messages")
         result.append({"role": m.get("role"), "content": content})
-    return result  # Tokenizer.encode_chat checks roles and contents are strings
+    return result  # Tokenizer.encode_chat checks that roles and contents are strings
 
 
 async def _collect(stream: RequestStream) -> list[RequestOutput]:
