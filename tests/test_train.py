@@ -352,24 +352,44 @@ def test_every_family_attends_in_one_dtype_under_bf16_autocast(name):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def pretrain_then_finetune(name, corpus, tmp_path, *device_flags) -> dict:
+    """`train --preset NAME` (the generic recipe for a model preset, with document masking) for 30 steps on the
+    corpus, then `sft` from it for 12; returns the log of each."""
+    pre, sft = tmp_path / "pre", tmp_path / "sft"
+    records = [{"instruction": f"say {w}", "output": f"{w} {w}"} for w in WORDS * 4]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    common = ["--batch-size", "4", "--seq-len", "64", "--lr", "3e-3", "--warmup-steps", "2", "--eval-iters", "2",
+              "--log-interval", "5", *device_flags]
+    assert run_cli("train", "--preset", name, "--data", corpus, "--tokenizer", "bpe:300", "--out", pre,
+                   "--max-steps", "30", "--eval-interval", "30", *common) == 0
+    assert run_cli("sft", "--init", pre, "--data", tmp_path / "sft.jsonl", "--out", sft, "--max-steps", "12",
+                   "--eval-interval", "12", "--eval-samples", "2", "--answer-tokens", "4", *common) == 0
+    return {"pretrain": json.loads((pre / "log.json").read_text()), "sft": json.loads((sft / "log.json").read_text())}
+
+
+def assert_both_learnt(logs: dict) -> None:
+    assert logs["pretrain"]["config"]["beta2"] == 0.95  # the generic recipe
+    for run, drop in (("pretrain", 1.0), ("sft", 0.0)):
+        val = [r["loss"] for r in logs[run]["history"]["val"]]
+        assert val[-1] < val[0] - drop, (run, val)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_any_model_preset_pretrains_and_finetunes_in_bf16(name, corpus, tmp_path):
     """`train --preset` takes any model preset (the generic recipe, flags on top), in bf16 autocast on the CPU
     with document masking; `sft` continues from it. The loss falls in both."""
-    pre, sft = tmp_path / "pre", tmp_path / "sft"
-    records = [{"instruction": f"say {w}", "output": f"{w} {w}"} for w in WORDS * 4]
-    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    common = ["--dtype", "bf16", "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3", "--warmup-steps", "2",
-              "--eval-iters", "2", "--log-interval", "5"]
-    assert run_cli("train", "--preset", name, "--data", corpus, "--tokenizer", "bpe:300", "--out", pre,
-                   "--max-steps", "30", "--eval-interval", "30", *common) == 0
-    assert json.loads((pre / "log.json").read_text())["config"]["beta2"] == 0.95  # the generic recipe
-    val = [r["loss"] for r in history(pre)["val"]]
-    assert val[-1] < val[0] - 1.0, val
-    assert run_cli("sft", "--init", pre, "--data", tmp_path / "sft.jsonl", "--out", sft, "--max-steps", "12",
-                   "--eval-interval", "12", "--eval-samples", "2", "--answer-tokens", "4", *common) == 0
-    val = [r["loss"] for r in history(sft)["val"]]
-    assert val[-1] < val[0], val
+    assert_both_learnt(pretrain_then_finetune(name, corpus, tmp_path, "--dtype", "bf16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_pretrains_and_finetunes_on_the_gpu(name, corpus, tmp_path):
+    """The GPU's defaults (bf16 autocast, our flash kernels with document masking, the whole step as one CUDA
+    graph) for every family; not compiled, to keep the test short (compiled runs are tested above)."""
+    logs = pretrain_then_finetune(name, corpus, tmp_path, "--device", "cuda", "--no-compile")
+    assert_both_learnt(logs)
+    for run in logs.values():
+        assert run["cuda_graph"] and run["config"]["doc_masking"] and run["device"].startswith("cuda")
 
 
 def test_train_init_continues_a_model_folder(corpus, tmp_path):
