@@ -25,7 +25,9 @@ while kill -0 "$pid" 2>/dev/null; do
     if (( SECONDS > LIMIT_S )); then break; fi
     sleep 1
 done
-ss -ltnp > "$OUT/first_run_ports.txt" 2>&1 || true
+# what the server listens on (psutil, since the GPU image has no `ss`): loopback only
+python3 -c "import psutil; [print(c.laddr, c.pid) for c in psutil.net_connections('tcp') if c.status == 'LISTEN']" \
+    > "$OUT/first_run_ports.txt" 2>&1 || ss -ltnp > "$OUT/first_run_ports.txt" 2>&1 || true
 kill -TERM "$pid" 2>/dev/null; wait "$pid"; code=$?
 python3 - "$OUT" "$start" "$installed" "${answered:-0}" "$code" <<'PY'
 import json, re, sys

@@ -445,5 +445,7 @@ def test_default_corpus_and_instructions_are_deterministic_and_usable(tok):
         to_messages(r, f"default record {i}")
         assert r["output"].strip() and set(r) == {"instruction", "input", "output"}
     assert any(r["instruction"] == "What does `json.dumps` do?" for r in records)
+    zip_answers = {r["output"] for r in records if r["instruction"] in ("What does `zip` do?", "What does the zip function do?")}
+    assert len(zip_answers) == 1 and "tuple" in zip_answers.pop()  # both phrasings, one answer
     ids, mask = render(records[0], tok)
     assert sum(mask) > 1

@@ -140,6 +140,10 @@ def default_instructions() -> list[dict]:
             records.append({"instruction": f"What is the Python module `{d.name}` for?", "input": "", "output": answer})
             continue
         records.append({"instruction": f"What does `{d.name}` do?", "input": "", "output": answer})
+        # the way people ask, too ("What does the zip function do?"): the model should not need the backticks;
+        # lower-case classes (zip, map, str) are called like functions and asked about as such
+        noun = "class" if d.kind == "class" and d.name.rpartition(".")[2][:1].isupper() else "function"
+        records.append({"instruction": f"What does the {d.name} {noun} do?", "input": "", "output": answer})
         if d.signature:
             records.append({"instruction": "Give the call signature of this Python callable.", "input": d.name, "output": f"`{d.signature}`"})
     return records
