@@ -144,7 +144,8 @@ def test_first_run_trains_serves_and_answers_a_chat_message(tmp_path):
     answers one chat message through the API (budgets shrunk here; the README's run uses the defaults)."""
     import signal
 
-    code = ("import sys, nanoforge.cli as c; c.FIRST_RUN['cpu'].update(train=['--max-steps', '4'], sft=['--max-steps', '3']); "
+    code = ("import sys, nanoforge.cli as c; c.FIRST_RUN['cpu'].update(train=['--max-steps', '4'], "
+            "sft=['--max-steps', '3', '--eval-samples', '2', '--answer-tokens', '8']); "
             "sys.exit(c.main(['serve', '--port', '0']))")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
@@ -160,6 +161,7 @@ def test_first_run_trains_serves_and_answers_a_chat_message(tmp_path):
         proc.wait(timeout=60)
     out = "".join(lines)
     assert "user: What does the zip function do?" in out, out[-2000:]
+    assert "Warning" not in out, out  # nothing but what the run has to say (no Python warnings with source lines)
     assert any(line.startswith("assistant:") for line in lines), out[-2000:]
     assert (tmp_path / "runs" / "default" / "sft" / "config.json").is_file()
     assert (tmp_path / "runs" / "default" / "pretrain" / "loss.png").is_file()
