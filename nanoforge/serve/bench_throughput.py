@@ -65,6 +65,10 @@ class Workload:
         return (f"{self.preset} shape, {self.requests} requests, prompts {self.min_input}-{self.max_input} tokens, "
                 f"outputs {self.min_output}-{self.max_output}")
 
+    def flags(self) -> str:
+        return (f"--model-preset {self.preset} --num-requests {self.requests} --min-input {self.min_input} "
+                f"--max-input {self.max_input} --min-output {self.min_output} --max-output {self.max_output}")
+
 
 GPU_WORKLOAD = Workload("qwen3-0.6b", 256, 100, 1024, 100, 1024)  # nano-vllm's benchmark
 CPU_WORKLOAD = Workload("shakespeare-char", 16, 10, 100, 10, 100)  # nano-vllm's lengths / 10: about a minute
@@ -209,12 +213,15 @@ def estimate_seconds(model: Transformer, prompts, outputs, *, hf_batch: int, max
     cfg, device = model.cfg, model.embed.weight.device
     dtype = model.embed.weight.dtype
 
-    def timed(fn) -> float:
-        fn()  # warm
-        t0 = time.perf_counter()
+    def timed(fn) -> float:  # the median of 3 after a warm-up: a busy machine makes single timings jump
         fn()
-        _sync(device)
-        return time.perf_counter() - t0
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1]
 
     def forward(batch: int, tokens: int):
         ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
@@ -332,8 +339,8 @@ def print_table(r: dict) -> None:
     if hf:
         name = f"HF generate (batch {hf['batching']['batch']})"
         print(f"{name:<32}{hf['output_tok_s']:>14,.0f}{hf['generated_tok_s']:>17,.0f}{hf['seconds']:>10.1f}")
-        print(f"speed-up over HF on the same requests: {r['speedup']:.2f}x  (HF padding generated "
-              f"{100 * hf['padding_waste']:.0f}% extra tokens)")
+        print(f"speed-up over HF on the same requests: {r['speedup']:.2f}x  ({100 * hf['padding_waste']:.0f}% of "
+              f"the tokens HF generated pad a request to its batch's longest output)")
     if "greedy_identical" in r:
         print(f"greedy outputs identical on both sides: {r['greedy_identical']}/{r['workload']['requests']} requests")
     print(f"KV-cache utilisation (mean over steps): {100 * e['kv_utilization_mean']:.1f}%  "
@@ -352,26 +359,28 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     def both(field: str) -> str:
         return f"(default: {getattr(g, field)} on a GPU, {getattr(c, field)} on a CPU)"
 
-    p.add_argument("--model-preset", help=f"model shape, random weights {both('preset')}")
-    p.add_argument("--num-requests", type=int, help=f"requests in the workload {both('requests')}")
-    p.add_argument("--min-input", type=int, help=f"shortest prompt, in tokens {both('min_input')}")
-    p.add_argument("--max-input", type=int, help=f"longest prompt, in tokens {both('max_input')}")
-    p.add_argument("--min-output", type=int, help=f"shortest output, in tokens {both('min_output')}")
-    p.add_argument("--max-output", type=int, help=f"longest output, in tokens {both('max_output')}")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload, the weights and sampling (default: 0)")
-    p.add_argument("--temperature", type=float, default=0.6,
+    p.add_argument("--model-preset", metavar="NAME", help=f"model shape, random weights {both('preset')}")
+    p.add_argument("--num-requests", type=int, metavar="N", help=f"requests in the workload {both('requests')}")
+    p.add_argument("--min-input", type=int, metavar="N", help=f"shortest prompt, in tokens {both('min_input')}")
+    p.add_argument("--max-input", type=int, metavar="N", help=f"longest prompt, in tokens {both('max_input')}")
+    p.add_argument("--min-output", type=int, metavar="N", help=f"shortest output, in tokens {both('min_output')}")
+    p.add_argument("--max-output", type=int, metavar="N", help=f"longest output, in tokens {both('max_output')}")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the workload, the weights and sampling (default: 0)")
+    p.add_argument("--temperature", type=float, default=0.6, metavar="T",
                    help="sampling temperature on both sides; 0: greedy, and count the requests whose tokens are "
                         "identical on both sides (default: 0.6, nano-vllm's)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="engine: sequences per batch (default: 256)")
-    p.add_argument("--hf-batch", type=int, default=64,
+    p.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+                   help="engine: sequences per batch (default: 256)")
+    p.add_argument("--hf-batch", type=int, default=64, metavar="N",
                    help="HF baseline: requests per generate() call, sorted by prompt length (default: 64)")
     p.add_argument("--no-baseline", action="store_true", help="skip the HF baseline (default: run it)")
-    p.add_argument("--out", default="runs/bench/throughput.json",
+    p.add_argument("--out", default="runs/bench/throughput.json", metavar="PATH",
                    help="JSON file for the results; a directory gets throughput.json (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:1, ... "
-                                                    "(default: auto)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16, fp16 "
-                                                   "(default: auto)")
+    p.add_argument("--device", default="auto",
+                   help="auto (a GPU if there is one), cpu, cuda, cuda:1, ... (default: auto)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16, fp16 (default: auto)")
 
 
 def _flag(name: str) -> str:
@@ -394,10 +403,8 @@ def resolve_workload(args: argparse.Namespace, device: torch.device) -> tuple[Wo
                              param="model_preset")
     model_config(w)  # the longest request must fit the model's context
     if base is CPU_WORKLOAD and not given:
-        g = GPU_WORKLOAD
         return w, (f"CPU: a small workload that finishes in about a minute ({w.describe()}); nano-vllm's workload, "
-                   f"the GPU default, takes hours here: nanoforge bench throughput --model-preset {g.preset} "
-                   f"--num-requests {g.requests} --max-input {g.max_input} --max-output {g.max_output}")
+                   f"the GPU default, takes hours on a CPU: nanoforge bench throughput {GPU_WORKLOAD.flags()}")
     return w, f"workload: {w.describe()}"
 
 
