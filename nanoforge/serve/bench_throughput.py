@@ -305,7 +305,7 @@ def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256
         total = est["engine"] + (est["hf"] if baseline else 0)
         result["estimate_s"] = est
         print(f"estimated time on this CPU: about {_duration(total)} (engine {_duration(est['engine'])}"
-              + (f", HF {_duration(est['hf'])}" if baseline else "") + ", from timed forward passes)")
+              + (f", HF {_duration(est['hf'])}" if baseline else "") + ", from pieces of a step timed just now)")
         if total > LONG_ON_CPU_S:
             print("to shrink it: lower --num-requests, --max-input, --max-output, pick a smaller --model-preset, or "
                   "add --no-baseline; with no workload flags the CPU default takes about a minute")
@@ -424,6 +424,10 @@ def run_cli(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         out = out / "throughput.json"
+    try:  # before the run, not after it
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NanoforgeError(f"--out {args.out}: cannot create its folder ({e.strerror})", param="out") from None
     print(line, flush=True)
     bench_throughput(workload, hf_batch=args.hf_batch, max_num_seqs=args.max_num_seqs, temperature=args.temperature,
                      baseline=not args.no_baseline, out=out, device=device, dtype=dtype)
