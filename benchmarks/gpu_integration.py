@@ -52,7 +52,7 @@ def main() -> int:
     for mode, graphs in RUNS:
         os.environ["NANOFORGE_KERNELS"] = mode
         name = f"{mode}{' + CUDA graphs' if graphs else ''}"
-        results["engine"][name] = run_engine(model, prompts, outputs, max_num_seqs=256, use_cuda_graphs=graphs)
+        results["engine"][name], _ = run_engine(model, prompts, outputs, max_num_seqs=256, use_cuda_graphs=graphs)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     os.environ["NANOFORGE_KERNELS"] = "auto"

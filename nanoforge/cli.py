@@ -97,41 +97,16 @@ def _add_data(sub):
 def _add_bench(sub):
     bench = sub.add_parser("bench", help="benchmarks: print a table, write JSON")
     verbs = bench.add_subparsers(dest="bench_verb", required=True, parser_class=_Parser)
-    p = verbs.add_parser("throughput", help="offline generation throughput: engine vs HF transformers")
-    p.add_argument("--model-preset", default="qwen3-0.6b", help="model shape (random weights)")
-    p.add_argument("--num-requests", type=_positive_int, default=256)
-    p.add_argument("--max-input", type=_positive_int, default=1024)
-    p.add_argument("--max-output", type=_positive_int, default=1024)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--hf-batch", type=_positive_int, default=64)
-    p.add_argument("--hf-prompt", type=_positive_int, default=512)
-    p.add_argument("--hf-new", type=_positive_int, default=256)
-    p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--out", default="runs/bench", help="directory for throughput.json")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.set_defaults(func=cmd_bench_throughput)
-    from nanoforge.serve import bench_serve
+    from nanoforge.serve import bench_serve, bench_throughput
+
+    p = verbs.add_parser("throughput", help="offline generation throughput: engine vs HF generate, same requests")
+    bench_throughput.add_cli_arguments(p)
+    p.set_defaults(func=bench_throughput.run_cli)
 
     p = verbs.add_parser("serve", help="load-test an OpenAI-compatible server: Poisson arrivals or a Mooncake trace")
     bench_serve.add_cli_arguments(p)
     p.set_defaults(func=bench_serve.run_cli)
     return verbs
-
-
-def cmd_bench_throughput(args) -> int:
-    from pathlib import Path
-
-    from nanoforge.serve.bench_throughput import bench_throughput
-
-    if args.max_input < 100 or args.max_output < 100:
-        raise NanoforgeError("--max-input and --max-output must be >= 100 (the workload draws lengths from 100 up)")
-    device = pick_device(args.device)
-    bench_throughput(model_preset=args.model_preset, num_requests=args.num_requests, max_input=args.max_input,
-                     max_output=args.max_output, hf_batch=args.hf_batch, hf_prompt=args.hf_prompt,
-                     hf_new=args.hf_new, max_num_seqs=args.max_num_seqs, baseline=not args.no_baseline,
-                     out_dir=Path(args.out), device=device, dtype=pick_dtype(args.dtype, device))
-    return 0
 
 
 # --- serve --------------------------------------------------------------------------------------

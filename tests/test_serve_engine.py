@@ -178,7 +178,8 @@ def test_throughput_benchmark_counts_what_it_generated():
     model = Transformer(preset("tiny-qwen3", max_seq_len=512)).eval()
     prompts, outputs = make_workload(5, 120, 110, vocab=200, seed=3)
     assert all(100 <= len(p) <= 120 for p in prompts) and all(100 <= o <= 110 for o in outputs)
-    r = run_engine(model, prompts, outputs, max_num_seqs=4)  # 4 slots for 5 requests: continuous batching
+    r, ids = run_engine(model, prompts, outputs, max_num_seqs=4)  # 4 slots for 5 requests: continuous batching
     assert r["output_tokens"] == sum(outputs)  # ignore_eos: every request runs to its max_tokens
+    assert [len(t) for t in ids] == outputs  # in the order the requests were given
     assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
     assert 0.9 < r["kv_utilization_mean"] <= 1.0
