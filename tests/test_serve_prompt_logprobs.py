@@ -15,6 +15,7 @@ from test_serve_engine import TEXT, make_model  # noqa: E402  (tests/ is on sys.
 
 from nanoforge import LLM, SamplingParams  # noqa: E402
 from nanoforge.model.hf import save_model  # noqa: E402
+from nanoforge.serve import model_runner  # noqa: E402
 from nanoforge.tokenizer import Tokenizer  # noqa: E402
 
 TOP = 3
@@ -56,8 +57,9 @@ def random_prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[in
     return [[rng.randrange(60) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def test_prompt_logprobs_equal_transformers_under_chunked_prefill(saved, tok):
+def test_prompt_logprobs_equal_transformers_under_chunked_prefill(saved, tok, monkeypatch):
     folder, hf = saved
+    monkeypatch.setattr(model_runner, "SCORE_ROWS", 4)  # a step's prompt positions go through lm_head in slices
     rng = random.Random(0)
     ps = [[7]] + random_prompts(rng, 5, 2, 45)
     # chunks of at most 7 tokens: every long prompt is scored over several steps, beside other requests
