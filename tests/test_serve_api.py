@@ -247,6 +247,75 @@ def test_logprobs_match_the_model(served, client, model, tok):
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
 
 
+def _reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """float64 log-softmax of the model's logits over `ids` (one plain forward, no KV cache): row i scores
+    token i + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].double(), dim=-1)
+
+
+def _check_echo_logprobs(lp: dict, ids: list[int], ref: torch.Tensor, tok, k: int) -> None:
+    """OpenAI's completions logprobs with echo: every token of prompt + completion, the first without any."""
+    assert [tok.backend.token_to_id(t) for t in lp["tokens"]] == ids  # char-level: a token's text is its name
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4), i
+        top = lp["top_logprobs"][i]
+        assert [tok.backend.token_to_id(t) for t in top] == ref[i - 1].topk(k).indices.tolist()
+        assert list(top.values()) == pytest.approx(ref[i - 1].topk(k).values.tolist(), abs=1e-4)
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(ids))]
+
+
+def test_echo_scores_the_prompt_then_the_completion(served, client, model, tok):
+    """What lm-evaluation-harness sends (echo, logprobs, max_tokens 0 or 1, token-id prompts), and the rest
+    of OpenAI's echo: text prompts, batches, n, streaming."""
+    url, app, llm = served
+    prompt = "the brown dog"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3, echo=True,
+                                  extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.text == prompt + plain.text and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 5)
+    ids = tok.encode(prompt + plain.text)
+    ref = _reference_logprobs(model, ids)
+    _check_echo_logprobs(c.logprobs.model_dump(), ids, ref, tok, 3)
+    assert ids[len(prompt):] == ref[len(prompt) - 1:-1].argmax(-1).tolist()  # and the completion is greedy
+
+    # max_tokens=0: the prompt only, scored, over raw HTTP with token ids in a batch (lm-eval's request)
+    batch = [tok.encode("quick brown fox"), tok.encode(LETTERS * 7)[:250] + [1] * 6]  # the second fills the context
+    body = {"model": MODEL, "prompt": batch, "max_tokens": 0, "logprobs": 1, "echo": True, "temperature": 0}
+    res = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert res.status_code == 200, res.text
+    out = res.json()
+    assert [ch["index"] for ch in out["choices"]] == [0, 1]
+    assert out["usage"] == {"prompt_tokens": 15 + 256, "completion_tokens": 0, "total_tokens": 15 + 256}
+    for ids, ch in zip(batch, out["choices"]):
+        assert ch["text"] == tok.decode(ids) and ch["finish_reason"] == "length"
+        _check_echo_logprobs(ch["logprobs"], ids, _reference_logprobs(model, ids), tok, 1)
+
+    # streaming: the prompt comes in each choice's first chunk; the chunks add up to the whole response
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                      echo=True, n=2, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                            echo=True, n=2, stream=True, extra_body={"ignore_eos": True}))
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].text.startswith(prompt) and len(mine[0].logprobs.tokens) >= len(prompt)
+        assert "".join(m.text for m in mine) == whole.choices[i].text
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert sum((getattr(m.logprobs, key) for m in mine), []) == getattr(whole.choices[i].logprobs, key)
+    only = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, stream=True))
+    assert [(ch.choices[0].text, ch.choices[0].finish_reason) for ch in only] == [(prompt, "length")]
+    # echo without logprobs, and with a stop string: the stop applies to the completion only
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                  stop=[prompt[:3]], extra_body={"ignore_eos": True})
+    cut = plain.text.split(prompt[:3])[0]
+    assert r.choices[0].text == prompt + cut and r.choices[0].logprobs is None
+    assert wait_idle(app)["kv_blocks_used"] == 0
+
+
 # --- hostile bodies, over raw HTTP --------------------------------------------------------------------------
 
 def _ok(**kw):
@@ -287,7 +356,11 @@ HOSTILE = [
     ("completions", _ok(prompt="\u00e9\u20ac"), 400, None),  # characters the tokenizer cannot encode
     ("completions", _ok(foo=1), 400, "foo"),
     ("completions", _ok(frequency_penalty=0.5), 400, "frequency_penalty"),
-    ("completions", _ok(echo=True), 400, "echo"),
+    ("completions", _ok(echo="yes"), 400, "echo"),
+    ("completions", _ok(echo=True, max_tokens=-1), 400, "max_tokens"),
+    ("completions", _ok(echo=True, max_tokens=0, n=2), 400, "n"),
+    ("completions", _ok(echo=True, max_tokens=0, prompt="a" * 257), 400, "prompt"),  # the context is 256
+    ("completions", _ok(echo=True, max_tokens=0, logprobs=21), 400, "logprobs"),
     ("completions", _ok(model="gpt-4"), 404, "model"),
     ("completions", {"prompt": "the"}, 400, "model"),
     ("completions", _ok(model=5), 400, "model"),
@@ -313,6 +386,10 @@ HOSTILE = [
                           "max_completion_tokens": -5}, 400, "max_completion_tokens"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "dog"}], "tools": [{}]},
      400, "tools"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "dog"}], "echo": True},
+     400, "echo"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "dog"}], "max_tokens": 0},
+     400, "max_tokens"),
 ]
 
 

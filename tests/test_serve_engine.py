@@ -143,7 +143,9 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tok):
     eng = llm.engine
     good = eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     cases = [([], {}, "prompt"), ([1] * 300, {}, "prompt"), ([1, 10_000], {}, "prompt"),
-             ([1], {"max_tokens": 0}, "max_tokens"), ([1], {"top_p": 1.5}, "top_p"), ([1], {"top_p": 0}, "top_p")]
+             ([1], {"max_tokens": -1}, "max_tokens"), ([1], {"max_tokens": 0, "n": 2}, "n"),
+             ([1], {"prompt_logprobs": -1}, "prompt_logprobs"), ([1], {"prompt_logprobs": 10_000}, "prompt_logprobs"),
+             ([1], {"top_p": 1.5}, "top_p"), ([1], {"top_p": 0}, "top_p")]
     for prompt, kw, field in cases:
         with pytest.raises(NanoforgeError) as e:
             eng.add_request(prompt, SamplingParams(**kw) if kw else SamplingParams())

@@ -470,7 +470,7 @@ def test_check_stop():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", -3), ("top_p", 0.0), ("top_p", 1.5), ("temperature", -0.1),
+    ("max_tokens", -1), ("max_tokens", -3), ("prompt_logprobs", -1), ("top_p", 0.0), ("top_p", 1.5), ("temperature", -0.1),
     ("temperature", float("nan")), ("n", 0), ("top_k", -2), ("logprobs", -1), ("stop", [""]),
     ("stop_token_ids", [-1]), ("seed", -1), ("n", 1.5)])
 def test_bad_sampling_params_name_the_field(field, value):

@@ -11,6 +11,13 @@ server-sent events ending in `data: [DONE]` when `stream` is true. Every
 request goes into one `AsyncEngine`, whose background thread batches all
 requests in flight into each engine step.
 
+Completions also take `echo` (as OpenAI and vLLM): each choice's text starts
+with the prompt, and with `logprobs=k` its logprobs cover the prompt tokens
+first (the first one has none: null) and then the generated ones; a stream
+sends the prompt in each choice's first chunk. `max_tokens=0` is accepted
+with `echo` only: it scores the prompt and generates nothing, which is how
+lm-evaluation-harness computes loglikelihoods.
+
 Bad input never reaches the engine as a surprise: the body is read with a
 size limit (413), parsed as a JSON object (422), every field is type-checked
 here and range-checked by `SamplingParams` and the engine (400, with `param`
@@ -75,14 +82,13 @@ _ERROR_KINDS = {
 # The fields each endpoint accepts and their JSON types (None: checked where used). The shared ones include
 # vLLM's extensions top_k, ignore_eos and stop_token_ids; `_NEUTRAL` fields are OpenAI's that we do not
 # implement, accepted only with a value that changes nothing.
-_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,),
-            "suffix": ("",), "best_of": (1,), "response_format": ({"type": "text"},), "tools": ([],),
-            "tool_choice": ("none",)}
+_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "suffix": ("",),
+            "best_of": (1,), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",)}
 _COMMON_FIELDS = {"model": "string", "stream": "boolean", "stream_options": "object", "max_tokens": "integer",
                   "temperature": "number", "top_p": "number", "n": "integer", "stop": None, "seed": "integer",
                   "user": "string", "top_k": "integer", "ignore_eos": "boolean", "stop_token_ids": "array",
                   "frequency_penalty": None, "presence_penalty": None, "logit_bias": None}
-_COMPLETION_FIELDS = {**_COMMON_FIELDS, "prompt": None, "logprobs": "integer", "echo": None, "suffix": None,
+_COMPLETION_FIELDS = {**_COMMON_FIELDS, "prompt": None, "logprobs": "integer", "echo": "boolean", "suffix": None,
                       "best_of": None}
 _CHAT_FIELDS = {**_COMMON_FIELDS, "messages": None, "logprobs": "boolean", "top_logprobs": "integer",
                 "max_completion_tokens": "integer", "response_format": None, "tools": None, "tool_choice": None}
@@ -184,7 +190,13 @@ def _token_ids(value) -> list[int] | None:
     return None
 
 
-def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _batch(prompt) -> list:
+    """A completions `prompt` as a batch: text or token ids alone are a batch of one."""
+    return [prompt] if isinstance(prompt, str) or _token_ids(prompt) is not None else prompt
+
+
+def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     """Ranges are SamplingParams' to check (NanoforgeError naming the field)."""
     stop_token_ids = fields.get("stop_token_ids")
     if stop_token_ids is not None and _token_ids(stop_token_ids) is None:
@@ -192,7 +204,8 @@ def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None) -> 
     return SamplingParams(n=fields.get("n", 1), temperature=fields.get("temperature", 1.0),
                           top_p=fields.get("top_p", 1.0), top_k=fields.get("top_k", -1), seed=fields.get("seed"),
                           max_tokens=max_tokens, stop=_stop_strings(fields), stop_token_ids=stop_token_ids,
-                          ignore_eos=fields.get("ignore_eos", False), logprobs=logprobs)
+                          ignore_eos=fields.get("ignore_eos", False), logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
 
 
 # --- turning cumulative engine outputs into per-choice deltas ---------------------------------------
@@ -208,11 +221,13 @@ class _Delta:
 class _Choices:
     """What each choice has sent so far. The engine's text only grows, except that a stop string cuts it
     where it starts; holding back the last len(longest stop) - 1 characters means we never send text
-    that a later cut would take back."""
+    that a later cut would take back. With `echo` (the prompt texts, by prompt index), each choice's first
+    delta starts with its prompt's text and, when logprobs are asked for, the prompt's logprobs."""
 
-    def __init__(self, n: int, stop: list[str] | None):
+    def __init__(self, n: int, stop: list[str] | None, echo: list[str] | None = None):
         self.n = n
         self.hold = max(map(len, stop)) - 1 if stop else 0
+        self.echo = echo
         self.sent: dict[int, tuple[int, int] | None] = {}  # choice -> (chars, tokens) sent; None when finished
         self.completion_tokens = 0
 
@@ -228,14 +243,22 @@ class _Choices:
             end = len(c.text) if c.finish_reason else max(chars, len(c.text) - self.hold)
             if end == chars and len(c.token_ids) == toks and not c.finish_reason:
                 continue
-            result.append(_Delta(index, c.text[chars:end], c.logprobs[toks:] if c.logprobs is not None else None,
-                                 c.finish_reason))
+            text, logprobs = c.text[chars:end], c.logprobs[toks:] if c.logprobs is not None else None
+            if self.echo is not None and index not in self.sent:  # the first delta of this choice
+                text = self.echo[prompt_index] + text
+                logprobs = _prompt_entries(out) + logprobs if logprobs is not None else None
+            result.append(_Delta(index, text, logprobs, c.finish_reason))
             if c.finish_reason:
                 self.sent[index] = None
                 self.completion_tokens += len(c.token_ids)
             else:
                 self.sent[index] = (end, len(c.token_ids))
         return result
+
+
+def _prompt_entries(out: RequestOutput) -> list[dict]:
+    """The engine's prompt logprobs, the first token (which nothing predicts) given an entry without any."""
+    return [{"token_id": out.prompt_token_ids[0], "logprob": None, "top": None}, *out.prompt_logprobs[1:]]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -337,16 +360,22 @@ class _Api:
             raise NanoforgeError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                  param="model", status=404)
 
-    def _max_tokens(self, requested: int | None, prompts: list[list[int]], param: str) -> int:
-        """Check each prompt against the context; `requested=None` means whatever room is left."""
+    def _max_tokens(self, requested: int | None, prompts: list[list[int]], param: str, minimum: int = 1) -> int:
+        """Check each prompt against the context; `requested=None` means whatever room is left. `minimum=0`
+        (completions with echo) lets a request score its prompt and generate nothing."""
+        if requested is not None and requested < minimum:
+            raise NanoforgeError(f"{param} must be >= {minimum}, got {requested}", param=param)
         longest = max(len(p) for p in prompts)
+        if requested == 0:
+            if longest > self.max_model_len:
+                raise NanoforgeError(f"prompt is {longest} tokens; the model's context is {self.max_model_len} tokens",
+                                     param="prompt")
+            return 0
         if longest >= self.max_model_len:
             raise NanoforgeError(f"prompt is {longest} tokens; the model's context is {self.max_model_len} tokens "
                                  f"(prompt + at least one generated token must fit)", param="prompt")
         if requested is None:
             return self.max_model_len - longest
-        if requested < 1:
-            raise NanoforgeError(f"{param} must be >= 1, got {requested}", param=param)
         if longest + requested > self.max_model_len:
             raise NanoforgeError(f"prompt ({longest} tokens) + {param} ({requested}) is more than the model's context "
                                  f"of {self.max_model_len} tokens", param=param)
@@ -359,11 +388,19 @@ class _Api:
         logprobs = fields.get("logprobs")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise NanoforgeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+        echo = fields.get("echo", False)
+        requested = fields.get("max_tokens", 16)
+        if requested == 0 and not echo:
+            raise NanoforgeError("max_tokens must be >= 1, got 0 (0 is accepted only with echo=true: it scores the "
+                                 "prompt and generates nothing)", param="max_tokens")
         prompts = await self._completion_prompts(fields.get("prompt"))
-        max_tokens = self._max_tokens(fields.get("max_tokens", 16), prompts, "max_tokens")
-        params = _sampling_params(fields, max_tokens, logprobs)
+        max_tokens = self._max_tokens(requested, prompts, "max_tokens", minimum=0 if echo else 1)
+        params = _sampling_params(fields, max_tokens, logprobs, logprobs if echo else None)
+        # echo: the prompts as given, token ids decoded
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in _batch(fields.get("prompt"))] \
+            if echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._respond(request, fields, prompts, params, rid, "text_completion", arrival)
+        return await self._respond(request, fields, prompts, params, rid, "text_completion", arrival, texts)
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -384,8 +421,7 @@ class _Api:
 
     async def _completion_prompts(self, prompt) -> list[list[int]]:
         """`prompt` as token ids: text, token ids, or a non-empty batch of either."""
-        if isinstance(prompt, str) or _token_ids(prompt) is not None:
-            prompt = [prompt]  # a batch of one
+        prompt = _batch(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             batch = await asyncio.to_thread(self.tokenizer.encode_prompt_batch, prompt)
         elif isinstance(prompt, list) and prompt and all(_token_ids(p) is not None for p in prompt):
@@ -399,12 +435,12 @@ class _Api:
         return batch
 
     async def _respond(self, request: Request, fields: _Fields, prompts: list[list[int]], params: SamplingParams,
-                       rid: str, kind: str, arrival: float) -> Response:
+                       rid: str, kind: str, arrival: float, echo: list[str] | None = None) -> Response:
         include_usage = fields.get("stream_options", {}).get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise NanoforgeError("stream_options.include_usage must be a boolean", param="stream_options")
         render = _Render(kind, rid, self.model_name, self.tokenizer)
-        choices = _Choices(params.n, params.stop)
+        choices = _Choices(params.n, params.stop, echo)
         prompt_tokens = sum(map(len, prompts))
         stream = await self.engine.add(prompts, params, request_id=rid, arrival_time=arrival)
         if fields.get("stream", False):
@@ -558,8 +594,9 @@ class _Render:
             offsets.append(offset)
             offset += len(s)
         self.text_offset[d.index] = offset
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in d.logprobs],
-                "top_logprobs": [{self._token(t): lp for t, lp in e["top"]} for e in d.logprobs],
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in d.logprobs],  # null: an echoed first token
+                "top_logprobs": [None if e["top"] is None else {self._token(t): lp for t, lp in e["top"]}
+                                 for e in d.logprobs],
                 "text_offset": offsets}
 
 

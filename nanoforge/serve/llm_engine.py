@@ -2,7 +2,7 @@
 
     add_request() -> Scheduler.add()          validate, queue
     step():  Scheduler.schedule()             which chunks run now (continuous batching)
-             ModelRunner.execute()            block ops, one forward over all chunks, sampling
+             ModelRunner.execute()            block ops, one forward over all chunks, sampling, logprobs
              Scheduler.update()               append tokens, check stops, free finished blocks
              detokenize, check stop strings   build RequestOutputs
     abort()  -> Scheduler.abort()             free blocks at once
@@ -63,6 +63,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then one runner entry per token
+    # (complete in every output: outputs start once the prompt is computed; the engine never changes it after)
+    prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finish_time (monotonic seconds)
     error: str | None = None
@@ -147,9 +150,10 @@ class LLMEngine:
             ids = self.tokenizer.encode_prompt(prompt)
         else:
             text, ids = None, list(prompt)
-        if len(ids) >= self.max_model_len:
-            raise NanoforgeError(f"prompt is {len(ids)} tokens; the context is {self.max_model_len} "
-                                 f"(prompt + at least one generated token must fit)", param="prompt", status=400)
+        if len(ids) > self.max_model_len - (params.max_tokens > 0):  # a generated token needs a position too
+            raise NanoforgeError(f"prompt is {len(ids)} tokens; the context is {self.max_model_len}"
+                                 + (" (prompt + at least one generated token must fit)" if params.max_tokens else ""),
+                                 param="prompt", status=400)
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -179,8 +183,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return an output for every request that progressed or finished."""
         out = self.scheduler.schedule()
-        sampled, logprobs = self.runner.execute(out)
-        finished = {g.request_id: g for g in self.scheduler.update(out, sampled, logprobs)}
+        sampled, logprobs, prompt_logprobs = self.runner.execute(out)
+        finished = {g.request_id: g for g in self.scheduler.update(out, sampled, logprobs, prompt_logprobs)}
         finished.update({g.request_id: g for g in out.finished})
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
@@ -236,6 +240,7 @@ class LLMEngine:
         if finished:
             metrics["finish_time"] = now
         return RequestOutput(rid, self._prompts.get(rid), group.prompt_token_ids, outs, finished,
+                             prompt_logprobs=group.seqs[0].prompt_logprobs,
                              num_cached_tokens=group.seqs[0].num_cached_tokens, metrics=metrics, error=group.error)
 
     def _forget(self, group: SequenceGroup) -> None:

@@ -11,7 +11,11 @@ For each step it
    block tables (`nanoforge.kernels.paged_attention`: Triton on a GPU, the
    PyTorch reference on the CPU);
 4. computes logits only at the positions that sample, and samples each with
-   its own request's settings (`nanoforge.model.sampling`).
+   its own request's settings (`nanoforge.model.sampling`);
+5. where a request asked for them, turns logits into logprobs (fp32
+   log-softmax, top k; one routine, `logprob_entries`): of each sampled token,
+   and of each prompt token at the chunk's `scored_positions` (prompt logprobs,
+   projected onto the vocabulary a slice of rows at a time).
 
 On a GPU, steps that are pure decode run as replays of CUDA graphs captured
 for a ladder of batch sizes (padded up to the next one), so the ~10 small
@@ -37,6 +41,7 @@ from nanoforge.model.transformer import Transformer
 from nanoforge.serve.scheduler import SchedulerOutput
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+SCORE_ROWS = 512  # prompt positions projected onto the vocabulary at once (bounds the fp32 logits' memory)
 
 
 class PagedAttention(AttentionBackend):
@@ -60,12 +65,27 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) 
     return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
+def logprob_entries(logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[dict]:
+    """Per row of `logits` (rows, vocab): the log-probability of token_ids[i] and the ks[i] most likely
+    alternatives, from the fp32 log-softmax, as {"token_id", "logprob", "top": [(id, logprob), ...]}."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(ks)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [{"token_id": t, "logprob": c, "top": list(zip(ids[:kk], vals[:kk]))}
+            for t, c, ids, vals, kk in zip(token_ids, chosen, top_ids, top_vals, ks)]
+
+
 @dataclass
 class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: PagedAttention
     sample_rows: torch.Tensor  # index into the flattened tokens of each position that samples
+    score_rows: list[int]  # index into the flattened tokens of each position that scores a prompt token
+    score_targets: list[int]  # the prompt token each of those scores (the one after it)
+    scored: list  # (ScheduledSeq, number of score rows) of the chunks that score prompt tokens, in row order
 
 
 class ModelRunner:
@@ -111,8 +131,14 @@ class ModelRunner:
 
     def _build(self, out: SchedulerOutput) -> _Batch:
         ids, pos, slots, seq_lens, cu, rows, tables = [], [], [], [], [0], [], []
+        score_rows, score_targets, scored = [], [], []
         bs = self.block_size
         for item in out.scheduled:
+            if item.scored_positions:
+                positions = item.scored_positions
+                score_rows += [cu[-1] + p - item.start for p in positions]
+                score_targets += item.seq.token_ids[positions.start + 1:positions.stop + 1]
+                scored.append((item, len(positions)))
             ids += item.token_ids
             pos += range(item.start, item.end)
             slots += item.slot_mapping(bs)
@@ -130,25 +156,46 @@ class ModelRunner:
 
         attn = PagedAttention(self.k_cache, self.v_cache, t(slots, torch.int64), t(tables), t(seq_lens), t(cu),
                               max_q_len=max(item.num_tokens for item in out.scheduled))
-        return _Batch(t([ids], torch.int64), t([pos], torch.int64), attn, t(rows, torch.int64))
+        return _Batch(t([ids], torch.int64), t([pos], torch.int64), attn, t(rows, torch.int64), score_rows,
+                      score_targets, scored)
 
     # --- forward ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, list]]:
-        """Run one step; returns the sampled tokens and (where asked) logprobs, keyed by seq_id."""
+    def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, list], dict[int, list]]:
+        """Run one step; returns the sampled tokens, their logprobs (where asked) and the prompt logprobs of
+        the chunks' `scored_positions`, each keyed by seq_id."""
         self._block_ops(out)
         if not out.scheduled:
-            return {}, {}
-        decode_only = all(item.is_decode for item in out.scheduled)
+            return {}, {}, {}
+        decode_only = all(item.is_decode for item in out.scheduled)  # decodes score no prompt token
+        prompt_logprobs = {}
         if decode_only and self.graphs and len(out.scheduled) <= max(self.graphs):
             hidden = self._replay(out)
         else:
             batch = self._build(out)
             hidden = self.model(batch.input_ids, batch.positions, batch.attn, return_hidden=True)[0]
+            if batch.scored:
+                prompt_logprobs = self._score_prompts(batch, hidden)
             hidden = hidden[batch.sample_rows]
+        if not len(hidden):  # only prompt chunks that sample nothing (max_tokens=0, or not their last chunk)
+            return {}, {}, prompt_logprobs
         logits = self.model.lm_head(hidden).float()
-        return self._sample(out, logits)
+        return *self._sample(out, logits), prompt_logprobs
+
+    def _score_prompts(self, batch: _Batch, hidden: torch.Tensor) -> dict[int, list]:
+        """Prompt logprobs: the logits at each score row give the logprob of the prompt token after it."""
+        ks = [item.seq.sampling_params.prompt_logprobs for item, n in batch.scored for _ in range(n)]
+        entries = []
+        for i in range(0, len(batch.score_rows), SCORE_ROWS):
+            rows = torch.tensor(batch.score_rows[i:i + SCORE_ROWS], device=hidden.device)
+            entries += logprob_entries(self.model.lm_head(hidden[rows]), batch.score_targets[i:i + SCORE_ROWS],
+                                       ks[i:i + SCORE_ROWS])
+        result, start = {}, 0
+        for item, n in batch.scored:
+            result[item.seq.seq_id] = entries[start:start + n]
+            start += n
+        return result
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
         # one row per token to draw: a chunk with num_samples = n contributes n rows (parallel sampling)
@@ -178,20 +225,14 @@ class ModelRunner:
 
         sampled: dict[int, list[int]] = {}
         logprobs: dict[int, list] = {}
+        for item, tok in zip(keys, tokens):
+            sampled.setdefault(item.seq.seq_id, []).append(tok)
         want_lp = [i for i, item in enumerate(keys) if item.seq.sampling_params.logprobs is not None]
         if want_lp:
-            lp = torch.log_softmax(rows[want_lp], dim=-1)
-            k = max(keys[i].seq.sampling_params.logprobs for i in want_lp)
-            top_vals, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-        lp_of = {i: j for j, i in enumerate(want_lp)}
-        for i, (item, tok) in enumerate(zip(keys, tokens)):
-            sid = item.seq.seq_id
-            sampled.setdefault(sid, []).append(tok)
-            if i in lp_of:
-                j, kk = lp_of[i], item.seq.sampling_params.logprobs
-                entry = {"token_id": tok, "logprob": float(lp[j, tok]),
-                         "top": list(zip(top_ids[j, :kk].tolist(), top_vals[j, :kk].tolist()))}
-                logprobs.setdefault(sid, []).append(entry)
+            entries = logprob_entries(rows[want_lp], [tokens[i] for i in want_lp],
+                                      [keys[i].seq.sampling_params.logprobs for i in want_lp])
+            for i, entry in zip(want_lp, entries):
+                logprobs.setdefault(keys[i].seq.seq_id, []).append(entry)
         return sampled, logprobs
 
     def release(self, request_id: str, n: int) -> None:

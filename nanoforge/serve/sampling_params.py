@@ -9,7 +9,12 @@ the tokenizer), `max_tokens` generated tokens, or the model's context length.
 
 `seed` makes a request's draws reproducible whatever else shares its batch;
 `logprobs=k` returns, for each generated token, its log-probability and the
-`k` most likely alternatives (0: only the chosen token's).
+`k` most likely alternatives (0: only the chosen token's); `prompt_logprobs=k`
+does the same for every prompt token but the first (which nothing predicts:
+its entry is None), as vLLM does. `max_tokens=0` scores the prompt and
+generates nothing (the request finishes with reason "length" once its prompt
+is computed); with nothing generated the n completions would all be the same,
+so it needs n=1.
 
 Field checks run at construction; `validate(vocab_size)` adds the checks that
 need the vocabulary (token ids). Every failure raises `NanoforgeError` naming
@@ -48,6 +53,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -61,7 +67,9 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise NanoforgeError naming the first bad field; token ids are checked when vocab_size is given."""
         _check_int("n", self.n, 1)
-        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("max_tokens", self.max_tokens, 0)
+        if self.max_tokens == 0 and self.n != 1:
+            _fail("n", f"must be 1 when max_tokens=0 (nothing is generated), got {self.n}")
         if not isinstance(self.temperature, (int, float)) or not (self.temperature >= 0 and math.isfinite(self.temperature)):
             _fail("temperature", f"must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -69,8 +77,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k, -1)  # -1 and 0 both mean "no limit"
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0)
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
                 _fail("stop", f"must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
@@ -82,5 +91,7 @@ class SamplingParams:
         if vocab_size is not None:
             if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
                 _fail("stop_token_ids", f"holds token id {max(self.stop_token_ids)}, outside the vocabulary of {vocab_size}")
-            if self.logprobs is not None and self.logprobs > vocab_size:
-                _fail("logprobs", f"asks for {self.logprobs} alternatives but the vocabulary has {vocab_size} tokens")
+            for name in ("logprobs", "prompt_logprobs"):
+                k = getattr(self, name)
+                if k is not None and k > vocab_size:
+                    _fail(name, f"asks for {k} alternatives but the vocabulary has {vocab_size} tokens")

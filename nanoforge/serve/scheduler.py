@@ -31,6 +31,15 @@ Prefix caching: a sequence that holds no KV yet starts from the longest
 cached prefix of its tokens (`BlockManager.match_prefix`); only the rest is
 computed. Forked siblings recomputed after a preemption prefill one at a
 time, so the later ones find the first one's prompt blocks in the cache.
+A request that asks for prompt logprobs needs the logits at every prompt
+position, so it takes cached blocks only over positions it has already
+scored: none when it is new (vLLM does the same), what it had computed when
+it is recomputed after a preemption. Its own blocks are cached as usual.
+
+Prompt logprobs: each chunk's `scored_positions` are the positions whose
+logits the runner turns into logprobs of the next prompt token; `update()`
+appends them to the sequence. A `max_tokens=0` request samples nothing: it
+finishes ("length") in the step that computes the end of its prompt.
 
 Parallel sampling (n > 1): the group's one sequence prefills; its last chunk
 is scheduled with `num_samples = n`; `update()` forks n - 1 children sharing
@@ -113,6 +122,15 @@ class ScheduledSeq:
     @property
     def token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start:self.end]
+
+    @property
+    def scored_positions(self) -> range:
+        """Positions of this chunk whose logits score a prompt token that has no logprob yet (prompt_logprobs):
+        the logits at position p give the logprob of token p + 1."""
+        seq = self.seq
+        if seq.prompt_logprobs is None:
+            return range(0)
+        return range(max(self.start, len(seq.prompt_logprobs) - 1), min(self.end, seq.num_prompt_tokens - 1))
 
     @property
     def block_table(self) -> list[int]:
@@ -240,13 +258,16 @@ class Scheduler:
         return out
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int | list[int]],
-               logprobs: dict[int, list] | None = None) -> list[SequenceGroup]:
+               logprobs: dict[int, list] | None = None,
+               prompt_logprobs: dict[int, list] | None = None) -> list[SequenceGroup]:
         """Record a finished step: advance every scheduled chunk, append the sampled tokens, check stops.
 
         `sampled` maps seq_id to the token (or list of `num_samples` tokens) drawn
         for each chunk with num_samples > 0; `logprobs`, when given, maps seq_id
-        to one runner-defined entry per sampled token. Returns the groups that
-        finished in this step ("stop" / "length"); their blocks are already free.
+        to one runner-defined entry per sampled token; `prompt_logprobs` to one
+        entry per position of the chunk's `scored_positions`. Returns the groups
+        that finished in this step ("stop" / "length"; a max_tokens=0 request
+        once its prompt is computed); their blocks are already free.
         """
         bm = self.block_manager
         finished = []
@@ -257,7 +278,20 @@ class Scheduler:
             seq.num_computed_tokens += item.num_tokens
             bm.cache_computed_blocks(seq)
             self._counters["computed_tokens"] += item.num_tokens
+            scored = seq.prompt_logprobs
+            if scored is not None and len(scored) < seq.num_prompt_tokens and item.start > len(scored) - 1:
+                raise RuntimeError(f"update(): sequence {seq.seq_id} computed from position {item.start} but scored "
+                                   f"only {len(scored) - 1} prompt positions: prompt logprobs would be skipped")
+            if item.scored_positions:
+                entries = (prompt_logprobs or {}).get(seq.seq_id)
+                if entries is None or len(entries) != len(item.scored_positions):
+                    raise RuntimeError(f"update(): sequence {seq.seq_id} needs prompt logprobs for positions "
+                                       f"{item.scored_positions}, got {entries!r:.200}")
+                seq.prompt_logprobs.extend(entries)
             if not item.num_samples:
+                if seq.num_computed_tokens == seq.num_tokens:  # max_tokens=0: the prompt is all it asked for
+                    self._finish_seq(seq, "length")
+                    finished.append(self._retire(self._groups[seq.request_id]))
                 continue
             tokens = sampled.get(seq.seq_id)
             tokens = [tokens] if isinstance(tokens, int) else tokens
@@ -379,7 +413,7 @@ class Scheduler:
             fresh = seq.num_computed_tokens == 0
             if fresh and sibling_prefilling and bm.enable_prefix_caching:
                 continue  # prefill after the sibling, reusing its cached prompt blocks
-            prefix = bm.match_prefix(seq) if fresh else []
+            prefix = self._cached_prefix(seq) if fresh else []
             start = len(prefix) * bs if fresh else seq.num_computed_tokens
             remaining = seq.num_tokens - start
             sibling_prefilling |= remaining > 1
@@ -390,6 +424,17 @@ class Scheduler:
             plan.append(_Chunk(seq, prefix, n))
             tokens_available -= n
         return plan, complete
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The prefix-cache blocks a sequence that holds no KV starts from. Prompt logprobs come from the logits
+        at every prompt position, which a cached block skips, so a sequence that still needs some takes cached
+        blocks only over positions it has already scored: none for a new request (as vLLM), all it had computed
+        for one recomputed after a preemption."""
+        scored = seq.prompt_logprobs
+        if scored is not None and len(scored) < seq.num_prompt_tokens:
+            limit = (len(scored) - 1) // self.config.block_size
+            return self.block_manager.match_prefix(seq)[:limit] if limit else []
+        return self.block_manager.match_prefix(seq)
 
     @staticmethod
     def _plan_args(plan: list[_Chunk]) -> tuple[list[Sequence], list[int], list[list[int]]]:
@@ -409,7 +454,8 @@ class Scheduler:
             seq = c.seq
             out.blocks_to_copy.extend(bm.append_slots(seq, c.num_tokens))
             ends_prompt = seq.num_computed_tokens + c.num_tokens == seq.num_tokens
-            num_samples = (group.sampling_params.n if group.fork_pending else 1) if ends_prompt else 0
+            samples = (group.sampling_params.n if group.fork_pending else 1) if group.sampling_params.max_tokens else 0
+            num_samples = samples if ends_prompt else 0
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, c.num_tokens, num_samples))
         return sum(c.num_tokens for c in plan)
 

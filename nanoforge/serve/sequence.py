@@ -68,6 +68,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.output_logprobs: list = []  # one runner-defined entry per output token, when logprobs is set
+        # When prompt_logprobs is set: one entry per prompt token scored so far, None for the first (nothing
+        # predicts it). Complete once the prompt is computed; a recomputation never scores a position twice.
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
@@ -117,6 +120,7 @@ class Sequence:
         child.num_hashed_blocks = self.num_hashed_blocks
         child.status = self.status
         child.output_logprobs = list(self.output_logprobs)
+        child.prompt_logprobs = self.prompt_logprobs  # complete by now (forks happen after the prefill), never changed
         return child
 
 
