@@ -26,7 +26,7 @@ def tok():
     return Tokenizer.char_level(TEXT)
 
 
-@pytest.fixture(scope="module", params=["tiny-gpt2", "tiny-llama", "tiny-qwen3"])
+@pytest.fixture(scope="module", params=["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def saved(request, tok, tmp_path_factory):
     """(folder, float64 transformers model) for one family: the same checkpoint for both sides."""
     folder = tmp_path_factory.mktemp(request.param)
@@ -127,3 +127,20 @@ def test_max_tokens_zero_scores_the_prompt_only(saved, tok):
     check(hf, p, out.prompt_logprobs, k=0)
     assert all(e["top"] == [] for e in out.prompt_logprobs[1:])
     assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_the_gpu_equal_transformers(saved, tok):
+    """On CUDA the engine prefills through our Triton paged-attention kernels (several chunks per prompt
+    here): its fp32 prompt logprobs still match float64 transformers, to the kernels' fp32-on-tensor-core
+    rounding (top alternatives compared by value: near-ties may swap places)."""
+    folder, hf = saved
+    ps = random_prompts(random.Random(1), 4, 2, 45)
+    llm = LLM(str(folder), num_gpu_blocks=200, max_num_batched_tokens=32, device="cuda", dtype="float32")
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=TOP))
+    for p, out in zip(ps, outs):
+        got, ref = out.prompt_logprobs, reference(hf, p)
+        assert len(got) == len(p) and got[0] is None
+        for i in range(1, len(p)):
+            assert got[i]["logprob"] == pytest.approx(ref[i - 1, p[i]].item(), abs=5e-3), i
+            assert [v for _, v in got[i]["top"]] == pytest.approx(ref[i - 1].topk(TOP).values.tolist(), abs=5e-3)
