@@ -81,6 +81,8 @@ def test_trace_text_prompts_share_text_prefixes():
     assert first.startswith(shared) and second.startswith(shared) and first[len(shared):] != second[len(shared):]
     special = {tok.eos_id, tok.eot_id} | set(tok.stop_ids)
     assert not special & set(tok.encode(first, allow_special=True))
+    # each request's length is the server's count of its text (re-encoded as a prompt), not the ids drawn
+    assert [r.input_len for r in reqs] == [len(tok.encode_prompt(r.prompt)) for r in reqs]
 
 
 def test_bad_traces_are_named(tmp_path):
