@@ -10,7 +10,6 @@ allocated NaN-filled (the `poisoned` fixture), so an element a kernel fails to w
 import pytest
 import torch
 
-from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import flash_attention as fa
 from nanoforge.kernels.flash_attention import random_doc_ids
 from conftest import interpreter, nan_empty, raises_bug

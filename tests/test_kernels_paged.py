@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import paged_attention as pa
 from conftest import interpreter, nan_empty, raises_bug
 
