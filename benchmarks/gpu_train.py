@@ -107,10 +107,10 @@ def diagnose(out: Path, device: str = "cuda", steps: int = 200) -> dict:
         """A new model from seed 0 and its compiled training step, launched or graphed."""
         torch.manual_seed(0)
         m = Transformer(cfg).to(dev).train()
-        opt = make_optimizer(m, train_cfg, capturable=graphed)
+        opt = make_optimizer(m, train_cfg, capturable=graphed, device=dev)
         fn = trainer.make_loss_fn(m, trainer.training_attention(attention, cfg.dropout), True)
         return m, trainer.make_stepper(fn, m, opt, grad_clip=1.0, amp=trainer.autocast(dev, "auto", not graphed),
-                                       graphed=graphed)
+                                       graphed=graphed, device=dev)
 
     def losses(graphed: bool, n: int = 20) -> tuple[list[float], list[torch.Tensor]]:
         m, step = fresh_step(trainer.causal_attention, graphed)
@@ -235,9 +235,9 @@ def profile_gpt2_step(out: Path, steps: int = 5, device: str = "cuda", model_nam
         batches = [b.pin_memory() for b in batches]
     torch.manual_seed(0)
     model = Transformer(cfg).to(dev).train()
-    optimizer = make_optimizer(model, preset("gpt2-124m"))
+    optimizer = make_optimizer(model, preset("gpt2-124m"), device=dev)
     step = trainer.make_stepper(trainer.make_loss_fn(model, trainer.document_attention, True), model, optimizer,
-                                grad_clip=1.0, amp=trainer.autocast(dev, "auto"), graphed=False)
+                                grad_clip=1.0, amp=trainer.autocast(dev, "auto"), graphed=False, device=dev)
     for i in range(5):
         step([batches[i % 2]], 6e-4)
     if dev.type == "cuda":

@@ -15,11 +15,12 @@ from nanoforge.cli import main
 from nanoforge.data.loader import Batch, doc_ids_and_positions
 from nanoforge.data.sft import IGNORE_INDEX
 from nanoforge.errors import NanoforgeError
-from nanoforge.model.attention import DenseAttention
+from nanoforge.model.attention import DenseAttention, SDPAAttention
 from nanoforge.model.config import preset as model_preset
 from nanoforge.model.hf import load_model
 from nanoforge.model.transformer import Transformer
 from nanoforge.train import trainer
+from nanoforge.train.checkpoint import canonical
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import lr_at, make_optimizer
 
@@ -108,7 +109,8 @@ def test_gradient_accumulation_equals_one_big_batch():
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # new params = old - grad: exposes the gradient
         before = [p.detach().clone() for p in model.parameters()]
         loss_fn = trainer.make_loss_fn(model, trainer.document_attention, compiled=False)
-        trainer.train_step(loss_fn, model, sgd, micro, lr=1.0, grad_clip=0.0, amp=torch.autocast("cpu", enabled=False))
+        trainer.TrainStep(loss_fn, model, sgd, grad_clip=0.0, amp=torch.autocast("cpu", enabled=False),
+                          device="cpu")(micro, 1.0)
         grads.append([b - p.detach() for b, p in zip(before, model.parameters())])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -127,9 +129,9 @@ def test_weight_average_follows_a_float64_running_average():
         torch.manual_seed(1)
         model = Transformer(cfg)
         opt = make_optimizer(model, TrainConfig(weight_decay=0.1))
-        average = trainer.WeightAverage(model, decay) if decay else None
+        average = trainer.WeightAverage(model, decay, "cpu") if decay else None
         step = trainer.make_stepper(trainer.make_loss_fn(model, trainer.document_attention, False), model, opt,
-                                    grad_clip=1.0, amp=amp, graphed=False, average=average)
+                                    grad_clip=1.0, amp=amp, graphed=False, average=average, device="cpu")
         naive = [p.detach().double().clone() for p in model.parameters()]
         losses = []
         for t in range(12):
@@ -169,10 +171,11 @@ def test_attention_dropout_keeps_the_masks_and_is_unbiased():
     doc_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
     dense = DenseAttention(doc_ids)
     want = naive_attention(q, k, v, doc_ids)
-    torch.testing.assert_close(trainer.TorchAttention(dense, 0.0).attend(0, q, k, v), want)
+    torch.testing.assert_close(SDPAAttention(doc_ids, 0.0).attend(0, q, k, v), want)
+    torch.testing.assert_close(dense.attend(0, q, k, v), want)
     # Dropout on the weights, rescaled by 1 / (1 - p): each draw differs, the average is the attention.
     torch.manual_seed(0)
-    draws = torch.stack([trainer.TorchAttention(dense, 0.5).attend(0, q, k, v) for _ in range(4000)])
+    draws = torch.stack([SDPAAttention(doc_ids, 0.5).attend(0, q, k, v) for _ in range(4000)])
 
     def rel_error(x):
         return ((x - want).norm() / want.norm()).item()
@@ -194,7 +197,7 @@ def test_training_steps_drop_attention_weights_and_evaluation_does_not(corpus, t
     monkeypatch.setattr(trainer, "make_loss_fn", spy)
     assert run_cli(*tiny_args(corpus, tmp_path / "run", "--max-steps", "1")) == 0  # --dropout 0.1
     backend = seen[0](_batch(torch.randint(0, 60, (2, 9))))
-    assert isinstance(backend, trainer.TorchAttention) and backend.p == 0.1
+    assert isinstance(backend, SDPAAttention) and backend.p == 0.1
     monkeypatch.undo()
 
     torch.manual_seed(0)
@@ -268,7 +271,9 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path, ema):
         # The folder holds the average: a model of those weights scores the last val loss; the training
         # weights differ from it, and training itself is the run without an average.
         model = load_model(split)
-        assert not all(torch.equal(t, p.float()) for t, p in zip(state["training_weights"], model.parameters()))
+        folder = canonical(model.named_parameters(), model.cfg)
+        assert state["training_weights"].keys() == folder.keys()
+        assert not all(torch.equal(t, folder[n].float()) for n, t in state["training_weights"].items())
         plain = tmp_path / "plain"
         assert run_cli(*tiny_args(corpus, plain, "--max-steps", "8", *common[:-1], "0")) == 0
         assert [r["loss"] for r in history(plain)["train"]] == [r["loss"] for r in a["train"]]
@@ -518,10 +523,10 @@ def test_cuda_graphed_step_computes_what_the_launched_step_does():
     for graphed in (False, True):
         torch.manual_seed(0)
         model = Transformer(cfg).to(dev).train()
-        opt = make_optimizer(model, TrainConfig(weight_decay=0.1), capturable=graphed)
+        opt = make_optimizer(model, TrainConfig(weight_decay=0.1), capturable=graphed, device=dev)
         loss_fn = trainer.make_loss_fn(model, trainer.training_attention(trainer.document_attention, 0.1), False)
-        average = trainer.WeightAverage(model, 0.9)  # its update is in the graph too
-        step = trainer.make_stepper(loss_fn, model, opt, grad_clip=0.5, amp=trainer.autocast(dev, "fp32"),
+        average = trainer.WeightAverage(model, 0.9, dev)  # its update is in the graph too
+        step = trainer.make_stepper(loss_fn, model, opt, grad_clip=0.5, amp=trainer.autocast(dev, "fp32"), device=dev,
                                     graphed=graphed, average=average)
         losses = []
         for i in range(6):

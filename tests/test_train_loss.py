@@ -88,6 +88,6 @@ def test_chunked_loss_trains_like_the_plain_loss():
         opt = make_optimizer(model, TrainConfig())
         loss_fn = trainer.make_loss_fn(model, trainer.document_attention, False, chunk)
         step = trainer.make_stepper(loss_fn, model, opt, grad_clip=1.0, amp=trainer.autocast(torch.device("cpu"), "fp32"),
-                                    graphed=False)
+                                    graphed=False, device="cpu")
         runs.append([step([b], 1e-3).item() for b in batches * 2])
     assert runs[1] == pytest.approx(runs[0], rel=1e-5)

@@ -89,27 +89,41 @@ def attention_ref(
 ) -> torch.Tensor:
     """The definition of correct: PyTorch SDPA with one boolean mask built per call (any dtype, float64 too)."""
     _check_inputs(q, k, v, doc_ids)
-    hq, hkv = q.shape[2], k.shape[2]
     mask = document_mask(doc_ids, causal) if doc_ids is not None else None
+    return sdpa(q, k, v, mask=mask, causal=causal and mask is None, scale=scale)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+         causal: bool = False, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """PyTorch's scaled_dot_product_attention in our (B, T, H, D) layout with grouped-query heads: the one
+    SDPA reference that every attention path falls back on (this file's reference, the model's backends,
+    the paged reference). q (B, Tq, Hq, D), k and v (B, Tk, Hkv, D); `mask` a boolean (B or 1, 1, Tq, Tk),
+    True where a query may see a key; `causal` (no mask) aligns query i with key i."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
-        is_causal=causal and mask is None,
+        is_causal=causal,
+        dropout_p=dropout_p,
         scale=scale,
-        enable_gqa=hq != hkv,
+        enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
 
 
-def document_mask(doc_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """The dense (B, 1, T, T) boolean mask of `doc_ids` (B, T) for SDPA: same document, and not later when
-    `causal`. What the kernels compute without ever building it."""
-    mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
+def document_mask(doc_ids: torch.Tensor, causal: bool = True, rows: torch.Tensor | None = None,
+                  cols: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense (B, 1, Tq, Tk) boolean mask of `doc_ids` (B, T) for SDPA: same document, and not later when
+    `causal`. What the kernels compute without ever building it. `rows` / `cols` (int64 indices into the T
+    tokens of a row) pick the queries / keys (default: all T of each, in order): context parallelism's
+    local queries against its gathered keys."""
+    T = doc_ids.shape[1]
+    rows = torch.arange(T, device=doc_ids.device) if rows is None else rows
+    cols = torch.arange(T, device=doc_ids.device) if cols is None else cols
+    mask = (doc_ids[:, rows, None] == doc_ids[:, None, cols])[:, None]
     if causal:
-        T = doc_ids.shape[1]
-        mask = mask & torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+        mask = mask & (cols[None, :] <= rows[:, None])
     return mask
 
 
@@ -687,11 +701,7 @@ def _sdpa_flash(q, k, v, causal: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=causal, enable_gqa=q.shape[2] != k.shape[2],
-        )  # fmt: skip
-    return out.transpose(1, 2)
+        return sdpa(q, k, v, causal=causal)
 
 
 def _visible_pairs(T: int, doc_lens: list[int] | None) -> int:

@@ -22,14 +22,13 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.dispatch import use_fast
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
-from nanoforge.kernels.flash_attention import LOG2E
+from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
 
@@ -87,7 +86,7 @@ def paged_attention_ref(
     `max_q_len` is accepted for signature parity and unused.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     out = torch.zeros_like(q)  # tokens outside every sequence (none, for a well-formed batch) stay 0
     bounds = cu_seqlens_q.tolist()
     for i, ctx in enumerate(seq_lens.tolist()):
@@ -95,14 +94,11 @@ def paged_attention_ref(
         if q1 == q0:
             continue
         blocks = block_tables[i, : triton.cdiv(ctx, block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # (Hkv, ctx, D)
-        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        k = k_cache[blocks].flatten(0, 1)[:ctx]  # (ctx, Hkv, D)
+        v = v_cache[blocks].flatten(0, 1)[:ctx]
         pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)  # the query tokens' positions
         mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != hkv
-        )
-        out[q0:q1] = o.transpose(0, 1)
+        out[q0:q1] = sdpa(q[None, q0:q1], k[None], v[None], mask=mask, scale=scale)[0]
     return out
 
 

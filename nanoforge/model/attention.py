@@ -5,12 +5,18 @@ them to a backend together with its layer index. The backend decides where K
 and V live and which keys each query sees:
 
 - `DenseAttention`: whole sequences at once (training, scoring). Causal, with
-  optional document masking for packed sequences (`doc_ids`).
+  optional document masking for packed sequences (`doc_ids`), through our
+  flash kernels (their PyTorch reference off the GPU).
+- `SDPAAttention`: the same masks through PyTorch SDPA and a dense mask, with
+  optional dropout on the attention weights (the flash kernels have none).
 - `KVCache`: a contiguous per-layer cache for the reference generator: each
   call appends the new tokens' K/V at `self.length` and attends over all
   cached keys (causal within the new chunk).
 - The serving engine's paged backend (`nanoforge.serve.model_runner`)
   implements the same one method over block tables.
+
+Every backend ends in one SDPA reference, `kernels.flash_attention.sdpa`, or in
+the flash kernels that it defines the results of.
 
 Each backend is an explicit argument to `Transformer.forward`; there is no
 hidden global attention state.
@@ -21,10 +27,9 @@ Shapes: q (B, T, Hq, D); k, v (B, T, Hkv, D); the result (B, T, Hq, D).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from nanoforge.kernels.flash_attention import attention as flash_attention
-from nanoforge.kernels.flash_attention import doc_bounds
+from nanoforge.kernels.flash_attention import doc_bounds, document_mask, sdpa
 
 
 class AttentionBackend:
@@ -43,6 +48,19 @@ class DenseAttention(AttentionBackend):
         if self.doc_ids is not None and self.bounds is None:
             self.bounds = doc_bounds(self.doc_ids)
         return flash_attention(q, k, v, doc_ids=self.doc_ids, causal=True, bounds=self.bounds)
+
+
+class SDPAAttention(AttentionBackend):
+    """DenseAttention's masks (causal, documents apart) through PyTorch SDPA, optionally with dropout on the
+    attention weights as nanoGPT trains its dropout models (the flash kernels have no dropout). With
+    documents, SDPA gets the dense mask, built once per batch."""
+
+    def __init__(self, doc_ids: torch.Tensor | None = None, dropout: float = 0.0):
+        self.doc_ids, self.p = doc_ids, dropout
+        self.mask = None if doc_ids is None else document_mask(doc_ids)  # (B, 1, T, T)
+
+    def attend(self, layer, q, k, v):
+        return sdpa(q, k, v, mask=self.mask, causal=self.mask is None, dropout_p=self.p)
 
 
 class KVCache(AttentionBackend):
@@ -74,17 +92,7 @@ class KVCache(AttentionBackend):
         if T > 1:
             qpos = torch.arange(start, end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] <= qpos
-        return sdpa(q, keys, values, mask)
+        return sdpa(q, keys, values, mask=mask)
 
     def advance(self, n: int) -> None:
         self.length += n
-
-
-def sdpa(q, k, v, mask=None):
-    """scaled_dot_product_attention in (B, T, H, D) layout with grouped-query heads."""
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=2)
-        v = v.repeat_interleave(groups, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return o.transpose(1, 2)

@@ -80,6 +80,15 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def fused_parts(self) -> dict[str, list[tuple[str, int]]]:
+        """The projections that one matrix computes together, by module name within a block, and the parts
+        they stack along dim 0 (name, rows): q, k, v in `attn.wqkv`; gate and up in a SwiGLU `mlp.w_in`.
+        Checkpoint conversion splits and joins them; tensor parallelism shards each part by itself."""
+        parts = {"attn.wqkv": [("q", self.q_dim), ("k", self.kv_dim), ("v", self.kv_dim)]}
+        if not self.is_gpt2:
+            parts["mlp.w_in"] = [("gate", self.d_ff), ("up", self.d_ff)]
+        return parts
+
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count from the shapes alone (no model needed)."""
         d, L = self.d_model, self.n_layers

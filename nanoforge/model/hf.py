@@ -144,11 +144,8 @@ def _part_sizes(cfg: ModelConfig, nf_name: str) -> list[int]:
     """How a fused nanoforge tensor splits (dim 0) into its HF parts."""
     if cfg.is_gpt2:  # GPT-2 keeps c_attn fused, and its MLP has no gate
         return []
-    if ".wqkv." in nf_name:
-        return [cfg.q_dim, cfg.kv_dim, cfg.kv_dim]
-    if ".w_in." in nf_name:
-        return [cfg.d_ff, cfg.d_ff]
-    return []
+    module = nf_name.split(".", 2)[-1].rsplit(".", 1)[0]  # "layers.3.attn.wqkv.weight" -> "attn.wqkv"
+    return [rows for _, rows in cfg.fused_parts().get(module, [])]
 
 
 def _is_conv1d(cfg: ModelConfig, hf_name: str) -> bool:

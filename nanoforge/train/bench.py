@@ -32,8 +32,9 @@ from nanoforge.runtime import pick_device
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import make_optimizer
 from nanoforge.train.progress import format_mfu, peak_flops
-from nanoforge.train.trainer import (TorchAttention, autocast, causal_attention, compute_dtype, document_attention,
-                                     make_loss_fn, make_stepper, use_cuda_graph)
+from nanoforge.model.attention import SDPAAttention
+from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, document_attention, make_loss_fn,
+                                     make_stepper, use_cuda_graph)
 
 
 # name -> (what it runs, attention, tokens per chunk of the fused head + loss or None)
@@ -41,9 +42,8 @@ VARIANTS = {
     "nanoforge": ("flash attention + document masking", document_attention, None),
     "chunked-loss": ("the same, head + loss fused per 1k tokens", document_attention, 1024),
     "no-doc-mask": ("flash attention, causal only", causal_attention, None),
-    "torch-doc-mask": ("torch SDPA + dense document mask", lambda batch: TorchAttention(document_attention(batch)),
-                       None),
-    "baseline": ("torch SDPA, causal only (nanoGPT)", lambda batch: TorchAttention(causal_attention(batch)), None),
+    "torch-doc-mask": ("torch SDPA + dense document mask", lambda batch: SDPAAttention(batch.doc_ids), None),
+    "baseline": ("torch SDPA, causal only (nanoGPT)", lambda batch: SDPAAttention(None), None),
 }
 
 
@@ -95,9 +95,9 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
         graph_it = graphed and name != "baseline"  # nanoGPT launches its step from Python
         torch.manual_seed(seed)
         model = Transformer(cfg).to(dev).train()
-        optimizer = make_optimizer(model, train_cfg, capturable=graph_it)
+        optimizer = make_optimizer(model, train_cfg, capturable=graph_it, device=dev)
         step = make_stepper(make_loss_fn(model, attention, compiled, loss_chunk), model, optimizer, grad_clip=1.0,
-                            amp=amp, graphed=graph_it)
+                            amp=amp, graphed=graph_it, device=dev)
         counters.clear()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.model.config import ModelConfig
 from nanoforge.model.hf import load_model, save_model
 from nanoforge.model.transformer import Transformer
 from nanoforge.tokenizer import Tokenizer
@@ -79,10 +80,13 @@ def load_state(out_dir: str | os.PathLike) -> dict:
     if not has_checkpoint(out_dir):
         raise NanoforgeError(f"{path}: not found; {out_dir} holds no training checkpoint to resume", param="resume")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise NanoforgeError(f"{path}: cannot read the trainer state ({str(e).splitlines()[0]})",
                              param="resume") from None
+    if "training_weights" in state:  # the model folder holds the weight average; these are the trained ones
+        state["model"] = state.pop("training_weights")
+    return state
 
 
 def load_for_training(model_dir: str | os.PathLike, device: torch.device, dropout: float = 0.0) -> Transformer:
@@ -97,6 +101,27 @@ def load_for_training(model_dir: str | os.PathLike, device: torch.device, dropou
         if isinstance(m, torch.nn.Dropout):
             m.p = dropout
     return model.train()
+
+
+def canonical(named, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Tensors by their layout-independent names: a model's weights (or anything shaped like them: optimizer
+    moments, a weight average) with each fused projection split into its parts as row views, so that
+    `layers.0.attn.wqkv.weight` becomes `layers.0.attn.wqkv.q.weight`, `.k.weight`, `.v.weight`. A
+    parallelized model holds those parts as separate weights already and passes through unchanged. These
+    names are what checkpoints store, so a run saved at one parallel layout resumes at any other."""
+    fused = cfg.fused_parts()
+    out = {}
+    for name, t in named:
+        prefix, _, leaf = name.rpartition(".")  # "layers.0.attn.wqkv", "weight"
+        parts = fused.get(prefix.split(".", 2)[-1]) if prefix.startswith("layers.") else None
+        if parts is None:
+            out[name] = t
+            continue
+        start = 0
+        for part, rows in parts:
+            out[f"{prefix}.{part}.{leaf}"] = t[start : start + rows]
+            start += rows
+    return out
 
 
 def rng_state() -> dict:

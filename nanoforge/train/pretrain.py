@@ -31,7 +31,7 @@ from nanoforge.runtime import pick_device
 from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
 from nanoforge.train.config import TrainConfig, sequence_length
-from nanoforge.train.trainer import RunData, train, use_cuda_graph
+from nanoforge.train.trainer import RunData, SingleDevice, train, use_cuda_graph
 
 # Fields that do not change the weights' shapes or meaning.
 _NOT_ARCHITECTURE = {"dropout", "bos_token_id", "eos_token_id", "extra"}
@@ -104,4 +104,4 @@ def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> 
     print(f"pretraining {model.num_params() / 1e6:.2f}M parameters ({cfg.init or cfg.model}) on {device}: "
           f"{cfg.batch_size} x {seq_len} tokens x {cfg.grad_accum} micro-batches per step, {cfg.max_steps} steps")
     data = RunData(loader, lambda n: val.iter_eval(cfg.batch_size, seq_len, n))
-    return train(model, tokenizer, cfg, data, out_dir, resume=state, title="pretrain")
+    return train(model, tokenizer, cfg, data, out_dir, layout=SingleDevice(device), resume=state, title="pretrain")

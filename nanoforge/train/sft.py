@@ -25,7 +25,7 @@ from nanoforge.tokenizer import Tokenizer
 from nanoforge.train.checkpoint import load_for_training, load_state
 from nanoforge.train.config import TrainConfig, sequence_length
 from nanoforge.train.progress import write_json
-from nanoforge.train.trainer import RunData, train, use_cuda_graph
+from nanoforge.train.trainer import RunData, SingleDevice, train, use_cuda_graph
 
 
 def split_records(records: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -127,7 +127,8 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
     print(f"fine-tuning {source} ({model.num_params() / 1e6:.2f}M parameters) on {device}: "
           f"{len(train_records)} examples ({len(val_records)} held out), {cfg.batch_size} x {seq_len} tokens "
           f"per step, {cfg.max_steps} steps")
-    summary = train(model, tokenizer, cfg, RunData(packer, eval_batches), out_dir, resume=state, title="sft")
+    summary = train(model, tokenizer, cfg, RunData(packer, eval_batches), out_dir, layout=SingleDevice(device),
+                    resume=state, title="sft")
 
     held_out = val_records if eval_samples is None else val_records[:eval_samples]
     check = answer_eval(model, tokenizer, held_out, answer_tokens)
