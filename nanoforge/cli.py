@@ -125,6 +125,8 @@ def _add_serve(sub):
     p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="GiB for the KV cache (default: most of the free GPU memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90, metavar="F",
+                   help="without --kv-cache-memory: the fraction of the GPU the server may fill")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=_positive_int, default=256,
                    help="requests that may wait for a batch slot; more get 429 with Retry-After")

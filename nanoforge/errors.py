@@ -23,13 +23,15 @@ class NanoforgeError(ValueError):
     """A problem with the user's input, explained in one line.
 
     `param` names the offending field (for HTTP error bodies); `status` is the
-    HTTP status the server should answer with.
+    HTTP status the server should answer with; `retry_after`, for 429 and 503,
+    the seconds a client should wait before trying again.
     """
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, retry_after: int = 1):
         super().__init__(message)
         self.param = param
         self.status = status
+        self.retry_after = retry_after
 
 
 class InternalError(RuntimeError):

@@ -196,6 +196,23 @@ def test_chat_and_streaming_equal_llm_generate(served, client, tok):
                                                                           "content": "quick fox"}])], 8)[0].text
 
 
+def test_cached_tokens_count_the_prefix_cache_hits(served, client):
+    """usage.prompt_tokens_details.cached_tokens: prompt tokens taken from the prefix cache (whole 16-token blocks,
+    never the last prompt token), in whole responses and in a stream's usage chunk."""
+    _, _, llm = served
+    prefix = [(7 * i) % 60 for i in range(50)]  # 3 full blocks and 2 tokens
+    first = client.completions.create(model=MODEL, prompt=prefix + [1, 2], max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prefix + [3, 4, 5], max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.usage.prompt_tokens_details.cached_tokens == 48
+    assert again.choices[0].text == greedy(llm, [prefix + [3, 4, 5]], 4)[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=prefix[:33], max_tokens=3, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    assert metric(served[0], "nanoforge_cached_prompt_tokens_total") >= 80
+
+
 def test_n_seed_and_stop_sequences(served, client):
     _, _, llm = served
     prompt = "over the lazy"
@@ -290,7 +307,8 @@ def test_echo_scores_the_prompt_then_the_completion(served, client, model, tok):
     assert res.status_code == 200, res.text
     out = res.json()
     assert [ch["index"] for ch in out["choices"]] == [0, 1]
-    assert out["usage"] == {"prompt_tokens": 15 + 256, "completion_tokens": 0, "total_tokens": 15 + 256}
+    assert out["usage"] == {"prompt_tokens": 15 + 256, "completion_tokens": 0, "total_tokens": 15 + 256,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # prompt logprobs never take cached blocks
     for ids, ch in zip(batch, out["choices"]):
         assert ch["text"] == tok.decode(ids) and ch["finish_reason"] == "length"
         _check_echo_logprobs(ch["logprobs"], ids, _reference_logprobs(model, ids), tok, 1)

@@ -28,7 +28,9 @@ block ids each sequence uses and reports the copies the runner must make.
   registered keep their contents and their key, in LRU order, until a new
   allocation needs them; registering happens only after the runner has
   computed the block (`cache_computed_blocks`, called after each step), so a
-  hit never reads a block that is still being written.
+  hit never reads a block that is still being written. A KV connector
+  (`serve/kv_connector.py`) registers blocks it loaded from the cluster's pool
+  the same way (`add_cached_block`), so the scheduler finds them like any hit.
 - Swapping. `swap_out` moves a group's blocks to CPU blocks (shared blocks map
   once, keeping the sharing) and reports {gpu: cpu}; `swap_in` does the
   reverse and reports {cpu: gpu}. The runner executes, before the forward pass
@@ -220,6 +222,19 @@ class BlockManager:
                 self._content[block] = (key, hashes[i - 1] if i else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
                 self._cached[key] = block
         seq.num_hashed_blocks = num_full
+
+    def add_cached_block(self, key: int, parent: int | None, token_ids: Seq[int]) -> int | None:
+        """Register a block whose contents come from elsewhere (the KV pool) under `key`: unreferenced and most
+        recently used, as if a sequence had just computed and freed it. Returns its id for the caller to fill
+        before the next step, or None if `key` is cached already or no block is free."""
+        if not self.enable_prefix_caching or key in self._cached or not self.num_free_blocks:
+            return None
+        block = self._allocate_block()
+        self.ref_counts[block] = 0
+        self._content[block] = (key, parent, tuple(token_ids))
+        self._cached[key] = block
+        self._evictable[block] = None
+        return block
 
     # ---- swapping -------------------------------------------------------
 

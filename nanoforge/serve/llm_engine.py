@@ -1,18 +1,25 @@
 """LLMEngine: requests in, tokens out, one `step()` at a time.
 
-    add_request() -> Scheduler.add()          validate, queue
-    step():  Scheduler.schedule()             which chunks run now (continuous batching)
+    add_request() -> Scheduler.add()          validate, queue (with a KV connector: look in the pool first)
+    step():  KVConnector.ready_loads()        requests whose pool blocks are now in the prefix cache: queue them
+             Scheduler.schedule()             which chunks run now (continuous batching)
              ModelRunner.execute()            block ops, one forward over all chunks, sampling, logprobs
+             KVConnector.save_prompt()        prompts computed in this step: their blocks to the pool
              Scheduler.update()               append tokens, check stops, free finished blocks
              detokenize, check stop strings   build RequestOutputs
     abort()  -> Scheduler.abort()             free blocks at once
 
 The HTTP server drives the same object from a background loop; `LLM`
-(serve/llm.py) drives it to completion for offline batches.
+(serve/llm.py) drives it to completion for offline batches. Given a KV pool
+(`kv_pool=`, e.g. Mooncake Store), the engine shares prompt blocks with every
+other engine on the pool (serve/kv_connector.py); without one it is the
+colocated engine, unchanged. `add_request(..., outputs=)` resumes a request
+whose first tokens another engine generated (a decode instance).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
 
@@ -22,9 +29,10 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.hf import load_model
 from nanoforge.model.transformer import Transformer
 from nanoforge.runtime import pick_device, pick_dtype
+from nanoforge.serve.kv_connector import KVConnector, KVPool, cache_layout, model_fingerprint
 from nanoforge.serve.model_runner import ModelRunner, kv_bytes_per_block
 from nanoforge.serve.sampling_params import SamplingParams
-from nanoforge.serve.scheduler import Scheduler, SchedulerConfig
+from nanoforge.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_request
 from nanoforge.serve.sequence import Sequence, SequenceGroup
 from nanoforge.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -45,6 +53,11 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    # with a KV pool: save computed prompt blocks to it (a decode instance does not), the staging buffer for
+    # moving blocks (default 64 MiB on the CPU, 1 GiB on a GPU), and the time a pool call gets before it is a miss
+    kv_pool_save: bool = True
+    kv_pool_staging: int | None = None
+    kv_pool_timeout: float = 2.0
 
 
 @dataclass
@@ -69,6 +82,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finish_time (monotonic seconds)
     error: str | None = None
+    # with a KV pool, on the finished output: the save of the prompt's blocks (a future of the blocks stored)
+    kv_save: concurrent.futures.Future | None = None
 
 
 class _Detok:
@@ -81,8 +96,10 @@ class _Detok:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, config: EngineConfig | None = None):
-        """`tokenizer=None` serves token ids only (no text, no stop strings): benchmarks use that."""
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, config: EngineConfig | None = None,
+                 kv_pool: KVPool | None = None):
+        """`tokenizer=None` serves token ids only (no text, no stop strings): benchmarks use that. `kv_pool`
+        shares prompt blocks with other engines through a cluster-wide pool."""
         self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -107,6 +124,14 @@ class LLMEngine:
         self.runner = ModelRunner(model, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, use_cuda_graphs=config.use_cuda_graphs)
+        self.connector: KVConnector | None = None
+        if kv_pool is not None:
+            staging = config.kv_pool_staging or (1 << 30 if self.runner.device.type == "cuda" else 64 << 20)
+            namespace = f"nanoforge/{model_fingerprint(model)}/{cache_layout(cfg, config.block_size, dtype)}"
+            self.connector = KVConnector(kv_pool, self.runner, self.scheduler.block_manager, namespace,
+                                         save=config.kv_pool_save, staging_bytes=staging,
+                                         timeout_s=config.kv_pool_timeout)
+        self._saves: dict[str, concurrent.futures.Future] = {}  # request id -> the save of its prompt blocks
         self._detok: dict[int, _Detok] = {}
         self._prompts: dict[str, str | None] = {}
         self._first_token: dict[str, float] = {}
@@ -138,10 +163,13 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    outputs: list[tuple[int, list[int], list | None]] | None = None) -> str:
         """Validate and queue a request; raises NanoforgeError naming the bad field (nothing is queued then).
 
-        The scheduler checks the prompt's ids and the sampling parameters; here, what needs the tokenizer."""
+        The scheduler checks the prompt's ids and the sampling parameters; here, what needs the tokenizer.
+        `outputs` resumes a request another engine started: (completion index, its tokens so far, their
+        logprob entries) per completion still to generate (`SequenceGroup`)."""
         params = params or SamplingParams()
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
             raise NanoforgeError("this engine has no tokenizer: give token ids and no stop strings", param="prompt")
@@ -157,33 +185,54 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        self.scheduler.add(SequenceGroup(request_id, ids, params, arrival_time))
+        if request_id in self._prompts:  # every unfinished request, in the scheduler or loading from the pool
+            raise NanoforgeError(f"request_id {request_id!r} is already in use", param="request_id")
+        group = SequenceGroup(request_id, ids, params, arrival_time, outputs)
+        check_request(self.scheduler.config, group)
+        if self.connector is None or not self.connector.start_load(group):
+            self.scheduler.enqueue(group)
         self._prompts[request_id] = text
         return request_id
 
     def abort(self, request_id: str) -> bool:
         group = self.scheduler.abort(request_id)
+        if group is None and self.connector is not None:
+            group = self.connector.cancel(request_id)
         if group is None:
             return False
         self._forget(group)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.connector and self.connector.num_pending)
 
     def num_waiting(self) -> int:
-        """Requests queued for a batch slot (new, or preempted by recomputation)."""
-        return len(self.scheduler.waiting)
+        """Requests queued for a batch slot (new, or preempted by recomputation, or looking in the KV pool)."""
+        return len(self.scheduler.waiting) + (self.connector.num_pending if self.connector else 0)
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.connector is not None:
+            stats["kv_pool"] = self.connector.stats()
+            stats["num_waiting"] += stats["kv_pool"]["pending_loads"]
+        return stats
+
+    def close(self) -> None:
+        """Stop the KV connector's worker (an engine without one holds nothing to close)."""
+        if self.connector is not None:
+            self.connector.close()
 
     # --- the step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return an output for every request that progressed or finished."""
+        if self.connector is not None:  # idle but for loads: wait a little for one instead of spinning
+            for group in self.connector.ready_loads(wait=0.0 if self.scheduler.has_unfinished() else 0.01):
+                self.scheduler.enqueue(group)
         out = self.scheduler.schedule()
         sampled, logprobs, prompt_logprobs = self.runner.execute(out)
+        if self.connector is not None:
+            self._save_prompts(out)
         finished = {g.request_id: g for g in self.scheduler.update(out, sampled, logprobs, prompt_logprobs)}
         finished.update({g.request_id: g for g in out.finished})
         now = time.monotonic()
@@ -206,6 +255,15 @@ class LLMEngine:
         for rid, group in finished.items():
             self._forget(group)
         return results
+
+    def _save_prompts(self, out: SchedulerOutput) -> None:
+        """Hand the KV connector the prompts whose last chunk this step computed (blocks still held)."""
+        for item in out.scheduled:
+            seq = item.seq
+            if item.start < seq.num_prompt_tokens <= item.end and seq.request_id not in self._saves:
+                future = self.connector.save_prompt(seq)
+                if future is not None:
+                    self._saves[seq.request_id] = future
 
     def _update_text(self, seq: Sequence) -> bool:
         """Decode new tokens; True if a stop string appeared (the text is cut before it)."""
@@ -241,11 +299,13 @@ class LLMEngine:
             metrics["finish_time"] = now
         return RequestOutput(rid, self._prompts.get(rid), group.prompt_token_ids, outs, finished,
                              prompt_logprobs=group.seqs[0].prompt_logprobs,
-                             num_cached_tokens=group.seqs[0].num_cached_tokens, metrics=metrics, error=group.error)
+                             num_cached_tokens=group.seqs[0].num_cached_tokens, metrics=metrics, error=group.error,
+                             kv_save=self._saves.get(rid) if finished else None)
 
     def _forget(self, group: SequenceGroup) -> None:
         for s in group.seqs:
             self._detok.pop(s.seq_id, None)
         self._prompts.pop(group.request_id, None)
         self._first_token.pop(group.request_id, None)
+        self._saves.pop(group.request_id, None)
         self.runner.release(group.request_id, len(group.seqs))

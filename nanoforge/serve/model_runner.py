@@ -127,6 +127,19 @@ class ModelRunner:
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
 
+    def read_blocks(self, blocks: list[int], out: torch.Tensor) -> None:
+        """Copy whole blocks out of the cache: out[i] = (K, V) of every layer of blocks[i], shape
+        (len(blocks), 2, n_layers, block_size, n_kv_heads, head_dim) (the KV connector's staging buffer)."""
+        idx = torch.tensor(blocks, device=self.device)
+        out.copy_(torch.stack((self.k_cache[:, idx], self.v_cache[:, idx])).permute(2, 0, 1, 3, 4, 5))
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """Fill whole blocks of the cache from `kv`, laid out as `read_blocks` writes it."""
+        idx = torch.tensor(blocks, device=self.device)
+        kv = kv.to(self.device, non_blocking=True)
+        self.k_cache[:, idx] = kv[:, 0].transpose(0, 1)
+        self.v_cache[:, idx] = kv[:, 1].transpose(0, 1)
+
     # --- batch building --------------------------------------------------------------------------
 
     def _build(self, out: SchedulerOutput) -> _Batch:
@@ -209,7 +222,10 @@ class ModelRunner:
                 index = item.seq.index + j  # forked children take the next indices
                 key = (item.seq.request_id, index)
                 if key not in self.generators:
-                    self.generators[key] = make_generator(None if p.seed is None else p.seed + index, self.device)
+                    g = self.generators[key] = make_generator(None if p.seed is None else p.seed + index, self.device)
+                    # a resumed sequence (its first tokens drawn by another engine) continues the same draws
+                    for _ in range(item.seq.num_output_tokens if g is not None else 0):
+                        torch.empty(logits.shape[-1], device=self.device).exponential_(generator=g)
                 row_of.append(r)
                 temps.append(p.temperature)
                 top_ks.append(max(p.top_k, 0))

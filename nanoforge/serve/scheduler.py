@@ -98,6 +98,44 @@ class SchedulerConfig:
         self.eos_token_ids = tuple(self.eos_token_ids)
 
 
+def check_request(cfg: SchedulerConfig, group: SequenceGroup) -> None:
+    """Raise NanoforgeError (naming the field) if `group` is invalid or can never fit in an engine of `cfg`.
+    `Scheduler.add` checks this; so does the conductor before it routes a request, for the same errors."""
+    prompt = group.prompt_token_ids
+    if not prompt:
+        raise NanoforgeError("prompt is empty", param="prompt")
+    if len(prompt) > cfg.max_model_len:
+        raise NanoforgeError(f"prompt has {len(prompt)} tokens, more than max_model_len={cfg.max_model_len}",
+                             param="prompt")
+    params = group.sampling_params
+    if cfg.vocab_size is not None:
+        for seq in group.seqs:  # the prompt, and a resumed request's tokens so far
+            bad = min(seq.token_ids) if min(seq.token_ids) < 0 else max(seq.token_ids)
+            if not 0 <= bad < cfg.vocab_size:
+                raise NanoforgeError(f"prompt holds token id {bad}, outside the vocabulary of {cfg.vocab_size}",
+                                     param="prompt")
+    params.validate(cfg.vocab_size)
+    if params.n > cfg.max_num_seqs:
+        raise NanoforgeError(f"n={params.n} is more than max_num_seqs={cfg.max_num_seqs}", param="n")
+    num_blocks = -(-len(prompt) // cfg.block_size)
+    if num_blocks > cfg.num_gpu_blocks:
+        raise NanoforgeError(f"prompt needs {num_blocks} KV-cache blocks but the cache holds {cfg.num_gpu_blocks}",
+                             param="prompt")
+    if group.resumed:
+        indices = [seq.index for seq in group.seqs]
+        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
+            raise NanoforgeError(f"outputs must name distinct completions in [0, n={params.n}), got {indices}",
+                                 param="outputs")
+        for seq in group.seqs:
+            if not 0 < seq.num_output_tokens < params.max_tokens or seq.num_tokens >= cfg.max_model_len:
+                raise NanoforgeError(f"outputs[{seq.index}] holds {seq.num_output_tokens} tokens: a resumed "
+                                     f"completion needs at least one, fewer than max_tokens={params.max_tokens}, "
+                                     f"and room in the context", param="outputs")
+            if params.logprobs is not None and len(seq.output_logprobs) != seq.num_output_tokens:
+                raise NanoforgeError(f"outputs[{seq.index}] needs one logprob entry per token (logprobs is set)",
+                                     param="outputs")
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in a step: compute token_ids[start : start + num_tokens]."""
@@ -193,27 +231,13 @@ class Scheduler:
 
     def add(self, group: SequenceGroup) -> None:
         """Queue a new request; raise NanoforgeError (naming the field) if it is invalid or can never fit."""
-        cfg = self.config
         if group.request_id in self._groups:
             raise NanoforgeError(f"request_id {group.request_id!r} is already in use", param="request_id")
-        prompt = group.prompt_token_ids
-        if not prompt:
-            raise NanoforgeError("prompt is empty", param="prompt")
-        if len(prompt) > cfg.max_model_len:
-            raise NanoforgeError(f"prompt has {len(prompt)} tokens, more than max_model_len={cfg.max_model_len}",
-                                 param="prompt")
-        if cfg.vocab_size is not None:
-            bad = min(prompt) if min(prompt) < 0 else max(prompt)
-            if not 0 <= bad < cfg.vocab_size:
-                raise NanoforgeError(f"prompt holds token id {bad}, outside the vocabulary of {cfg.vocab_size}",
-                                     param="prompt")
-        group.sampling_params.validate(cfg.vocab_size)
-        if group.sampling_params.n > cfg.max_num_seqs:
-            raise NanoforgeError(f"n={group.sampling_params.n} is more than max_num_seqs={cfg.max_num_seqs}", param="n")
-        num_blocks = -(-len(prompt) // cfg.block_size)
-        if num_blocks > cfg.num_gpu_blocks:
-            raise NanoforgeError(f"prompt needs {num_blocks} KV-cache blocks but the cache holds {cfg.num_gpu_blocks}",
-                                 param="prompt")
+        check_request(self.config, group)
+        self.enqueue(group)
+
+    def enqueue(self, group: SequenceGroup) -> None:
+        """Queue a request that `check_request` has passed (a KV connector hands back what it loaded for)."""
         group.arrival_index = next(self._arrival_order)
         self._groups[group.request_id] = group
         self.waiting.append(group)

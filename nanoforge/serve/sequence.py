@@ -128,11 +128,24 @@ class SequenceGroup:
     """One request: `sampling_params.n` sequences sharing a prompt, scheduled together."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, outputs: list[tuple[int, list[int], list | None]] | None = None):
+        """`outputs`, when given, resumes a request that another engine started (a prefill instance's first
+        token): one sequence per (index, output token ids so far, their logprob entries or None), already
+        forked; the sequences compute prompt + those tokens and generate the rest."""
         self.request_id = request_id
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.seqs = [Sequence(prompt_token_ids, self.sampling_params, request_id, 0, self.arrival_time)]
+        self.resumed = outputs is not None
+        if outputs is None:
+            self.seqs = [Sequence(prompt_token_ids, self.sampling_params, request_id, 0, self.arrival_time)]
+        else:
+            self.seqs = []
+            for index, token_ids, logprobs in outputs:
+                seq = Sequence(list(prompt_token_ids) + list(token_ids), self.sampling_params, request_id, index,
+                               self.arrival_time)
+                seq.num_prompt_tokens = len(prompt_token_ids)
+                seq.output_logprobs = list(logprobs or [])
+                self.seqs.append(seq)
         self.arrival_index = -1  # first-come-first-served order, set by Scheduler.add
         self.num_preemptions = 0
         self.error: str | None = None  # set when finished with reason "error"
@@ -146,8 +159,8 @@ class SequenceGroup:
 
     @property
     def fork_pending(self) -> bool:
-        """True until the prefill completes and the n - 1 children are forked."""
-        return self.sampling_params.n > 1 and len(self.seqs) == 1
+        """True until the prefill completes and the n - 1 children are forked (a resumed request never forks)."""
+        return self.sampling_params.n > 1 and len(self.seqs) == 1 and not self.resumed
 
     @property
     def num_reserved_seqs(self) -> int:

@@ -1,0 +1,139 @@
+"""The KV cache pool on Mooncake Store: a `KVPool` over `mooncake.store.MooncakeDistributedStore`.
+
+Mooncake Store keeps objects in memory segments that its clients contribute (each
+instance mounts `segment_bytes` of its own CPU memory into the cluster's pool)
+and `mooncake_master` allocates and evicts them. We use it with the TCP
+transport and `P2PHANDSHAKE` (no metadata server), through one registered
+buffer per client and the batched calls `batch_put_from` / `batch_get_into`:
+one call per request and direction, however many blocks. Codes, as Mooncake
+0.3.13 returns them: a key that is missing, or not written for lack of room, is
+a miss (`False`); RPC and transfer failures raise PoolError (the connector then
+computes locally and leaves the pool alone for a while).
+
+`MooncakeMaster` starts `mooncake_master` on loopback (RPC and metrics on
+127.0.0.1, no HTTP metadata server: that one listens on every interface
+whatever its host flag) and stops it; the launcher and the tests use it.
+
+Network: Mooncake's transfer engine, inside every process with a store client,
+listens on two ports of every interface (its handshake and TCP transport bind
+INADDR_ANY in 0.3.13; no setting changes that); `MC_TCP_BIND_ADDRESS` only
+chooses the address it advertises, which we set to `hostname` (127.0.0.1 by
+default, so peers connect over loopback).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.serve.disagg.process import free_port, spawn, stop, wait_for_port
+from nanoforge.serve.kv_connector import PoolError
+
+# Mooncake Store's error codes (mooncake-store/include/types.h) that mean "not there" or "no room", not "broken"
+_MISSING = {-704, -703, -710, -712}  # OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, REPLICA_NOT_FOUND, REPLICA_IS_GONE
+_STORED = {0, -705}  # OK, OBJECT_ALREADY_EXISTS
+_FAILED_BELOW = -800  # TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT, HA errors ...
+MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller segments
+
+
+def _check_installed():
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise NanoforgeError(f"Mooncake Store is not importable ({e}); install it with pip install "
+                             f"'nanoforge[disagg]' (mooncake-transfer-engine-non-cuda; on Debian also apt-get "
+                             f"install libibverbs1)", param="store") from None
+    return MooncakeDistributedStore
+
+
+class MooncakeStore:
+    """A Mooncake Store client: joins the pool of the master at `master` ("host:port"), contributing
+    `segment_bytes` of this process's memory to it (0: use the pool, hold none of it)."""
+
+    def __init__(self, master: str, *, segment_bytes: int = 0, hostname: str = "127.0.0.1",
+                 local_buffer_bytes: int = 16 << 20):
+        if segment_bytes and segment_bytes < MIN_SEGMENT_BYTES:
+            raise NanoforgeError(f"the pool segment must be 0 or at least {MIN_SEGMENT_BYTES >> 20} MiB, got "
+                                 f"{segment_bytes} bytes", param="pool_memory")
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)  # the address peers are told to connect to
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read when the library loads
+        store_class = _check_installed()
+        self.master = master
+        self.store = store_class()
+        code = self.store.setup(hostname, "P2PHANDSHAKE", segment_bytes, local_buffer_bytes, "tcp", "", master)
+        if code != 0:
+            raise NanoforgeError(f"cannot join the Mooncake Store of the master at {master} (setup returned {code}): "
+                                 f"is mooncake_master running there?", param="store")
+
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        code = self.store.register_buffer(ptr, nbytes)
+        if code != 0:
+            raise RuntimeError(f"Mooncake register_buffer({nbytes} bytes) returned {code}")
+
+    def unregister_buffer(self, ptr: int) -> None:
+        self.store.unregister_buffer(ptr)
+
+    def put_from(self, keys: list[str], ptrs: list[int], nbytes: int) -> list[bool]:
+        codes = self.store.batch_put_from(keys, ptrs, [nbytes] * len(keys))
+        self._raise_on_failure("put", codes)
+        return [c in _STORED for c in codes]
+
+    def get_into(self, keys: list[str], ptrs: list[int], nbytes: int) -> list[bool]:
+        codes = self.store.batch_get_into(keys, ptrs, [nbytes] * len(keys))
+        first_miss = next((c for c in codes if c != nbytes), None)
+        if first_miss is not None and first_miss not in _MISSING:
+            self._raise_on_failure("get", [first_miss])
+        return [c == nbytes for c in codes]
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        codes = self.store.batch_is_exist(keys)
+        self._raise_on_failure("lookup", codes)
+        return [c == 1 for c in codes]
+
+    def close(self) -> None:
+        """Leave the pool: the master unmounts this client's segment (and forgets what it held). Takes ~2 s."""
+        self.store.close()
+
+    def _raise_on_failure(self, what: str, codes: list[int]) -> None:
+        bad = [c for c in codes if c <= _FAILED_BELOW or c == -1]
+        if bad:
+            raise PoolError(f"Mooncake {what} of {len(codes)} keys failed with code {bad[0]} (master {self.master})")
+
+
+class MooncakeMaster:
+    """`mooncake_master` on loopback: RPC on `port` (0: a free one), metrics on a free port, no HTTP metadata
+    server (clients use P2PHANDSHAKE). A context manager; `address` is "127.0.0.1:port"."""
+
+    def __init__(self, port: int = 0, *, host: str = "127.0.0.1", log=subprocess.DEVNULL, extra: list[str] = ()):
+        self.host, self.port = host, port or free_port(host)
+        self.metrics_port = free_port(host)
+        self.log = log
+        self.extra = list(extra)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+        cmd = ["mooncake_master", f"-rpc_address={self.host}", f"-rpc_port={self.port}",
+               "-enable_http_metadata_server=false", f"-metrics_host={self.host}",
+               f"-metrics_port={self.metrics_port}", "-enable_metric_reporting=false", *self.extra]
+        self.proc = spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(self.host, self.port, timeout, self.proc)
+        except NanoforgeError:
+            stop(self.proc)
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc, grace=5.0)
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,32 @@
+"""What the disaggregated-serving tests share: a real `mooncake_master` on loopback, store clients, listening
+sockets. Skips the tests that need Mooncake where it is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # Mooncake advertises loopback, not the external address
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+SEGMENT = 16 << 20  # the smallest pool segment Mooncake takes
+
+
+def need_mooncake():
+    pytest.importorskip("mooncake.store", reason="Mooncake Store is not installed (pip install 'nanoforge[disagg]')")
+
+
+def listening(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket that the processes `pids` listen on (from `ss -ltnp`)."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        parts = line.split()
+        local, users = parts[3], " ".join(parts[5:])
+        address, _, port = local.rpartition(":")
+        for pid in pids:
+            if f"pid={pid}," in users:
+                found.append((address.strip("[]"), int(port), pid))
+    return found

@@ -1,0 +1,211 @@
+"""The KV connector over a real Mooncake Store (`mooncake_master` on loopback): blocks go to the pool after a
+prefill and come back bit for bit in another engine, which then computes only what the pool did not hold;
+a full pool, a dead master, a hash collision and an aborted load all end in a correct, locally computed answer."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from disagg_helpers import SEGMENT, need_mooncake
+from test_serve_api import model, tok  # noqa: F401  (the same fixtures)
+from test_serve_engine import reference
+
+from nanoforge import SamplingParams
+from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
+
+need_mooncake()
+
+from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def master():
+    with MooncakeMaster() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def stores(master):
+    """Two clients of the pool, each holding a segment of it (joining takes ms, leaving ~2 s: shared by tests)."""
+    clients = [MooncakeStore(master.address, segment_bytes=SEGMENT) for _ in range(2)]
+    yield clients
+    close_all(clients)
+
+
+def close_all(stores):
+    threads = [threading.Thread(target=s.close) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def engine(model, tok, store, **kw) -> LLMEngine:
+    return LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64, block_size=BS, **kw), kv_pool=store)
+
+
+def run(engine: LLMEngine, prompts, params=GREEDY):
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def wait_saved(outs):
+    for out in outs:
+        if out.kv_save is not None:
+            out.kv_save.result(timeout=10)
+
+
+def test_blocks_round_trip_and_a_second_engine_computes_only_the_rest(model, tok, stores):
+    rng = random.Random(0)
+    prompt = [rng.randrange(60) for _ in range(70)]  # 4 full blocks and 6 tokens
+    a, b = engine(model, tok, stores[0]), engine(model, tok, stores[1])
+    try:
+        out_a = run(a, [prompt])
+        assert out_a[0].kv_save.result(timeout=10) == 4  # the 4 full prompt blocks
+        assert a.stats()["kv_pool"]["saved_blocks"] == 4
+        before = b.stats()["computed_tokens"]
+        out_b = run(b, [prompt + [1, 2]])  # the same 4 blocks, then 8 tokens of its own
+        assert out_b[0].num_cached_tokens == 64
+        assert b.stats()["computed_tokens"] - before == 8 + 5  # the uncached prompt tokens, then 5 decodes
+        assert b.stats()["kv_pool"]["loaded_blocks"] == 4
+        assert [o.outputs[0].token_ids for o in out_b] == reference(model, [prompt + [1, 2]], 6)
+        # bit for bit: the blocks B loaded hold what A computed
+        table_a = sorted(a.scheduler.block_manager._cached.items())
+        table_b = dict(b.scheduler.block_manager._cached)
+        shared = [(key, blk) for key, blk in table_a if key in table_b]
+        assert len(shared) >= 4
+        for key, blk in shared:
+            assert torch.equal(a.runner.k_cache[:, blk], b.runner.k_cache[:, table_b[key]])
+            assert torch.equal(a.runner.v_cache[:, blk], b.runner.v_cache[:, table_b[key]])
+        assert a.stats()["kv_blocks_used"] == b.stats()["kv_blocks_used"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_mixed_prompts_with_and_without_hits_are_exact(model, tok, stores):
+    """Several prompts at once, some sharing a prefix with what the pool holds, some not, one shorter than a
+    block, n > 1 and a seeded sample: the same tokens as an engine without a pool."""
+    rng = random.Random(1)
+    shared = [rng.randrange(60) for _ in range(40)]
+    prompts = [shared + [rng.randrange(60) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    prompts += [[rng.randrange(60) for _ in range(rng.randint(3, 50))] for _ in range(3)] + [[5, 6, 7]]
+    a, b = engine(model, tok, stores[0]), engine(model, tok, stores[1])
+    plain = LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64, block_size=BS))
+    try:
+        wait_saved(run(a, prompts[:2]))
+        sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5)
+        got = [o.outputs for o in run(b, prompts) + run(b, prompts[:3], sampled)]
+        want = [o.outputs for o in run(plain, prompts) + run(plain, prompts[:3], sampled)]
+        assert [[c.token_ids for c in cs] for cs in got] == [[c.token_ids for c in cs] for cs in want]
+        assert b.stats()["kv_pool"]["loaded_blocks"] >= 2
+        assert b.stats()["kv_blocks_used"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_full_pool_means_not_cached(model, tok):
+    """The only segment is filled with other objects, each read once so that Mooncake holds a lease on it and
+    cannot evict it yet: the prefill's save finds no room, and another engine computes the whole prompt,
+    correctly."""
+    with MooncakeMaster() as small:
+        filler = MooncakeStore(small.address, segment_bytes=SEGMENT)
+        junk = torch.zeros(1 << 20, dtype=torch.uint8)
+        filler.register_buffer(junk.data_ptr(), junk.numel())
+        for size in (1 << 20, 1 << 14, 1 << 10):  # big objects first, then whatever room is left
+            keys = [f"junk/{size}/{i}" for i in range(SEGMENT // size)]
+            stored = filler.put_from(keys, [junk.data_ptr()] * len(keys), size)
+            if any(stored):
+                assert all(filler.get_into([k for k, ok in zip(keys, stored) if ok], [junk.data_ptr()] * sum(stored),
+                                           size))
+        users = [MooncakeStore(small.address) for _ in range(2)]  # holding no segment of the pool
+        a, b = (LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64), kv_pool=store) for store in users)
+        try:
+            prompt = list(range(2, 52))
+            assert run(a, [prompt])[0].kv_save.result(timeout=10) == 0  # nothing stored
+            out = run(b, [prompt])[0]
+            assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(model, [prompt], 6)[0]
+            assert a.stats()["kv_pool"]["failures"] == 0  # no room is not a failure
+        finally:
+            a.close()
+            b.close()
+            close_all([filler, *users])
+
+
+def test_collisions_are_detected_and_aborted_loads_free_everything(model, tok, stores):
+    a, b = engine(model, tok, stores[0]), engine(model, tok, stores[1])
+    try:
+        prompt = list(range(3, 60))
+        wait_saved(run(a, [prompt]))
+        # another engine whose blocks hash the same but hold other tokens: the stored header tells them apart
+        real = b.connector._header_matches
+        b.connector._header_matches = lambda slot, parent, tokens: real(slot, parent, [t + 1 for t in tokens])
+        out = run(b, [prompt])[0]
+        b.connector._header_matches = real
+        assert out.num_cached_tokens == 0 and b.stats()["kv_pool"]["collisions"] == 1
+        assert out.outputs[0].token_ids == reference(model, [prompt], 6)[0]
+        # a request aborted while its blocks load: nothing is left behind
+        other = list(range(10, 60))
+        wait_saved(run(a, [other]))
+        rid = b.add_request(other + [9, 9], GREEDY)
+        assert b.connector.num_pending == 1 and b.abort(rid)
+        deadline = time.monotonic() + 10
+        while b.connector._backlog and time.monotonic() < deadline:
+            time.sleep(0.01)
+        b.step()
+        assert not b.has_unfinished() and b.stats()["kv_blocks_used"] == 0
+        assert b.connector._ranges.free == [(0, b.connector.num_slots)]  # every staging slot is back
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
+    master = MooncakeMaster().start()
+    store = MooncakeStore(master.address, segment_bytes=SEGMENT)
+    a = engine(model, tok, store, kv_pool_timeout=0.3)
+    try:
+        prompt = list(range(4, 50))
+        wait_saved(run(a, [prompt]))
+        master.stop()
+        a.scheduler.block_manager.__init__(64, BS)  # forget the local prefix cache: only the pool could help
+        t0 = time.monotonic()
+        out = run(a, [prompt])[0]
+        assert out.outputs[0].token_ids == reference(model, [prompt], 6)[0] and out.num_cached_tokens == 0
+        assert time.monotonic() - t0 < 3  # bounded: not the 4 s Mooncake takes to fail a read
+        assert a.stats()["kv_pool"]["up"] == 0
+        # while the pool is down, requests do not even try it
+        assert run(a, [list(range(5, 45))])[0].num_cached_tokens == 0
+        master = MooncakeMaster(master.port).start()  # restarts empty, on the same port
+        a.connector._down_until = 0.0  # (instead of waiting out retry_s)
+        deadline = time.monotonic() + 20
+        while True:  # the client remounts its segment within a few seconds; then saves work again
+            a.scheduler.block_manager.__init__(64, BS)
+            outs = run(a, [list(range(6, 60))])
+            if outs[0].kv_save is not None and outs[0].kv_save.result(timeout=10):
+                break
+            assert time.monotonic() < deadline, "the pool did not come back"
+            a.connector._down_until = 0.0
+            a.connector._known.clear()
+            time.sleep(0.5)
+        a.scheduler.block_manager.__init__(64, BS)
+        assert run(a, [list(range(6, 60))])[0].num_cached_tokens == 48
+    finally:
+        a.close()
+        store.close()
+        master.stop()
