@@ -192,7 +192,7 @@ def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
         # while the pool is down, requests do not even try it
         assert run(a, [list(range(5, 45))])[0].num_cached_tokens == 0
         master = MooncakeMaster(master.port).start()  # restarts empty, on the same port
-        a.connector._down_until = 0.0  # (instead of waiting out retry_s)
+        a.connector.breaker.until = 0.0  # (instead of waiting out retry_s)
         deadline = time.monotonic() + 20
         while True:  # the client remounts its segment within a few seconds; then saves work again
             a.scheduler.block_manager.__init__(64, BS)
@@ -200,7 +200,7 @@ def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
             if outs[0].kv_save is not None and outs[0].kv_save.result(timeout=10):
                 break
             assert time.monotonic() < deadline, "the pool did not come back"
-            a.connector._down_until = 0.0
+            a.connector.breaker.until = 0.0
             a.connector._known.clear()
             time.sleep(0.5)
         a.scheduler.block_manager.__init__(64, BS)

@@ -120,7 +120,7 @@ class MooncakeMaster:
         cmd = ["mooncake_master", f"-rpc_address={self.host}", f"-rpc_port={self.port}",
                "-enable_http_metadata_server=false", f"-metrics_host={self.host}",
                f"-metrics_port={self.metrics_port}", "-enable_metric_reporting=false", *self.extra]
-        self.proc = spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
         except NanoforgeError:
