@@ -5,12 +5,11 @@ a full pool, a dead master, a hash collision and an aborted load all end in a co
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
 import torch
-from disagg_helpers import SEGMENT, need_mooncake
+from disagg_helpers import SEGMENT, close_all, need_mooncake
 from test_serve_api import model, tok  # noqa: F401  (the same fixtures)
 from test_serve_engine import reference
 
@@ -37,14 +36,6 @@ def stores(master):
     clients = [MooncakeStore(master.address, segment_bytes=SEGMENT) for _ in range(2)]
     yield clients
     close_all(clients)
-
-
-def close_all(stores):
-    threads = [threading.Thread(target=s.close) for s in stores]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def engine(model, tok, store, **kw) -> LLMEngine:

@@ -42,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanoforge.errors import InternalError, NanoforgeError
 from nanoforge.serve.api.app import openai_app, serve_app
-from nanoforge.serve.api.metrics import Metrics, counter, gauge
+from nanoforge.serve.api.metrics import Metrics, StatsCollector, counter, gauge
 from nanoforge.serve.api.protocol import DEFAULT_MAX_REQUEST_BYTES, RequestParser
 from nanoforge.serve.block_manager import prefix_block_hashes
 from nanoforge.serve.disagg.handover import OutputDecoder, handover_body
@@ -407,11 +407,8 @@ def _relayed(inst: Instance, body: dict, status: int) -> Exception:
     return InternalError(f"the {inst.role} instance {inst.url} failed: {message}")
 
 
-class ConductorCollector:
+class ConductorCollector(StatsCollector):
     """The conductor's gauges for /metrics: requests in flight, prefix-cache hits, instances, routing."""
-
-    def __init__(self):
-        self.stats: dict = {}
 
     def collect(self):
         s = self.stats

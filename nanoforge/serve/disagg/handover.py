@@ -68,12 +68,12 @@ def parse_handover(body: dict, *, resume: bool) -> tuple[str, list[int], Samplin
     if not resume:
         return rid, prompt, params, None
     outputs = body["outputs"]
-    ok = isinstance(outputs, list) and all(
+    ok = isinstance(outputs, list) and outputs and all(
         isinstance(o, dict) and set(o) == {"index", "token_ids", "logprobs"} and isinstance(o["index"], int)
         and isinstance(o["token_ids"], list) and all(isinstance(t, int) for t in o["token_ids"])
         and (o["logprobs"] is None or isinstance(o["logprobs"], list)) for o in outputs)
     if not ok:
-        raise NanoforgeError("outputs must be a list of {index, token_ids, logprobs}", param="outputs")
+        raise NanoforgeError("outputs must be a non-empty list of {index, token_ids, logprobs}", param="outputs")
     return rid, prompt, params, [(o["index"], o["token_ids"], o["logprobs"]) for o in outputs]
 
 
