@@ -211,6 +211,23 @@ def test_instances_that_cannot_be_reached_are_routed_around(cluster, model, tok)
         assert metric(url2, "nanoforge_handover_retries_total") >= 2
 
 
+def test_early_rejection_answers_429_at_once(cluster):
+    """Once the cost model has seen a few requests, a request predicted to miss its TTFT objective gets 429 with
+    Retry-After and OpenAI's rate-limit body, before anything runs."""
+    url, single, apps, conductor = cluster
+    strict = Conductor([Instance(i.url, i.role, i.info) for i in conductor.instances], ttft_slo=1e-9)
+    with serving(build_conductor_app(strict)) as url2:
+        body = {"model": MODEL, "prompt": "the lazy dog", "max_tokens": 3}
+        for _ in range(3):  # nothing to predict with yet: served
+            assert post(url2, body).status_code == 200
+        routed = sum(i.routed for i in strict.instances)
+        r = post(url2, body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error" and "--ttft-slo" in r.json()["error"]["message"]
+        assert sum(i.routed for i in strict.instances) == routed  # it never reached an instance
+        assert metric(url2, "nanoforge_early_rejections_total", {"slo": "ttft"}) == 1
+
+
 BAD_HANDOVERS = [
     # (endpoint, body, status, param): the instances' own endpoints check what they are sent like any request
     ("prefill", {"request_id": "r", "prompt": [1, 2]}, 400, "body"),

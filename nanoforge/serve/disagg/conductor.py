@@ -412,7 +412,7 @@ class ConductorCollector(StatsCollector):
 
     def collect(self):
         s = self.stats
-        yield gauge("num_requests_running", "prompts in flight through the cluster", s.get("in_flight", 0))
+        yield gauge("num_requests_running", "requests in flight through the cluster", s.get("in_flight", 0))
         prompt = s.get("prompt_tokens", 0)
         yield gauge("prefix_cache_hit_rate", "prompt tokens the prefill instances did not compute (their prefix "
                     "cache or the KV pool) / prompt tokens", s.get("cached_prompt_tokens", 0) / prompt if prompt else 0)
