@@ -171,35 +171,57 @@ def test_a_dead_master_means_computing_locally_and_a_restarted_one_is_used_again
 
 
 def test_a_decode_instance_killed_mid_stream(cluster, llm):
+    """Four long streams; once they are under way both decode instances are frozen (so that none can finish),
+    the one with more of them is killed and the other thawed: its streams end at once with an error event,
+    the others finish right, and new requests go to the survivor."""
     url = cluster.url
-    events: list[str] = []
-    started = threading.Event()
+    prompts = [f"the quick brown {c}" for c in "abcd"]
+    events: list[list[str]] = [[] for _ in prompts]
+    started = [threading.Event() for _ in prompts]
 
-    def stream():
-        body = {"model": MODEL, "prompt": "the quick brown", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+    def stream(i):
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 230, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 3:
-                        started.set()
+                    events[i].append(line[6:])
+                    if len(events[i]) == 3:
+                        started[i].set()
 
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert started.wait(30)
-    victim = next(u for u in cluster.live_instances()
-                  if metric(url, "nanoforge_instance_requests_running", {"url": u, "role": "decode"}, 0) == 1)
-    os.kill(cluster.pid(cluster.named(victim)), signal.SIGKILL)
+    readers = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in readers:
+        t.start()
+    assert all(e.wait(30) for e in started)
+    decodes = {name: cluster.children[name] for name in ("decode 1", "decode 2")}
+    for _, pid in decodes.values():
+        os.kill(pid, signal.SIGSTOP)
+    running = {name: metric(url, "nanoforge_instance_requests_running", {"url": u, "role": "decode"})
+               for name, (u, _) in decodes.items()}
+    victim = max(running, key=running.get)
+    assert running[victim] >= 1 and sum(running.values()) == len(prompts)
+    os.kill(decodes[victim][1], signal.SIGKILL)
     t0 = time.monotonic()
-    reader.join(15)
-    assert not reader.is_alive() and time.monotonic() - t0 < 10  # ended promptly
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert error["code"] == "service_unavailable" and "decode instance" in error["message"]
+    for name, (_, pid) in decodes.items():
+        if name != victim:
+            os.kill(pid, signal.SIGCONT)
+    for t in readers:
+        t.join(30)
+    assert not any(t.is_alive() for t in readers) and time.monotonic() - t0 < 30  # nobody hangs
+    want = greedy(llm, prompts, 230)
+    failed = 0
+    for i, evs in enumerate(events):
+        assert evs[-1] == "[DONE]"
+        last = json.loads(evs[-2])
+        if "error" in last:  # one of the victim's: ended at once with an error event
+            failed += 1
+            assert last["error"]["code"] == "service_unavailable" and "decode instance" in last["error"]["message"]
+        else:
+            assert "".join(json.loads(e)["choices"][0]["text"] for e in evs[:-1]) == want[i].text
+    assert failed == running[victim]
     texts = asyncio.run(_many(url, [f"fox {i}" for i in range(6)]))  # the survivor takes the new ones
     assert texts == [w.text for w in greedy(llm, [f"fox {i}" for i in range(6)], 8)]
-    assert metric(url, "nanoforge_instance_up", {"url": victim, "role": "decode"}) == 0
+    assert metric(url, "nanoforge_instance_up", {"url": decodes[victim][0], "role": "decode"}) == 0
 
 
 def test_a_prefill_instance_killed(cluster, llm):

@@ -19,6 +19,7 @@ need_mooncake()
 
 import httpx  # noqa: E402
 
+from nanoforge.cli import main  # noqa: E402
 from nanoforge.serve.api import build_app  # noqa: E402
 from nanoforge.serve.disagg.conductor import Conductor, build_conductor_app, discover  # noqa: E402
 from nanoforge.serve.disagg.instance import add_role_routes  # noqa: E402
@@ -256,6 +257,29 @@ def test_bad_hand_overs_are_4xx(cluster, endpoint, body, status, param):
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     wrong = conductor.router.decode[0] if endpoint == "prefill" else conductor.router.prefill[0]
     assert httpx.post(f"{wrong.url}/disagg/{endpoint}", json=body).status_code == 404  # not this instance's role
+
+
+def test_bad_command_lines_are_one_line_and_exit_2(cluster, capsys, tmp_path):
+    url, single, apps, conductor = cluster
+    prefill, decode = conductor.router.prefill[0].url, conductor.router.decode[0].url
+    nobody = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        (["serve", "--model", str(tmp_path), "--prefill", "2"], "--disagg"),
+        (["serve", "--disagg"], "--model"),
+        (["serve", "--disagg", "--model", str(tmp_path)], "config.json"),
+        (["serve", "--disagg", "--model", str(tmp_path), "--store", "127.0.0.1:1"], "--store"),
+        (["serve", "--model", str(tmp_path), "--role", "decode", "--store", "nohost"], "HOST:PORT"),
+        (["conductor", "--prefill", nobody, "--decode", decode, "--wait-timeout", "0.3"], "no answer from"),
+        (["conductor", "--prefill", decode, "--decode", decode], "is a decode instance"),
+        (["conductor", "--prefill", single, "--decode", decode], "not a nanoforge instance"),
+        (["conductor", "--prefill", prefill, "--decode", decode, "--ttft-slo", "-1"], "--ttft-slo"),
+        (["conductor", "--prefill", prefill, "--decode", decode, "--policy", "fastest"], "--policy"),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) if "-1" in argv or "fastest" in argv else contextlib.nullcontext():
+            assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, (argv, err)
 
 
 def test_cache_aware_routing_prefers_the_instance_that_holds_the_prefix():

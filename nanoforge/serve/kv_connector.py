@@ -174,6 +174,7 @@ class _Job:
     keys: list[str]
     slots: tuple[int, int]  # staging range (start, length)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    done: bool = False  # the worker is finished with its slots (set under the connector's lock)
     abandoned: bool = False  # the engine gave up on it: its slots come back when the worker is done
 
 
@@ -399,7 +400,7 @@ class KVConnector:
 
     def _abandon(self, job: _Job) -> None:
         with self._lock:
-            if job.future.done():
+            if job.done:
                 self._ranges.release(*job.slots)
             else:
                 job.abandoned = True
@@ -437,6 +438,7 @@ class KVConnector:
                 result, error = None, PoolError(f"{type(e).__name__}: {e}")
             with self._lock:
                 self._backlog -= 1
+                job.done = True
                 if job.kind == "put" or job.abandoned:  # nobody reads these slots any more
                     self._ranges.release(*job.slots)
             if error is None:

@@ -32,7 +32,7 @@ from nanoforge.serve.disagg.handover import OutputEncoder, parse_handover
 from nanoforge.serve.llm_engine import LLMEngine
 
 ROLES = ("prefill", "decode", "both")
-SAVE_TIMEOUT_S = 30.0  # how long a prefill answer waits for its blocks to reach the pool
+SAVE_TIMEOUT_S = 10.0  # how long a prefill answer waits for its blocks to reach the pool
 
 
 def instance_info(engine: LLMEngine, role: str, model_name: str) -> dict:
