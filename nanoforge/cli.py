@@ -137,9 +137,10 @@ def _add_serve(sub):
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16")
     g = p.add_argument_group("disaggregated serving (prefill and decode instances, a KV cache pool, a conductor)")
-    g.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
-                   help="an instance for `nanoforge conductor`: prefill computes prompts and their first tokens, "
-                        "decode generates the rest; both does either (default: both, today's server)")
+    g.add_argument("--role", choices=["prefill", "decode", "both"], default=None,
+                   help="serve as an instance for `nanoforge conductor`: prefill computes prompts and their first "
+                        "tokens, decode generates the rest, both does either (without --role or --store: today's "
+                        "server, with no conductor endpoints)")
     g.add_argument("--store", metavar="MASTER_ADDR", default=None,
                    help="host:port of a mooncake_master: share prompt KV blocks through its pool (Mooncake Store)")
     g.add_argument("--pool-memory", type=float, default=1.0, metavar="GIB",
@@ -179,13 +180,14 @@ def cmd_serve(args) -> int:
         raise NanoforgeError("--prefill and --decode count the instances of --disagg; give --disagg too",
                              param="disagg")
     if args.disagg:
-        if args.model is None or args.store or args.role != "both":
+        if args.model is None or args.store or args.role is not None:
             raise NanoforgeError("--disagg needs --model DIR and starts its own mooncake_master and roles: drop "
                                  "--store and --role", param="disagg")
         from nanoforge.serve.disagg.launcher import run_local_cluster
 
         return run_local_cluster(args)
-    if args.role != "both" or args.store:
+    if args.role is not None or args.store:
+        args.role = args.role or "both"
         if args.model is None:
             raise NanoforgeError("an instance with --role or --store needs --model DIR", param="model")
         from nanoforge.serve.disagg.instance import run_instance
