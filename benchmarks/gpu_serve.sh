@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_serve.sh        # files under $OUT (default ./out)
 #
 # 1. A Qwen3-0.6B-shaped model with random bf16 weights, beside a byte-level BPE
-#    trained in a second on this repo's sources (the model's vocab is the BPE's).
+#    trained in a second on this repo's sources (benchmarks/random_model.py).
 # 2. `nanoforge serve` on it, once with the prefix cache and once without (the
 #    baseline), each replaying the same scaled Mooncake trace with
 #    `nanoforge bench serve`: lengths x LENGTH_SCALE (and 512-token blocks ->
@@ -17,6 +17,7 @@
 # ./.whl holds wheels (carry it), they are installed from there, offline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's nanoforge, for benchmarks/random_model.py too
 
 PY=${PYTHON:-python3}
 OUT=${OUT:-out}
@@ -46,29 +47,7 @@ get() { $PY -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlo
 
 MODEL_DIR=$(mktemp -d)
 trap 'rm -rf "$MODEL_DIR"' EXIT
-$PY - "$MODEL_DIR" "$PRESET" "$DEVICE" <<'EOF'
-import sys
-from pathlib import Path
-
-import torch
-
-from nanoforge.model.config import preset
-from nanoforge.model.hf import save_model
-from nanoforge.model.transformer import Transformer
-from nanoforge.tokenizer import Tokenizer
-
-out, name, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-texts = [p.read_text() for p in sorted(Path("nanoforge").rglob("*.py"))]
-tok = Tokenizer.train_bpe(texts, vocab_size=8192)
-cfg = preset(name, vocab_size=tok.vocab_size, eos_token_id=tok.eot_id, bos_token_id=tok.eos_id)
-torch.manual_seed(0)
-with torch.device(device):
-    model = Transformer(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32)
-save_model(model, out)
-tok.save(out)
-print(f"model: {name} shape, vocab {tok.vocab_size}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
-      f"parameters, in {out}")
-EOF
+$PY benchmarks/random_model.py "$MODEL_DIR" "$PRESET" "$DEVICE"
 VOCAB=$($PY -c "from nanoforge.tokenizer import Tokenizer; print(Tokenizer.load('$MODEL_DIR').vocab_size)")
 
 run() {  # run NAME [serve flags...]: start a server, replay the trace against it, stop it with SIGTERM

@@ -136,12 +136,63 @@ def _add_serve(sub):
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16")
+    g = p.add_argument_group("disaggregated serving (prefill and decode instances, a KV cache pool, a conductor)")
+    g.add_argument("--role", choices=["prefill", "decode", "both"], default=None,
+                   help="serve as an instance for `nanoforge conductor`: prefill computes prompts and their first "
+                        "tokens, decode generates the rest, both does either (without --role or --store: today's "
+                        "server, with no conductor endpoints)")
+    g.add_argument("--store", metavar="MASTER_ADDR", default=None,
+                   help="host:port of a mooncake_master: share prompt KV blocks through its pool (Mooncake Store)")
+    g.add_argument("--pool-memory", type=float, default=1.0, metavar="GIB",
+                   help="with --store: GiB of this machine's memory the instance adds to the pool (0: none)")
+    g.add_argument("--store-hostname", default="127.0.0.1",
+                   help="with --store: the address other machines reach this one's pool memory at (a cluster: "
+                        "this machine's address on the cluster network)")
+    g.add_argument("--disagg", action="store_true",
+                   help="start a whole cluster on this machine: mooncake_master, --prefill N prefill and --decode M "
+                        "decode instances, and a conductor at --host:--port, all on loopback")
+    g.add_argument("--prefill", type=_positive_int, default=1, metavar="N", help="with --disagg: prefill instances")
+    g.add_argument("--decode", type=_positive_int, default=1, metavar="M", help="with --disagg: decode instances")
+    _add_routing_arguments(g)
     p.set_defaults(func=cmd_serve)
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {s}")
+    return v
+
+
+def _add_routing_arguments(g) -> None:
+    g.add_argument("--policy", choices=["random", "round-robin", "least-loaded", "cache-aware"],
+                   default="cache-aware", help="the conductor's routing (cache-aware: Mooncake's)")
+    g.add_argument("--ttft-slo", type=_positive_float, default=None, metavar="S",
+                   help="the conductor answers 429 at once when a request's predicted time to first token is over S")
+    g.add_argument("--tpot-slo", type=_positive_float, default=None, metavar="S",
+                   help="the same for the predicted time per output token")
 
 
 def cmd_serve(args) -> int:
     from nanoforge.serve.api import run_server
 
+    if not args.disagg and (args.prefill != 1 or args.decode != 1):
+        raise NanoforgeError("--prefill and --decode count the instances of --disagg; give --disagg too",
+                             param="disagg")
+    if args.disagg:
+        if args.model is None or args.store or args.role is not None:
+            raise NanoforgeError("--disagg needs --model DIR and starts its own mooncake_master and roles: drop "
+                                 "--store and --role", param="disagg")
+        from nanoforge.serve.disagg.launcher import run_local_cluster
+
+        return run_local_cluster(args)
+    if args.role is not None or args.store:
+        args.role = args.role or "both"
+        if args.model is None:
+            raise NanoforgeError("an instance with --role or --store needs --model DIR", param="model")
+        from nanoforge.serve.disagg.instance import run_instance
+
+        return run_instance(args)
     if args.model is not None:
         return run_server(args)
     args.model = str(_first_run_model(Path("runs"), args.device))
@@ -201,6 +252,39 @@ def _first_chat(base_url: str) -> None:
           f"-H 'Content-Type: application/json' -d '{{\"model\": \"default\", \"messages\": "
           f"[{{\"role\": \"user\", \"content\": \"What is a generator?\"}}]}}'\n(Ctrl-C stops the server)",
           flush=True)
+
+
+# --- conductor ----------------------------------------------------------------------------------
+
+def _add_conductor(sub):
+    p = sub.add_parser("conductor", help="the front door of a disaggregated cluster: routes each request to a "
+                                         "prefill and a decode instance (OpenAI-compatible HTTP)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances (`nanoforge serve --role prefill`), e.g. http://10.0.0.2:8001")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (--role decode)")
+    p.add_argument("--store", metavar="MASTER_ADDR", default=None,
+                   help="host:port of the instances' mooncake_master: route by what the KV pool holds")
+    p.add_argument("--store-hostname", default="127.0.0.1", help="this machine's address for the pool's clients")
+    _add_routing_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
+    p.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
+                   help="the longest an instance may keep a request's answer (or the next event) waiting")
+    p.add_argument("--wait-timeout", type=float, default=120.0, metavar="S",
+                   help="how long to wait at start for instances that do not answer yet")
+    p.add_argument("--max-waiting", type=_positive_int, default=256, help="the largest batch of prompts in a request")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=8 << 20, help="larger bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds that requests in flight get to finish before they are aborted")
+    p.add_argument("--seed", type=int, default=0, help="for the random policy")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_conductor)
+
+
+def cmd_conductor(args) -> int:
+    from nanoforge.serve.disagg.conductor import run_conductor
+
+    return run_conductor(args)
 
 
 # --- train, sft, bench train -------------------------------------------------------------------
@@ -283,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data(sub)
     _add_training_verbs(sub, _add_bench(sub))
     _add_serve(sub)
+    _add_conductor(sub)
     _add_kernels(sub)
     return parser
 

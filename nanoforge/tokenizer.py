@@ -161,6 +161,17 @@ class Tokenizer:
         eot = config_eos or present(IM_END) or eos
         return cls(backend, eos_token=eos, eot_token=eot, bos_token=present(_token_content(config.get("bos_token"))), chat_template=template)
 
+    def to_dict(self) -> dict:
+        """Everything that makes this tokenizer, as JSON-able values (`from_dict` rebuilds it exactly)."""
+        return {"tokenizer_json": self.backend.to_str(), "eos_token": self.eos_token, "eot_token": self.eot_token,
+                "bos_token": self.bos_token, "chat_template": self.chat_template}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Tokenizer:
+        """The tokenizer that `to_dict` described."""
+        return cls(tokenizers.Tokenizer.from_str(d["tokenizer_json"]), eos_token=d["eos_token"],
+                   eot_token=d["eot_token"], bos_token=d["bos_token"], chat_template=d["chat_template"])
+
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (loadable by HF AutoTokenizer)."""
         directory = Path(directory)

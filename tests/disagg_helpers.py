@@ -3,8 +3,10 @@ sockets. Skips the tests that need Mooncake where it is not installed."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -30,3 +32,25 @@ def listening(pids: set[int]) -> list[tuple[str, int, int]]:
             if f"pid={pid}," in users:
                 found.append((address.strip("[]"), int(port), pid))
     return found
+
+
+def close_all(stores) -> None:
+    """Close Mooncake store clients side by side (each takes ~2 s to leave the pool)."""
+    threads = [threading.Thread(target=s.close) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def close(a, b, tol: float = 1e-5) -> bool:
+    """`a == b` for JSON values, floats within `tol` (logprobs computed in different chunks differ in the last
+    bits)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=tol,
+                                                                                              abs_tol=tol)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    return a == b

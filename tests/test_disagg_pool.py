@@ -5,12 +5,11 @@ a full pool, a dead master, a hash collision and an aborted load all end in a co
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
 import torch
-from disagg_helpers import SEGMENT, need_mooncake
+from disagg_helpers import SEGMENT, close_all, need_mooncake
 from test_serve_api import model, tok  # noqa: F401  (the same fixtures)
 from test_serve_engine import reference
 
@@ -37,14 +36,6 @@ def stores(master):
     clients = [MooncakeStore(master.address, segment_bytes=SEGMENT) for _ in range(2)]
     yield clients
     close_all(clients)
-
-
-def close_all(stores):
-    threads = [threading.Thread(target=s.close) for s in stores]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def engine(model, tok, store, **kw) -> LLMEngine:
@@ -192,7 +183,7 @@ def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
         # while the pool is down, requests do not even try it
         assert run(a, [list(range(5, 45))])[0].num_cached_tokens == 0
         master = MooncakeMaster(master.port).start()  # restarts empty, on the same port
-        a.connector._down_until = 0.0  # (instead of waiting out retry_s)
+        a.connector.breaker.until = 0.0  # (instead of waiting out retry_s)
         deadline = time.monotonic() + 20
         while True:  # the client remounts its segment within a few seconds; then saves work again
             a.scheduler.block_manager.__init__(64, BS)
@@ -200,7 +191,7 @@ def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
             if outs[0].kv_save is not None and outs[0].kv_save.result(timeout=10):
                 break
             assert time.monotonic() < deadline, "the pool did not come back"
-            a.connector._down_until = 0.0
+            a.connector.breaker.until = 0.0
             a.connector._known.clear()
             time.sleep(0.5)
         a.scheduler.block_manager.__init__(64, BS)

@@ -103,8 +103,9 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopped
 
     async def add(self, prompts: list[list[int]], params: SamplingParams, *, request_id: str,
-                  arrival_time: float | None = None) -> RequestStream:
-        """Queue one engine request per prompt, all or none; raises NanoforgeError (400, 429, 503)."""
+                  arrival_time: float | None = None, outputs: list | None = None) -> RequestStream:
+        """Queue one engine request per prompt, all or none; raises NanoforgeError (400, 429, 503). `outputs[i]`,
+        when given, resumes prompt i from tokens another engine generated (`LLMEngine.add_request`)."""
         if not self._accepting:
             raise NanoforgeError("the server is shutting down", status=503)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id]
@@ -117,8 +118,9 @@ class AsyncEngine:
                                      f"waiting (limit {self.max_waiting}); retry later", status=429)
             added = []
             try:
-                for rid, prompt in zip(ids, prompts):
-                    self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival_time)
+                for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+                    self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival_time,
+                                            outputs=outputs[i] if outputs else None)
                     added.append(rid)
             except Exception:
                 for rid in added:

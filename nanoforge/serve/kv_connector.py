@@ -62,6 +62,26 @@ class PoolError(RuntimeError):
     """The pool did not answer (unreachable, timed out, an unexpected error code)."""
 
 
+class Breaker:
+    """After a failure, leave the pool alone for `retry_s` seconds: its calls take seconds to fail while it is
+    down, and requests should not wait for that one after another. Not thread-safe: guard it."""
+
+    def __init__(self, retry_s: float = 5.0):
+        self.retry_s = retry_s
+        self.until = 0.0
+        self.failures = 0
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.until
+
+    def failed(self, why: str) -> None:
+        if self.up:
+            log.warning("KV pool: %s; not using it for the next %g s", why, self.retry_s)
+        self.failures += 1
+        self.until = time.monotonic() + self.retry_s
+
+
 class KVPool(Protocol):
     """A cluster-wide store of whole KV blocks by key (`serve/disagg/mooncake_store.py`: Mooncake Store).
 
@@ -154,6 +174,7 @@ class _Job:
     keys: list[str]
     slots: tuple[int, int]  # staging range (start, length)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    done: bool = False  # the worker is finished with its slots (set under the connector's lock)
     abandoned: bool = False  # the engine gave up on it: its slots come back when the worker is done
 
 
@@ -181,7 +202,7 @@ class KVConnector:
         self.bm = block_manager
         self.namespace = namespace
         self.save_enabled = save
-        self.timeout_s, self.retry_s, self.min_bandwidth, self.max_backlog = timeout_s, retry_s, min_bandwidth, max_backlog
+        self.timeout_s, self.min_bandwidth, self.max_backlog = timeout_s, min_bandwidth, max_backlog
         bs = self.block_size = block_manager.block_size
         k = runner.k_cache
         self.layers, self.kv_shape, self.dtype = k.shape[0], tuple(k.shape[2:]), k.dtype  # (block_size, heads, dim)
@@ -198,10 +219,9 @@ class KVConnector:
         self._lock = threading.Lock()
         self._ranges = _Ranges(self.num_slots)
         self._known: OrderedDict[int, None] = OrderedDict()  # block keys saved or loaded lately: not saved again
-        self._down_until = 0.0
+        self.breaker = Breaker(retry_s)
         self._backlog = 0  # jobs submitted and not done
-        self.counters = dict.fromkeys(("loaded_blocks", "saved_blocks", "load_misses", "failures", "skipped",
-                                       "collisions"), 0)
+        self.counters = dict.fromkeys(("loaded_blocks", "saved_blocks", "load_misses", "skipped", "collisions"), 0)
         self._pending: dict[str, _Load] = {}  # request id -> its load (engine thread only)
         self._done = threading.Event()  # set by the worker after each job
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -344,8 +364,8 @@ class KVConnector:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"up": int(time.monotonic() >= self._down_until), "pending_loads": len(self._pending),
-                    "staging_slots": self.num_slots, **self.counters}
+            return {"up": int(self.breaker.up), "pending_loads": len(self._pending), "staging_slots": self.num_slots,
+                    "failures": self.breaker.failures, **self.counters}
 
     def close(self) -> None:
         """Stop the worker (after the job in hand) and hand the staging buffer back; the pool stays open."""
@@ -357,7 +377,7 @@ class KVConnector:
     def _reserve(self, want: int) -> tuple[int, int]:
         """Staging slots for a job of up to `want` blocks, or (0, 0) when the pool is down or busy."""
         with self._lock:
-            if time.monotonic() < self._down_until or self._backlog >= self.max_backlog:
+            if not self.breaker.up or self._backlog >= self.max_backlog:
                 self.counters["skipped"] += 1
                 return 0, 0
             slots = self._ranges.alloc(want)
@@ -367,10 +387,7 @@ class KVConnector:
 
     def _failed(self, why: str) -> None:
         with self._lock:
-            if time.monotonic() >= self._down_until:
-                log.warning("KV pool: %s; computing locally for the next %g s", why, self.retry_s)
-            self.counters["failures"] += 1
-            self._down_until = time.monotonic() + self.retry_s
+            self.breaker.failed(why)
 
     def _time_bound(self, num_blocks: int) -> float:
         return self.timeout_s + num_blocks * self.slot_bytes / self.min_bandwidth
@@ -383,7 +400,7 @@ class KVConnector:
 
     def _abandon(self, job: _Job) -> None:
         with self._lock:
-            if job.future.done():
+            if job.done:
                 self._ranges.release(*job.slots)
             else:
                 job.abandoned = True
@@ -421,6 +438,7 @@ class KVConnector:
                 result, error = None, PoolError(f"{type(e).__name__}: {e}")
             with self._lock:
                 self._backlog -= 1
+                job.done = True
                 if job.kind == "put" or job.abandoned:  # nobody reads these slots any more
                     self._ranges.release(*job.slots)
             if error is None:

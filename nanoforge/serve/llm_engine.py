@@ -138,11 +138,12 @@ class LLMEngine:
         self._next_id = 0
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None) -> "LLMEngine":
+    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None,
+                        kv_pool: KVPool | None = None) -> "LLMEngine":
         config = config or EngineConfig()
         device = pick_device(config.device)
         model = load_model(model_dir, device=device, dtype=pick_dtype(config.dtype, device))
-        return cls(model, Tokenizer.load(model_dir), config)
+        return cls(model, Tokenizer.load(model_dir), config, kv_pool)
 
     def _kv_budget(self) -> int:
         c = self.config

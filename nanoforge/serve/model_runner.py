@@ -134,9 +134,10 @@ class ModelRunner:
         out.copy_(torch.stack((self.k_cache[:, idx], self.v_cache[:, idx])).permute(2, 0, 1, 3, 4, 5))
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
-        """Fill whole blocks of the cache from `kv`, laid out as `read_blocks` writes it."""
+        """Fill whole blocks of the cache from `kv`, laid out as `read_blocks` writes it. The copy is done when
+        this returns (`kv` may be reused at once)."""
         idx = torch.tensor(blocks, device=self.device)
-        kv = kv.to(self.device, non_blocking=True)
+        kv = kv.to(self.device)
         self.k_cache[:, idx] = kv[:, 0].transpose(0, 1)
         self.v_cache[:, idx] = kv[:, 1].transpose(0, 1)
 

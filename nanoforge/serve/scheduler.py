@@ -123,7 +123,7 @@ def check_request(cfg: SchedulerConfig, group: SequenceGroup) -> None:
                              param="prompt")
     if group.resumed:
         indices = [seq.index for seq in group.seqs]
-        if not indices or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
+        if len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
             raise NanoforgeError(f"outputs must name distinct completions in [0, n={params.n}), got {indices}",
                                  param="outputs")
         for seq in group.seqs:

@@ -23,11 +23,18 @@ def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"nanoforge_{name}", doc, value=value)
 
 
-class EngineCollector:
-    """Engine gauges and counters, from a stats snapshot taken just before each scrape."""
+class StatsCollector:
+    """A prometheus_client collector over `stats`, a dict the app refreshes just before each scrape."""
 
     def __init__(self):
         self.stats: dict = {}
+
+    def collect(self):
+        raise NotImplementedError
+
+
+class EngineCollector(StatsCollector):
+    """Engine gauges and counters: queues, KV blocks, the prefix cache, the KV pool."""
 
     def collect(self):
         s = self.stats

@@ -178,7 +178,7 @@ async def respond(request: Request, parsed: ParsedRequest, stream: OutputStream,
         events = _events(stream, choices, render, prompt_tokens if parsed.include_usage else None)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    finals = await unless_disconnected(request, _collect(stream))
+    finals = await unless_disconnected(request, collect(stream))
     if finals is None:
         return Response(status_code=499)  # nobody is listening
     deltas = [d for i, out in enumerate(finals) for d in choices.deltas(i, out)]
@@ -186,7 +186,7 @@ async def respond(request: Request, parsed: ParsedRequest, stream: OutputStream,
                                                       choices.cached_tokens)))
 
 
-async def _collect(stream: OutputStream) -> list[RequestOutput]:
+async def collect(stream: OutputStream) -> list[RequestOutput]:
     """The final output of every prompt, in order."""
     finals: dict[int, RequestOutput] = {}
     try:

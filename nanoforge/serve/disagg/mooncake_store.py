@@ -52,10 +52,20 @@ class MooncakeStore:
     `segment_bytes` of this process's memory to it (0: use the pool, hold none of it)."""
 
     def __init__(self, master: str, *, segment_bytes: int = 0, hostname: str = "127.0.0.1",
-                 local_buffer_bytes: int = 16 << 20):
+                 local_buffer_bytes: int = 16 << 20, wait_s: float = 30.0):
+        """Waits up to `wait_s` for the master to listen (it may still be starting): Mooncake's own setup retries
+        for over a minute before it gives up on an address where nothing answers."""
         if segment_bytes and segment_bytes < MIN_SEGMENT_BYTES:
             raise NanoforgeError(f"the pool segment must be 0 or at least {MIN_SEGMENT_BYTES >> 20} MiB, got "
                                  f"{segment_bytes} bytes", param="pool_memory")
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise NanoforgeError(f"--store must be the master's HOST:PORT, got {master!r}", param="store")
+        try:
+            wait_for_port(host, int(port), wait_s)
+        except NanoforgeError:
+            raise NanoforgeError(f"no mooncake_master answers at {master} (waited {wait_s:g} s)",
+                                 param="store") from None
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)  # the address peers are told to connect to
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read when the library loads
         store_class = _check_installed()
@@ -120,7 +130,7 @@ class MooncakeMaster:
         cmd = ["mooncake_master", f"-rpc_address={self.host}", f"-rpc_port={self.port}",
                "-enable_http_metadata_server=false", f"-metrics_host={self.host}",
                f"-metrics_port={self.metrics_port}", "-enable_metric_reporting=false", *self.extra]
-        self.proc = spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
         except NanoforgeError:
