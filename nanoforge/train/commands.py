@@ -2,6 +2,10 @@
 
 Every training flag defaults to None, meaning "the preset's value" (or, with
 --resume, the checkpoint's), so a flag given on the command line always wins.
+
+Parallel training: `torchrun --nproc-per-node N -m nanoforge train ... --tp 2 --dp-shard -1` (any of
+--tp --cp --pp --dp-shard --dp-replicate). Degrees are checked against the world size and the model before
+any process group work; the layout is not part of the run's TrainConfig, so a run resumes at another one.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.runtime import pick_device
 
 # TrainConfig field -> (type, help) of the flags both verbs share (--max-steps sets max_steps).
 _LOOP_FLAGS = {
@@ -47,6 +52,59 @@ def _add_loop_arguments(p: argparse.ArgumentParser, default_out: str) -> None:
                    help="torch.compile the model (default: on GPU only)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the whole optimizer step as one CUDA graph (default: on GPU only)")
+    g = p.add_argument_group("parallel training (launch with torchrun; degrees multiply to the process count)")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (+ sequence parallelism)")
+    g.add_argument("--cp", type=int, default=None, help="context-parallel degree (each rank 1/cp of every sequence)")
+    g.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (stages)")
+    g.add_argument("--dp-shard", type=int, default=None,
+                   help="FSDP2 degree; -1 (default under torchrun): the processes the other degrees leave")
+    g.add_argument("--dp-replicate", type=int, default=None, help="replicas of the FSDP group (HSDP)")
+    g.add_argument("--pp-schedule", default=None, help="gpipe, 1f1b (default) or interleaved-1f1b")
+    g.add_argument("--pp-stages-per-rank", type=int, default=None,
+                   help="pipeline stages on each rank (interleaved-1f1b; default 2)")
+    g.add_argument("--dist-timeout", type=float, default=None,
+                   help="seconds a collective waits for the other ranks before the run fails (default 600)")
+
+
+def _parallel(args, cfg, out: Path):
+    """The run's ParallelDims (None: one device, no torch.distributed), checked against the model's shapes
+    (from the preset, --init, or the checkpoint being resumed) before any process group exists."""
+    from nanoforge.model.config import preset as model_preset
+    from nanoforge.model.hf import read_config
+    from nanoforge.train.config import sequence_length
+    from nanoforge.train.parallel.dims import parallel_dims
+
+    dims = parallel_dims(tp=args.tp, cp=args.cp, pp=args.pp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate,
+                         pp_schedule=args.pp_schedule, stages_per_rank=args.pp_stages_per_rank,
+                         timeout_s=args.dist_timeout)
+    if dims is None:
+        return None
+    source = out if args.resume else cfg.init
+    model = read_config(source) if source else model_preset(cfg.model, **cfg.model_overrides)
+    dims.check(model, seq_len=sequence_length(cfg, model), batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
+               loss_chunk=cfg.loss_chunk)
+    return dims
+
+
+def _run(dims, device: str, out: Path, args, work):
+    """`work(layout)` on one device, or on every rank of a parallel layout (the main rank checks --out first;
+    the process group is left at the end, after a barrier when the run went well)."""
+    from nanoforge.train.trainer import SingleDevice
+
+    if dims is None:
+        _check_out(out, args)
+        return work(SingleDevice(pick_device(device)))
+    from nanoforge.train.parallel.layout import Parallel
+
+    layout = Parallel.start(dims, device)
+    try:
+        layout.on_main(lambda: _check_out(out, args))
+        result = work(layout)
+    except BaseException:
+        layout.abort()
+        raise
+    layout.close()
+    return result
 
 
 def _overrides(args) -> dict:
@@ -128,9 +186,13 @@ def run_train(args) -> int:
             GENERIC.replace(**overrides) if args.init else preset("default", **overrides)
     if args.dropout is not None:
         cfg = cfg.replace(model_overrides=cfg.model_overrides | {"dropout": args.dropout})
-    _check_out(out, args)  # after the flags are known to be good: --overwrite deletes the old checkpoint
-    _print_summary(pretrain(cfg, out, resume=args.resume))
-    print(f"model, tokenizer and trainer state in {out}; log in {out / 'log.json'}, curve in {out / 'loss.png'}")
+    dims = _parallel(args, cfg, out)
+    # _check_out after the flags are known to be good: --overwrite deletes the old checkpoint
+    summary, main = _run(dims, cfg.device, out, args, lambda layout: (pretrain(cfg, out, resume=args.resume,
+                                                                               layout=layout), layout.is_main))
+    if main:
+        _print_summary(summary)
+        print(f"model, tokenizer and trainer state in {out}; log in {out / 'log.json'}, curve in {out / 'loss.png'}")
     return 0
 
 
@@ -162,8 +224,12 @@ def run_sft(args) -> int:
         overrides["epochs"] = None  # an explicit step budget wins over the default number of passes
     base = TrainConfig.from_dict(load_state(out)["config"]) if args.resume else SFT_DEFAULTS
     cfg = base.replace(**overrides)
-    _check_out(out, args)
-    result = finetune(cfg, out, resume=args.resume, answer_tokens=args.answer_tokens, eval_samples=args.eval_samples)
+    dims = _parallel(args, cfg, out)
+    result, main = _run(dims, cfg.device, out, args, lambda layout: (
+        finetune(cfg, out, resume=args.resume, answer_tokens=args.answer_tokens, eval_samples=args.eval_samples,
+                 layout=layout), layout.is_main))
+    if not main:
+        return 0
     _print_summary(result)
     check = result["answers"]
     print(f"held-out answers ending with the end-of-turn token within {check['max_new_tokens']} tokens: "
