@@ -11,6 +11,8 @@ any process group work; the layout is not part of the run's TrainConfig, so a ru
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from nanoforge.errors import NanoforgeError
@@ -86,25 +88,38 @@ def _parallel(args, cfg, out: Path):
     return dims
 
 
-def _run(dims, device: str, out: Path, args, work):
-    """`work(layout)` on one device, or on every rank of a parallel layout (the main rank checks --out first;
-    the process group is left at the end, after a barrier when the run went well)."""
+def _run(dims, device: str, out: Path, args, work, report) -> int:
+    """`work(layout)` on one device, or on every rank of a parallel layout, then `report(result)` on the main
+    process. In a parallel run the main rank checks --out first, every rank leaves the process group at the
+    end, and a rank whose peer died or stopped answering (within --dist-timeout) stops with one line."""
     from nanoforge.train.trainer import SingleDevice
 
     if dims is None:
         _check_out(out, args)
-        return work(SingleDevice(pick_device(device)))
-    from nanoforge.train.parallel.layout import Parallel
+        report(work(SingleDevice(pick_device(device))))
+        return 0
+    from nanoforge.train.parallel.layout import Parallel, lost_peer
 
     layout = Parallel.start(dims, device)
     try:
         layout.on_main(lambda: _check_out(out, args))
         result = work(layout)
-    except BaseException:
+    except BaseException as e:
         layout.abort()
-        raise
+        if not lost_peer(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"nanoforge {args.verb}: rank {layout.rank} of {layout.world_size} stopped: another rank "
+                         f"failed or did not answer within --dist-timeout {dims.timeout_s:g} s ({first[:200]}); "
+                         f"`--resume` continues from the last checkpoint in {out}") from None
     layout.close()
-    return result
+    if layout.is_main:
+        report(result)
+    # The run is over and reported. Leave now: gloo's threads can abort the interpreter's exit after a run
+    # that went well (seen here about once in a dozen short runs), which torchrun would report as a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _overrides(args) -> dict:
@@ -187,13 +202,14 @@ def run_train(args) -> int:
     if args.dropout is not None:
         cfg = cfg.replace(model_overrides=cfg.model_overrides | {"dropout": args.dropout})
     dims = _parallel(args, cfg, out)
-    # _check_out after the flags are known to be good: --overwrite deletes the old checkpoint
-    summary, main = _run(dims, cfg.device, out, args, lambda layout: (pretrain(cfg, out, resume=args.resume,
-                                                                               layout=layout), layout.is_main))
-    if main:
+
+    def report(summary):
         _print_summary(summary)
         print(f"model, tokenizer and trainer state in {out}; log in {out / 'log.json'}, curve in {out / 'loss.png'}")
-    return 0
+
+    # _check_out after the flags are known to be good: --overwrite deletes the old checkpoint
+    return _run(dims, cfg.device, out, args, lambda layout: pretrain(cfg, out, resume=args.resume, layout=layout),
+                report)
 
 
 # --- sft -----------------------------------------------------------------------------------------
@@ -225,19 +241,19 @@ def run_sft(args) -> int:
     base = TrainConfig.from_dict(load_state(out)["config"]) if args.resume else SFT_DEFAULTS
     cfg = base.replace(**overrides)
     dims = _parallel(args, cfg, out)
-    result, main = _run(dims, cfg.device, out, args, lambda layout: (
-        finetune(cfg, out, resume=args.resume, answer_tokens=args.answer_tokens, eval_samples=args.eval_samples,
-                 layout=layout), layout.is_main))
-    if not main:
-        return 0
-    _print_summary(result)
-    check = result["answers"]
-    print(f"held-out answers ending with the end-of-turn token within {check['max_new_tokens']} tokens: "
-          f"{check['ended_with_eot']}/{check['samples']} ({100 * check['eot_rate']:.1f}%)")
-    for ex in check["examples"]:
-        print(f"\n> {ex['prompt']}\n{ex['answer']}")
-    print(f"\nchat model in {out}: nanoforge generate --chat --model {out} --prompt '...'")
-    return 0
+
+    def report(result):
+        _print_summary(result)
+        check = result["answers"]
+        print(f"held-out answers ending with the end-of-turn token within {check['max_new_tokens']} tokens: "
+              f"{check['ended_with_eot']}/{check['samples']} ({100 * check['eot_rate']:.1f}%)")
+        for ex in check["examples"]:
+            print(f"\n> {ex['prompt']}\n{ex['answer']}")
+        print(f"\nchat model in {out}: nanoforge generate --chat --model {out} --prompt '...'")
+
+    return _run(dims, cfg.device, out, args, lambda layout: finetune(
+        cfg, out, resume=args.resume, answer_tokens=args.answer_tokens, eval_samples=args.eval_samples,
+        layout=layout), report)
 
 
 # --- bench train ---------------------------------------------------------------------------------

@@ -64,6 +64,10 @@ class ParallelDims:
         if self.timeout_s <= 0:
             raise NanoforgeError(f"--dist-timeout must be positive, got {self.timeout_s:g}", param="dist_timeout")
         others = self.pp * self.dp_replicate * self.cp * self.tp
+        needed = others * max(self.dp_shard, 1)
+        if self.world_size == 1 and needed > 1:
+            raise NanoforgeError(f"{self._product(max(self.dp_shard, 1))} needs {needed} processes and this is one: "
+                                 f"launch with torchrun --nproc-per-node {needed}", param="dp_shard")
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise NanoforgeError(f"{self.world_size} processes cannot be split into {self._product(None)}: "
@@ -71,10 +75,7 @@ class ParallelDims:
             self.dp_shard = self.world_size // others
         if others * self.dp_shard != self.world_size:
             raise NanoforgeError(f"{self._product(self.dp_shard)} = {others * self.dp_shard} processes, but "
-                                 f"{self.world_size} {'were' if self.world_size > 1 else 'was'} launched"
-                                 + ("" if self.world_size > 1 else
-                                    f" (launch with torchrun --nproc-per-node {others * self.dp_shard})"),
-                                 param="dp_shard")
+                                 f"{self.world_size} were launched", param="dp_shard")
 
     def _product(self, dp_shard: int | None) -> str:
         shown = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "cp": self.cp, "tp": self.tp}

@@ -53,6 +53,17 @@ class PeerFailure(RuntimeError):
     """Another rank of the run failed (its error is its own to report); this one stops too."""
 
 
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Timed out", "timed out", "Broken pipe",
+              "Connection refused")
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether an exception says that another rank died or stopped answering (a collective failed or ran past
+    the process group's timeout), rather than that this rank went wrong."""
+    return isinstance(e, (PeerFailure, dist.DistError)) or (
+        isinstance(e, RuntimeError) and any(s in str(e) for s in _LOST_PEER))
+
+
 class Parallel:
     distributed = True
 
@@ -91,14 +102,19 @@ class Parallel:
             dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=dev)
         else:
             dist.init_process_group("gloo", timeout=timeout)
+        return cls.build(dims, dev)
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device: torch.device) -> Parallel:
+        """The layout on the process group already joined: one DeviceMesh of dims' degrees."""
         # Under tensor parallelism the model returns this rank's shard of the logits, a view; nothing changes
         # it in place, which is what FSDP warns about.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        mesh = init_device_mesh(dev.type, tuple(getattr(dims, n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in MESH_DIMS), mesh_dim_names=MESH_DIMS)
         flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
                 "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
                 "loss": mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("loss")}
-        return cls(dims, dev, mesh, flat)
+        return cls(dims, device, mesh, flat)
 
     def _fsdp_mesh(self):
         """FSDP's mesh: (dp_replicate, dp_shard x cp) for HSDP, else dp_shard x cp (without cp, the mesh's own
