@@ -442,6 +442,20 @@ def test_packer_is_deterministic_and_resumes_exactly():
     assert not torch.equal(straight[0].input_ids, next(SFTPacker(examples, seq_len=48, batch_size=3, seed=3)).input_ids)
 
 
+def test_packer_shards_are_the_rows_of_one_process_batches():
+    """Data-parallel rank i of n gets rows i*B/n.. of the batches one process packs, across epochs and resumes."""
+    examples = make_examples(60, random.Random(6), max_len=40)
+    whole = SFTPacker(examples, seq_len=48, batch_size=4, seed=2)
+    ranks = [SFTPacker(examples, seq_len=48, batch_size=4, seed=2, shard=(i, 2)) for i in range(2)]
+    for step in range(25):  # several epochs
+        expected, parts = next(whole), [next(r) for r in ranks]
+        for f in ("input_ids", "targets", "doc_ids", "positions", "loss_mask"):
+            assert torch.equal(torch.cat([getattr(p, f) for p in parts]), getattr(expected, f)), (step, f)
+    assert ranks[0].state_dict() == ranks[1].state_dict() == whole.state_dict()  # one data position for all ranks
+    with pytest.raises(ValueError):
+        SFTPacker(examples, seq_len=48, batch_size=3, seed=2, shard=(0, 2))
+
+
 def test_packer_on_real_instruction_data(tok):
     examples = [render(r, tok) for r in load_records(INSTRUCTIONS)[:200]]
     b = next(SFTPacker(examples, seq_len=512, batch_size=2, seed=0))

@@ -279,9 +279,12 @@ class WeightAverage:
     """
 
     def __init__(self, model: torch.nn.Module, decay: float, device: torch.device | str):
-        self.names = [n for n, _ in model.named_parameters()]
-        self.params = [p.detach() for p in model.parameters()]  # views: they see every optimizer step
+        self.names, weights = zip(*((n, p.detach()) for n, p in model.named_parameters()))
+        # This rank's shards of sharded weights (views: they see every optimizer step); the average is
+        # shard by shard, like the optimizer.
+        self.params = [_local(p) for p in weights]
         self.avg = [p.clone() for p in self.params]
+        self._like = weights  # what `named` wraps the average's shards like
         self.decay = decay
         self.weight = torch.zeros((), device=device)
         self._weights = [self.weight] * len(self.params)  # per-tensor weights: no host sync, capturable
@@ -295,7 +298,8 @@ class WeightAverage:
         torch._foreach_lerp_(self.avg, self.params, self._weights)
 
     def named(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return zip(self.names, self.avg)
+        """(name, average) per weight; for a sharded weight, a DTensor of the average's shards laid out as it."""
+        return zip(self.names, (_shard_like(a, p) for a, p in zip(self.avg, self._like)))
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[list[torch.Tensor]]:
@@ -310,6 +314,21 @@ class WeightAverage:
     def keep(self) -> None:
         """The run is over: the model holds the average from now on."""
         torch._foreach_copy_(self.params, self.avg)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view), or the tensor."""
+    return t.to_local() if hasattr(t, "device_mesh") else t
+
+
+def _shard_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` as a shard of a DTensor laid out like `like` (or itself, for a plain tensor)."""
+    if not hasattr(like, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def forward_backward(loss_fn: LossFn, batches: list[Batch], divisor: int | torch.Tensor, amp) -> torch.Tensor:
