@@ -153,6 +153,55 @@ def test_bad_layouts_are_one_line_and_exit_2_before_any_process_group(case, data
     assert not dist.is_initialized() and not (tmp_path / "run").exists()
 
 
+# --- the planner ----------------------------------------------------------------------------------------
+
+def test_planner_counts_the_memory_and_time_of_a_layout():
+    """Hand-counted for llama3-8b on 64 GPUs, tp 8 x pp 2 x dp 4 (1F1B), 8K-token sequences, 1M tokens a step."""
+    from nanoforge.model.config import preset
+    from nanoforge.train.parallel.plan import GiB, Hardware, Layout, Workload, estimate, layer_params
+
+    m = preset("llama3-8b")
+    hw, w = Hardware(gpus=64), Workload(seq_len=8192, batch_tokens=2**20)
+    est = estimate(m, Layout(tp=8, cp=1, pp=2, dp=4, schedule="1f1b"), w, hw)
+    p_stage = 16 * layer_params(m) + m.vocab_size * m.d_model + m.d_model  # 16 blocks + embedding (or head)
+    mem = est["memory_gib"]
+    assert est["micro_batches"] == 2**20 // 8192 // 4 == 32
+    assert mem["weights"] + mem["grads"] + mem["optimizer"] == pytest.approx(16 * p_stage / 32 / GiB)
+    assert mem["gathered"] == pytest.approx((2 * p_stage + 2 * layer_params(m)) / 8 / GiB)  # a stage stays gathered
+    per_token = 4 * 4096 / 8 + 4 * 4096 + 2 * 6144 / 8 + 2 * 4096 / 8 + 4 * 32 / 8 + 8 * 14336 / 8
+    assert mem["activations"] == pytest.approx(16 * 2 * 8192 * per_token / GiB)  # 16 blocks x 2 micro-batches
+    assert est["bubble"] == pytest.approx(1 / 33)
+    flops = m.flops_per_token(8192) * 2**20
+    assert est["time_s"]["compute"] == pytest.approx(flops / 64 / (989e12 * 0.5))
+    assert est["mfu"] == pytest.approx(flops / (64 * 989e12 * est["time_s"]["step"]))
+    assert est["fits"] and not est["recompute"]
+
+
+def test_plan_lists_runnable_layouts_fitting_first_and_llama3_405b(tmp_path, capsys):
+    from nanoforge.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--batch-tokens", "2M", "--llama3",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    rows = report["layouts"]
+    assert rows and all(r["tp"] * r["cp"] * r["pp"] * r["dp"] == 64 for r in rows)
+    assert all(64 % r["tp"] == 0 and 8 % r["tp"] == 0 and 80 % r["pp"] == 0 for r in rows)  # runnable here
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and not all(fits)  # fitting layouts first; some do not fit
+    steps = [r["time_s"]["step"] for r in rows if r["fits"]]
+    assert steps == sorted(steps)
+    paper = report["llama3_405b"]
+    assert {(r["tp"], r["cp"], r["pp"], r["dp"]) for r in paper} == {(8, 1, 16, 64), (8, 1, 16, 128), (8, 16, 16, 8)}
+    for r in paper:  # the paper's layouts fit 80 GB H100s (with recomputation in this model of them)
+        assert r["fits"] and r["bubble"] == pytest.approx((16 - 1) / (r["stages_per_rank"] * r["micro_batches"] + 15))
+    assert "Llama 3 405B's published layouts" in text and "paper MFU" in text
+    capsys.readouterr()
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "3", "--batch-tokens", "1M"]) == 2
+    assert "no layout of 3 GPUs" in capsys.readouterr().err
+
+
 # --- every layout trains like one process --------------------------------------------------------------
 
 LAYOUTS = {

@@ -286,3 +286,64 @@ def run_bench_train(args) -> int:
     write_json(args.json, report)
     print(f"wrote {args.json}")
     return 0
+
+
+# --- plan ----------------------------------------------------------------------------------------
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a model preset (e.g. llama3-8b, llama3-70b, llama3-405b)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
+    p.add_argument("--hbm-gib", type=float, default=80.0, help="memory per GPU (default 80: H100; H200: 141)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the context, at most 8192)")
+    p.add_argument("--batch-tokens", default="4M", help="tokens per optimizer step, all GPUs (e.g. 512K, 16M; default 4M)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per data-parallel rank")
+    p.add_argument("--tp", type=int, default=None, help="only layouts with this tensor-parallel degree")
+    p.add_argument("--cp", type=int, default=None, help="only layouts with this context-parallel degree")
+    p.add_argument("--pp", type=int, default=None, help="only layouts with this pipeline-parallel degree")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (default 989: H100/H200)")
+    p.add_argument("--efficiency", type=float, default=0.5, help="share of the peak the kernels reach (default 0.5)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default 8)")
+    p.add_argument("--nvlink-gbs", type=float, default=360.0, help="collective bandwidth inside a node, GB/s per GPU")
+    p.add_argument("--network-gbs", type=float, default=40.0, help="bandwidth across nodes, GB/s per GPU")
+    p.add_argument("--overhead-gib", type=float, default=4.0, help="memory for CUDA, NCCL and the allocator (GiB)")
+    p.add_argument("--top", type=int, default=12, help="rows shown (default 12)")
+    p.add_argument("--llama3", action="store_true",
+                   help="also estimate Llama 3 405B's published layouts (the paper's Table 4) on this hardware")
+    p.add_argument("--json", type=Path, default=None, help="write every estimate here")
+
+
+def run_plan(args) -> int:
+    from nanoforge.model.config import preset as model_preset
+    from nanoforge.train.parallel.plan import Hardware, Workload, llama3_405b, parse_count, plan, table
+    from nanoforge.train.progress import write_json
+
+    for name in ("gpus", "hbm_gib", "micro_batch", "peak_tflops", "efficiency", "gpus_per_node", "nvlink_gbs",
+                 "network_gbs", "top"):
+        if getattr(args, name) <= 0:
+            raise NanoforgeError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}", param=name)
+    model = model_preset(args.model)
+    seq_len = args.seq_len or min(model.max_seq_len, 8192)
+    hw = Hardware(gpus=args.gpus, hbm_gib=args.hbm_gib, peak_tflops=args.peak_tflops, efficiency=args.efficiency,
+                  gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs,
+                  overhead_gib=args.overhead_gib)
+    work = Workload(seq_len=seq_len, batch_tokens=parse_count(args.batch_tokens), micro_batch=args.micro_batch)
+    rows = plan(model, work, hw, tp=args.tp, cp=args.cp, pp=args.pp)
+    fit = sum(r["fits"] for r in rows)
+    print(f"{args.model} ({model.num_params(False) / 1e9:.1f}B parameters) on {args.gpus} GPUs of {args.hbm_gib:g} GiB: "
+          f"{work.batch_tokens:,} tokens per step in sequences of {seq_len:,}; {fit} of {len(rows)} layouts fit "
+          f"(rc: with activation recomputation; >: does not fit)")
+    print(table(rows, hw.hbm_gib, args.top))
+    report = {"model": args.model, "hardware": vars(hw), "workload": vars(work), "layouts": rows}
+    if args.llama3:
+        paper = llama3_405b(model_preset("llama3-405b"), hw)
+        print("\nLlama 3 405B's published layouts (paper: TP 8, PP 16, DP 64 / 128 at 8K tokens; TP 8, CP 16, PP 16, "
+              "DP 8 at 128K), estimated here:")
+        print(table(paper, hw.hbm_gib))
+        print("paper MFU: " + ", ".join(f"{r['layout']}: {100 * r['paper_mfu']:.0f}%" for r in paper))
+        report["llama3_405b"] = paper
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.json, report)
+        print(f"wrote {args.json}")
+    return 0
+
