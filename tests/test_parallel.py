@@ -196,7 +196,7 @@ def test_plan_lists_runnable_layouts_fitting_first_and_llama3_405b(tmp_path, cap
     assert {(r["tp"], r["cp"], r["pp"], r["dp"]) for r in paper} == {(8, 1, 16, 64), (8, 1, 16, 128), (8, 16, 16, 8)}
     for r in paper:  # the paper's layouts fit 80 GB H100s (with recomputation in this model of them)
         assert r["fits"] and r["bubble"] == pytest.approx((16 - 1) / (r["stages_per_rank"] * r["micro_batches"] + 15))
-    assert "Llama 3 405B's published layouts" in text and "paper MFU" in text
+    assert "Llama 3 405B's published layouts" in text and "TP 8 CP 16 PP 16 DP 8: 38%" in text
     capsys.readouterr()
     assert main(["plan", "--model", "llama3-8b", "--gpus", "3", "--batch-tokens", "1M"]) == 2
     assert "no layout of 3 GPUs" in capsys.readouterr().err

@@ -339,7 +339,9 @@ def run_plan(args) -> int:
         print("\nLlama 3 405B's published layouts (paper: TP 8, PP 16, DP 64 / 128 at 8K tokens; TP 8, CP 16, PP 16, "
               "DP 8 at 128K), estimated here:")
         print(table(paper, hw.hbm_gib))
-        print("paper MFU: " + ", ".join(f"{r['layout']}: {100 * r['paper_mfu']:.0f}%" for r in paper))
+        published = {(r["tp"], r["cp"], r["pp"], r["dp"]): r["paper_mfu"] for r in paper}
+        print("MFU the paper reports: " + "; ".join(f"TP {t} CP {c} PP {p} DP {d}: {100 * mfu:.0f}%"
+                                                    for (t, c, p, d), mfu in published.items()))
         report["llama3_405b"] = paper
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

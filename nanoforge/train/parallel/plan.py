@@ -263,10 +263,11 @@ LLAMA3_405B = [
 
 
 def llama3_405b(m: ModelConfig, hw: Hardware) -> list[dict]:
-    """Our estimate of each published Llama 3 405B layout (1F1B and interleaved, as our code would run it)."""
+    """Our estimate of each published Llama 3 405B layout on its 80 GB GPUs (1F1B and interleaved 1F1B, with
+    `hw`'s speeds)."""
     rows = []
     for row in LLAMA3_405B:
-        h = Hardware(**{**asdict(hw), "gpus": row["gpus"]})
+        h = Hardware(**{**asdict(hw), "gpus": row["gpus"], "hbm_gib": 80.0})  # the paper's H100s
         w = Workload(seq_len=row["seq_len"], batch_tokens=row["batch_tokens"])
         for est in plan(m, w, h, tp=row["tp"], cp=row["cp"], pp=row["pp"], uneven=True):
             rows.append(est | {"paper_mfu": row["mfu"]})
