@@ -94,25 +94,40 @@ class _GatherTokens(torch.autograd.Function):
 
 class ContextParallelAttention(AttentionBackend):
     """This rank's tokens of each row (context parallelism) attend to every token of the row: K and V are
-    all-gathered over `group` (autograd sums their gradients back), and the mask compares positions in the
-    full row, so causality and documents (`doc_ids`, the whole (B, T) row; None: causal only) are exact
-    wherever the chunks were cut. `q_index` holds the positions of the local tokens, `kv_index` those of the
-    gathered keys in gather order. SDPA with the dense (B, 1, T_local, T) mask, optional dropout."""
+    all-gathered over `group` (autograd sums their gradients back), so causality and documents (`doc_ids`,
+    the whole (B, T) row; None: causal only) are exact wherever the chunks were cut. `q_index` holds the
+    positions of the local tokens (contiguous chunks), `kv_index` those of the gathered keys in gather order.
+
+    Each local chunk runs as a window of queries against the whole row's keys (`attention(..., q_offset=)`):
+    our flash kernels on a GPU, which read only the key blocks that the chunk's documents and causality
+    reach, and the SDPA reference elsewhere. With dropout (which the kernels lack), SDPA with the dense
+    (B, 1, T_local, T) mask."""
 
     def __init__(self, doc_ids: torch.Tensor | None, q_index: torch.Tensor, kv_index: torch.Tensor, group,
                  dropout: float = 0.0):
         self.doc_ids, self.q_index, self.kv_index, self.group, self.p = doc_ids, q_index, kv_index, group, dropout
-        self.mask = None  # built by the first layer, reused by the rest
+        breaks = (torch.nonzero(q_index[1:] != q_index[:-1] + 1).flatten() + 1).tolist()
+        starts = [0, *breaks]
+        self.chunks = [(start, end - start, int(q_index[start])) for start, end in
+                       zip(starts, [*breaks, len(q_index)])]  # (local start, length, position in the row)
+        self.order = torch.argsort(kv_index)  # gathered keys -> row order
+        self.mask = self.bounds = None  # built by the first layer, reused by the rest
 
     def attend(self, layer, q, k, v):
-        if self.mask is None:
-            rows, cols = self.q_index.to(q.device), self.kv_index.to(q.device)
-            if self.doc_ids is None:
-                self.mask = (cols[None, :] <= rows[:, None])[None, None]
-            else:
-                self.mask = document_mask(self.doc_ids, rows=rows, cols=cols)
         keys, values = _GatherTokens.apply(k, self.group), _GatherTokens.apply(v, self.group)
-        return sdpa(q, keys, values, mask=self.mask, dropout_p=self.p)
+        if self.p:
+            if self.mask is None:
+                rows, cols = self.q_index.to(q.device), self.kv_index.to(q.device)
+                self.mask = (document_mask(self.doc_ids, rows=rows, cols=cols) if self.doc_ids is not None
+                             else (cols[None, :] <= rows[:, None])[None, None])
+            return sdpa(q, keys, values, mask=self.mask, dropout_p=self.p)
+        order = self.order.to(q.device)
+        keys, values = keys[:, order], values[:, order]
+        if self.doc_ids is not None and self.bounds is None:
+            self.bounds = doc_bounds(self.doc_ids)
+        return torch.cat([flash_attention(q[:, start : start + n], keys, values, doc_ids=self.doc_ids, causal=True,
+                                          bounds=self.bounds, q_offset=offset) for start, n, offset in self.chunks],
+                         dim=1)
 
 
 class KVCache(AttentionBackend):

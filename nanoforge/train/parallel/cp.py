@@ -6,9 +6,10 @@ much as any other (rank 0 of cp 4 holds chunks 0 and 7, rank 3 chunks 3 and 4).
 
 Attention is the only place where tokens meet. There, as in Llama 3, each rank all-gathers K and V from
 the cp group (one all-gather per layer forward, a reduce-scatter of their gradients backward) and attends
-its local queries to every key (`model.attention.ContextParallelAttention`). Because the keys are whole,
-the document mask is exact even for documents that cross chunk (and rank) boundaries: it compares the
-document of each local query with that of each gathered key, by their positions in the full row. Every
+its local queries to every key (`model.attention.ContextParallelAttention`): each local chunk is a window of
+queries for our flash kernels (`attention(..., q_offset=)`), whose document masks compare each query's
+document with each key's by their positions in the full row. Because the keys are whole, documents that
+cross chunk (and rank) boundaries stay exact, and a chunk reads only the key blocks its documents reach. Every
 other op (embeddings, norms, MLPs, the loss) is per token and runs on the local tokens unchanged; the
 gradients of the weights are reduced over cp together with data parallelism (FSDP's mesh is dp_shard x cp).
 """
