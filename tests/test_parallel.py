@@ -324,3 +324,7 @@ def test_a_rank_that_dies_or_hangs_ends_the_run_within_the_timeout(how, data, tm
     assert took < (3 if how == "killed" else 5 + 10), took  # a dead peer's socket closes at once; a hung one times out
     state = torch.load(out / "trainer_state.pt", weights_only=True)
     assert state["step"] % 2 == 0 and state["step"] >= 2 and (out / "dcp").is_dir()
+    from nanoforge.cli import main  # the last checkpoint resumes (here on one process)
+
+    assert main(cli_args(data, out, "--max-steps", str(state["step"] + 1), "--resume")) == 0
+    assert torch.load(out / "trainer_state.pt", weights_only=True)["step"] == state["step"] + 1
