@@ -254,33 +254,43 @@ def cli_args(data, out, *extra):
             "--log-interval", "1", "--eval-interval", "3", *extra]
 
 
-def test_checkpoints_reshard_from_2_to_4_processes_to_1(data, tmp_path):
-    """tp 2 (2 processes) for 3 steps, resumed at dp_shard 4 (4 processes) to step 6, then on one process to 8:
-    the optimizer state saved at step 3 is the one-process run's, and the 8 losses and final weights are those
-    of one process that never stopped. The model folder is a plain HF model at every step."""
+def test_checkpoints_resume_exactly_and_reshard_from_2_to_4_processes_to_1(data, tmp_path):
+    """tp 2 (2 processes) for 4 steps: the sharded AdamW state equals one process's at step 4. Resumed at the same
+    layout to step 6: bit for bit the tp 2 run that never stopped. Then at dp_shard 4 (4 processes) to step 8,
+    and on one process to 10: the 10 losses, every evaluation and the final weights are those of one process
+    that never stopped. The model folder is a plain HF model at every step."""
     from nanoforge.cli import main
     from nanoforge.train.checkpoint import load_shards, load_state
 
-    straight, three, moved = tmp_path / "straight", tmp_path / "three", tmp_path / "moved"
-    assert main(cli_args(data, straight, "--max-steps", "8")) == 0
-    assert main(cli_args(data, three, "--max-steps", "3")) == 0
-    run = torchrun(2, "-m", "nanoforge", *cli_args(data, moved, "--max-steps", "3", "--tp", "2"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    # The sharded optimizer state at step 3 is what one process holds there (loaded here without a process group).
-    want = load_state(three)["optimizer"]
+    straight, four, straight_tp, moved = (tmp_path / n for n in ("straight", "four", "straight_tp", "moved"))
+    every2 = ("--eval-interval", "2")  # every segment ends at an evaluation, as the straight runs evaluate
+    assert main(cli_args(data, straight, "--max-steps", "10", *every2)) == 0
+    assert main(cli_args(data, four, "--max-steps", "4", *every2)) == 0
+    for out, steps in ((straight_tp, "6"), (moved, "4")):
+        run = torchrun(2, "-m", "nanoforge", *cli_args(data, out, "--max-steps", steps, "--tp", "2", *every2))
+        assert run.returncode == 0, run.stderr[-3000:]
+    # The sharded optimizer state at step 4 is what one process holds there (loaded here without a process group).
+    want = load_state(four)["optimizer"]
     got = {name: {k: torch.zeros_like(t) for k, t in parts.items()} for name, parts in want.items()}
     assert load_shards(moved / "dcp", {"optimizer": got}, distributed=False) == {"optimizer"}
     assert got.keys() == want.keys() and any("wqkv.q.weight" in k for k in got)
     for name in want:  # the moments are running sums of gradients: fp32 rounding of the gradients, ~1e-7
         for k in want[name]:
             torch.testing.assert_close(got[name][k], want[name][k], rtol=1e-4, atol=1e-6)
-        assert got[name]["step"] == want[name]["step"] == 3
+        assert got[name]["step"] == want[name]["step"] == 4
+    run = torchrun(2, "-m", "nanoforge", *cli_args(data, moved, "--max-steps", "6", "--resume", "--tp", "2", *every2))
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = log(moved)["history"], log(straight_tp)["history"]  # exact resume at an unchanged layout
+    assert [r["loss"] for r in a["train"]] == [r["loss"] for r in b["train"]]
+    assert [(r["step"], r["loss"]) for r in a["val"]] == [(r["step"], r["loss"]) for r in b["val"]]
+    wa, wb = load_file(moved / "model.safetensors"), load_file(straight_tp / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
     nanoforge = shutil.which("nanoforge")  # the console script, as `torchrun ... $(which nanoforge) train` runs it
     run = torchrun(4, *([nanoforge] if nanoforge else ["-m", "nanoforge"]),
-                   *cli_args(data, moved, "--max-steps", "6", "--resume", "--dp-shard", "4"))
+                   *cli_args(data, moved, "--max-steps", "8", "--resume", "--dp-shard", "4", *every2))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert load_state(moved)["layout"] == "dp_shard 4" and load_state(moved)["step"] == 6
-    assert main(cli_args(data, moved, "--max-steps", "8", "--resume")) == 0
+    assert load_state(moved)["layout"] == "dp_shard 4" and load_state(moved)["step"] == 8
+    assert main(cli_args(data, moved, "--max-steps", "10", "--resume", *every2)) == 0
     assert not (moved / "dcp").exists()  # one process writes a one-process checkpoint
     assert_same_run(moved, straight, "2 -> 4 -> 1 processes")
 
