@@ -290,7 +290,7 @@ def cmd_conductor(args) -> int:
 # --- train, sft, bench train -------------------------------------------------------------------
 
 def _add_training_verbs(sub, bench_verbs):
-    """`train`, `sft` and `bench train`: their flags and runners live in nanoforge/train/commands.py."""
+    """`train`, `sft`, `bench train` and `plan`: their flags and runners live in nanoforge/train/commands.py."""
     from nanoforge.train import commands
 
     for parent, name, help_, add, run in (
@@ -300,6 +300,8 @@ def _add_training_verbs(sub, bench_verbs):
          commands.add_sft_arguments, commands.run_sft),
         (bench_verbs, "train", "training-step throughput: flash attention + document masking vs SDPA",
          commands.add_bench_train_arguments, commands.run_bench_train),
+        (sub, "plan", "parallel layouts of a model on N GPUs: memory per GPU and estimated step time",
+         commands.add_plan_arguments, commands.run_plan),
     ):
         p = parent.add_parser(name, help=help_)
         add(p)

@@ -268,11 +268,29 @@ def test_loader_is_deterministic_and_resumes_exactly(token_file):
         make(seed=9).load_state_dict(state)
 
 
-def test_data_parallel_ranks_see_different_batches(token_file):
+def test_data_parallel_ranks_read_their_rows_of_the_one_process_batches(token_file):
+    """Rank i of n reads rows i*B/n.. of every batch: together, the batches one process reads, in order, at any
+    n (so a layout change keeps the token order); evaluation batches too, the last one padded with rows that
+    train nothing."""
     path, _ = token_file
-    a = next(PackedLoader(path, 2, 32, seed=0, eot_id=0, rank=0, world_size=2))
-    b = next(PackedLoader(path, 2, 32, seed=0, eot_id=0, rank=1, world_size=2))
-    assert not torch.equal(a.input_ids, b.input_ids)
+    whole = PackedLoader(path, 4, 32, seed=0, eot_id=0)
+    for n in (2, 4):
+        ranks = [PackedLoader(path, 4, 32, seed=0, eot_id=0, shard=(i, n)) for i in range(n)]
+        for _ in range(3):
+            expected = next(whole)
+            parts = [next(r) for r in ranks]
+            for f in ("input_ids", "targets", "doc_ids", "positions"):
+                assert torch.equal(torch.cat([getattr(p, f) for p in parts]), getattr(expected, f))
+        whole = PackedLoader(path, 4, 32, seed=0, eot_id=0)
+    evals = [list(PackedLoader(path, 4, 100, seed=0, eot_id=0, shard=(i, 2)).iter_eval(3, 100)) for i in range(2)]
+    one = list(whole.iter_eval(3, 100))
+    assert len(one) == len(evals[0]) == len(evals[1]) and one[-1].input_ids.shape[0] < 3
+    for got0, got1, want in zip(*evals, one):
+        rows = torch.cat([got0.input_ids, got1.input_ids])
+        trained = torch.cat([got0.targets, got1.targets]) != IGNORE_INDEX
+        assert torch.equal(rows[trained.any(1)], want.input_ids) and int(trained.sum()) == want.targets.numel()
+    with pytest.raises(ValueError):
+        PackedLoader(path, 3, 32, seed=0, eot_id=0, shard=(0, 2))
 
 
 def test_iter_eval_walks_the_split_in_order(token_file):
@@ -422,6 +440,20 @@ def test_packer_is_deterministic_and_resumes_exactly():
         got = next(resumed)
         assert all(torch.equal(getattr(got, f), getattr(expected, f)) for f in ("input_ids", "targets", "doc_ids", "positions", "loss_mask"))
     assert not torch.equal(straight[0].input_ids, next(SFTPacker(examples, seq_len=48, batch_size=3, seed=3)).input_ids)
+
+
+def test_packer_shards_are_the_rows_of_one_process_batches():
+    """Data-parallel rank i of n gets rows i*B/n.. of the batches one process packs, across epochs and resumes."""
+    examples = make_examples(60, random.Random(6), max_len=40)
+    whole = SFTPacker(examples, seq_len=48, batch_size=4, seed=2)
+    ranks = [SFTPacker(examples, seq_len=48, batch_size=4, seed=2, shard=(i, 2)) for i in range(2)]
+    for step in range(25):  # several epochs
+        expected, parts = next(whole), [next(r) for r in ranks]
+        for f in ("input_ids", "targets", "doc_ids", "positions", "loss_mask"):
+            assert torch.equal(torch.cat([getattr(p, f) for p in parts]), getattr(expected, f)), (step, f)
+    assert ranks[0].state_dict() == ranks[1].state_dict() == whole.state_dict()  # one data position for all ranks
+    with pytest.raises(ValueError):
+        SFTPacker(examples, seq_len=48, batch_size=3, seed=2, shard=(0, 2))
 
 
 def test_packer_on_real_instruction_data(tok):

@@ -166,6 +166,44 @@ def test_blocks_outside_the_documents_are_never_read(poisoned, causal):
     assert_all_close([g[:, mid] for g in got], want, rtol=1e-4, atol=1e-5)
 
 
+# (B, T, Hq, Hkv, D, q_offset, Tq, causal, documents): a window of queries against the whole row's keys, as
+# context parallelism runs a rank's chunks; offsets inside and across 16-token blocks, up to the row's end.
+WINDOWS = [
+    (2, 70, 4, 2, 16, 24, 16, True, True),
+    (1, 70, 6, 2, 32, 37, 33, True, True),
+    (2, 45, 4, 1, 16, 5, 20, True, False),
+    (1, 64, 2, 2, 16, 0, 16, True, True),
+    (2, 50, 4, 2, 24, 13, 30, False, True),
+]
+
+
+def test_reference_window_is_those_rows_of_the_whole_attention():
+    """attention_ref with q_offset gives exactly rows q_offset.. of the whole row's attention, and their gradients."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, do = make_inputs(2, 40, 4, 2, 8, torch.float64, gen)
+    doc_ids = random_doc_ids(2, 40, gen, max_len=12)
+    rows = slice(11, 29)
+    for docs in (None, doc_ids):
+        whole = fa.attention_ref(q, k, v, doc_ids=docs)
+        window = fa.attention_ref(q[:, rows], k, v, doc_ids=docs, q_offset=11)
+        torch.testing.assert_close(window, whole[:, rows])
+        torch.testing.assert_close(window, naive_attention(q, k, v, docs, True, 8**-0.5)[:, rows])
+
+
+@interpreter
+@pytest.mark.parametrize("B,T,hq,hkv,d,off,tq,causal,docs", WINDOWS)
+def test_query_window_forward_backward_match_float64(poisoned, B, T, hq, hkv, d, off, tq, causal, docs):
+    gen = torch.Generator().manual_seed(T + off)
+    q, k, v, do = make_inputs(B, T, hq, hkv, d, torch.float32, gen)
+    q, do = q[:, off : off + tq].detach().requires_grad_(), do[:, off : off + tq]
+    doc_ids = random_doc_ids(B, T, gen, max_len=20) if docs else None
+    got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids, causal=causal, q_offset=off)
+    want = float64_reference(q, k, v, do, doc_ids=doc_ids, causal=causal, q_offset=off)
+    assert_all_close(got, want, rtol=1e-4, atol=1e-5)
+    if causal and off + tq < T:  # keys after the window's last query get no gradient (the kernels write zeros)
+        assert got[2][:, off + tq :].abs().max().item() == 0
+
+
 def test_bad_shapes_raise_clear_errors():
     q = torch.randn(1, 8, 6, 16)
     with raises_bug("not a multiple of 4 kv heads"):
@@ -174,6 +212,8 @@ def test_bad_shapes_raise_clear_errors():
         fa.attention(q, torch.randn(1, 9, 2, 16), torch.randn(1, 9, 2, 16))
     with raises_bug("doc_ids"):
         fa.attention(q, torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), doc_ids=torch.zeros(8, dtype=torch.long))
+    with raises_bug("outside the keys"):
+        fa.attention(q, torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 16), q_offset=5)
 
 
 def test_cpu_default_is_the_reference_and_differentiable(monkeypatch):
@@ -203,5 +243,21 @@ def test_gpu_full_size_bf16(poisoned, B, T, hq, hkv, d, docs):
     doc_ids = random_doc_ids(B, T, gen, max_len=40).cuda() if docs else None
     got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids)
     want = float64_reference(q, k, v, do, doc_ids=doc_ids)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert rel_error(g, w) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("off,tq", [(512, 256), (1536, 512), (100, 700)])
+def test_gpu_query_window_bf16(poisoned, off, tq):
+    """Context parallelism's windows at full size: a chunk of queries against the whole row's keys, with
+    documents and grouped-query heads, the compiled kernels against float64."""
+    gen = torch.Generator().manual_seed(off)
+    q, k, v, do = (x.detach().cuda() for x in make_inputs(2, 2048, 16, 4, 128, torch.bfloat16, gen))
+    q, do = q[:, off : off + tq].contiguous().requires_grad_(), do[:, off : off + tq].contiguous()
+    k, v = k.requires_grad_(), v.requires_grad_()
+    doc_ids = random_doc_ids(2, 2048, gen, max_len=600).cuda()
+    got = fwd_bwd(fa.attention, q, k, v, do, doc_ids=doc_ids, q_offset=off)
+    want = float64_reference(q, k, v, do, doc_ids=doc_ids, q_offset=off)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel_error(g, w) < 1e-2, name

@@ -14,8 +14,11 @@ token also carries
 The model's document mask lets token i attend to token j only if j <= i and
 doc_ids[i] == doc_ids[j]; packed documents never see each other.
 
-Batches are a pure function of (seed, rank, step), so resuming from a saved
-step gives exactly the batches a run that never stopped would have seen.
+Batches are a pure function of (seed, step), so resuming from a saved step
+gives exactly the batches a run that never stopped would have seen. In a
+data-parallel run each of the n ranks reads its own rows of every batch
+(`shard=(i, n)`: rows i*B/n .. (i+1)*B/n), so the ranks together read what
+one process would, at any layout.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import numpy as np
 import torch
 
 from nanoforge.errors import NanoforgeError
+
+
+IGNORE_INDEX = -100  # targets value for tokens without loss (PyTorch cross_entropy's default ignore_index)
 
 
 @dataclass
@@ -52,6 +58,27 @@ class Batch:
     def _map(self, fn) -> Batch:
         tensors = (getattr(self, f.name) for f in fields(self))
         return Batch(*(t if t is None else fn(t) for t in tensors))
+
+    def rows(self, shard: tuple[int, int]) -> Batch:
+        """Rank i of n's rows (the batch size must be a multiple of n)."""
+        i, n = shard
+        per = self.input_ids.shape[0] // n
+        return self._map(lambda t: t[i * per : (i + 1) * per])
+
+    def padded(self, rows: int) -> Batch:
+        """The batch with rows appended up to `rows`, each one token-0 document with no loss (an evaluation's
+        last batch, so that every data-parallel rank gets a share)."""
+        extra = rows - self.input_ids.shape[0]
+        if extra <= 0:
+            return self
+        T = self.input_ids.shape[1]
+        fill = {"input_ids": torch.zeros(extra, T, dtype=torch.int64),
+                "targets": torch.full((extra, T), IGNORE_INDEX, dtype=torch.int64),
+                "doc_ids": torch.zeros(extra, T, dtype=torch.int64),
+                "positions": torch.arange(T).expand(extra, T),
+                "loss_mask": torch.zeros(extra, T, dtype=torch.bool)}
+        return Batch(*(None if getattr(self, f.name) is None else torch.cat([getattr(self, f.name), fill[f.name]])
+                       for f in fields(self)))
 
 
 def doc_ids_and_positions(input_ids: torch.Tensor, eot_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,9 +113,10 @@ def open_tokens(bin_path: str | Path) -> np.memmap:
 
 
 class PackedLoader:
-    """Endless random (B, T) windows of one prepared split, deterministic per (seed, rank, step).
+    """Endless random (B, T) windows of one prepared split, deterministic per (seed, step).
 
-    `rank`/`world_size` give each data-parallel rank its own stream of batches.
+    `shard=(i, n)`: this data-parallel rank's rows of each batch (and of each evaluation batch); it reads
+    only those windows.
     """
 
     def __init__(
@@ -100,15 +128,14 @@ class PackedLoader:
         seed: int,
         eot_id: int,
         doc_masking: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
+        shard: tuple[int, int] = (0, 1),
     ):
-        if not 0 <= rank < world_size:
-            raise NanoforgeError(f"rank {rank} is outside world_size {world_size}")
+        if not 0 <= shard[0] < shard[1] or batch_size % shard[1]:
+            raise ValueError(f"shard {shard} of batches of {batch_size} rows")
         self.tokens = open_tokens(bin_path)
         self.bin_path = Path(bin_path)
         self.batch_size, self.seq_len = batch_size, seq_len
-        self.seed, self.eot_id, self.doc_masking, self.rank = seed, eot_id, doc_masking, rank
+        self.seed, self.eot_id, self.doc_masking, self.shard = seed, eot_id, doc_masking, shard
         if len(self.tokens) < seq_len + 1:
             raise NanoforgeError(f"{bin_path} has {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}", param="seq_len")
         self.step = 0
@@ -117,10 +144,12 @@ class PackedLoader:
         return self
 
     def __next__(self) -> Batch:
-        rng = np.random.default_rng([self.seed, self.rank, self.step])
+        rng = np.random.default_rng([self.seed, 0, self.step])  # (the 0 keeps a seed's batches what they were)
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        i, n = self.shard
+        per = self.batch_size // n
         self.step += 1
-        return self._batch(np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]))
+        return self._batch(np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts[i * per : (i + 1) * per]]))
 
     def _batch(self, windows: np.ndarray) -> Batch:
         windows = torch.from_numpy(windows.astype(np.int64))
@@ -133,7 +162,7 @@ class PackedLoader:
         return Batch(inputs.contiguous(), targets.contiguous(), doc_ids, positions)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "rank": self.rank}
+        return {"step": self.step, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed") != self.seed:
@@ -141,12 +170,21 @@ class PackedLoader:
         self.step = int(state["step"])
 
     def iter_eval(self, batch_size: int, seq_len: int, max_batches: int | None = None) -> Iterator[Batch]:
-        """Consecutive, non-overlapping windows from the start of the split (for validation loss)."""
+        """Consecutive, non-overlapping windows from the start of the split (for validation loss); with a
+        shard, its rows of each batch (the last batch padded with untrained rows to a multiple of n)."""
         n_windows = (len(self.tokens) - 1) // seq_len
         if n_windows == 0:
             raise NanoforgeError(f"{self.bin_path} has {len(self.tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}", param="seq_len")
         if max_batches is not None:
             n_windows = min(n_windows, max_batches * batch_size)
+        i, n = self.shard
         for first in range(0, n_windows, batch_size):
             rows = range(first, min(first + batch_size, n_windows))
-            yield self._batch(np.stack([self.tokens[r * seq_len : r * seq_len + seq_len + 1] for r in rows]))
+            if n == 1:
+                yield self._batch(np.stack([self.tokens[r * seq_len : r * seq_len + seq_len + 1] for r in rows]))
+                continue
+            per = -(-len(rows) // n)
+            mine = rows[i * per : (i + 1) * per]
+            batch = self._batch(np.stack([self.tokens[r * seq_len : r * seq_len + seq_len + 1] for r in mine])
+                                if len(mine) else np.zeros((0, seq_len + 1), dtype=np.int64))
+            yield batch.padded(per)

@@ -24,12 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanoforge.data.loader import Batch
+from nanoforge.data.loader import IGNORE_INDEX, Batch
 from nanoforge.data.prepare import read_json_records
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import CHAT_ROLES, Tokenizer, UnknownCharacters
 
-IGNORE_INDEX = -100  # targets value for tokens without loss (PyTorch cross_entropy's default ignore_index)
 
 
 def to_messages(record: dict, where: str = "record") -> list[dict]:
@@ -150,11 +149,15 @@ class SFTPacker:
     ids[1:]). Examples longer than seq_len + 1 tokens are dropped and counted in
     `dropped` (the caller says so). Each epoch shuffles the examples,
     packs them into rows, shuffles the rows, and serves them batch_size at a time
-    (a batch may straddle two epochs).
+    (a batch may straddle two epochs). `shard=(i, n)`: a data-parallel rank's rows of each batch (every
+    rank packs the same rows and builds only its own).
     """
 
-    def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, batch_size: int, seed: int):
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+    def __init__(self, examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, batch_size: int, seed: int,
+                 shard: tuple[int, int] = (0, 1)):
+        if not 0 <= shard[0] < shard[1] or batch_size % shard[1]:
+            raise ValueError(f"shard {shard} of batches of {batch_size} rows")
+        self.seq_len, self.batch_size, self.seed, self.shard = seq_len, batch_size, seed, shard
         kept = [(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)) for ids, mask in examples if len(ids) <= seq_len + 1]
         self.dropped = len(examples) - len(kept)
         if not kept:
@@ -181,7 +184,9 @@ class SFTPacker:
                 self._rows = self._epoch_rows(self.epoch)
             rows.append(self._rows[self.row])
             self.row += 1
-        return self._batch(rows)
+        i, n = self.shard
+        per = self.batch_size // n
+        return self._batch(rows[i * per : (i + 1) * per])
 
     def _batch(self, rows: list[list[int]]) -> Batch:
         shape = (len(rows), self.seq_len)

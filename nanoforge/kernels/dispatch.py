@@ -35,9 +35,12 @@ def kernel_mode() -> str:
 
 
 def use_fast(*tensors: torch.Tensor) -> bool:
-    """True when the fast (Triton) implementation should run on these tensors."""
+    """True when the fast (Triton) implementation should run on these tensors.
+
+    Sharded tensors (DTensor, a subclass) always take the reference: its PyTorch ops know how to run on
+    shards, a Triton launch does not."""
     mode = kernel_mode()
-    if mode == "torch" or not triton_available():
+    if mode == "torch" or not triton_available() or any(hasattr(t, "device_mesh") for t in tensors):
         return False
     if mode == "triton":
         return True

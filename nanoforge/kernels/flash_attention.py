@@ -59,23 +59,27 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q_offset: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, (B, T, Hq, D) x (B, T, Hkv, D) -> (B, T, Hq, D), differentiable.
 
     Query i of row b attends key j iff (j <= i when `causal`) and doc_ids[b, i] == doc_ids[b, j].
     `scale` defaults to 1/sqrt(D). Triton on CUDA tensors, the PyTorch reference elsewhere.
     `bounds`: doc_bounds(doc_ids), when the caller has it already (computed here otherwise).
+    `q_offset`: q holds only rows q_offset .. q_offset + Tq of the T-token rows that k, v and doc_ids hold
+    (context parallelism: a rank's chunk of queries against the gathered keys); the result has q's shape.
+    None: q holds the same T rows as k.
     """
-    _check_inputs(q, k, v, doc_ids)
+    _check_inputs(q, k, v, doc_ids, q_offset)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not use_fast(q, k, v):
-        return attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=scale)
+        return attention_ref(q, k, v, doc_ids=doc_ids, causal=causal, scale=scale, q_offset=q_offset)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"flash attention runs on float16/bfloat16/float32, not {q.dtype}")
     if doc_ids is not None and bounds is None:
         bounds = doc_bounds(doc_ids)
     starts, ends = bounds if doc_ids is not None else (None, None)
-    return _flash_fwd(q, k, v, starts, ends, causal, scale)[0]
+    return _flash_fwd(q, k, v, starts, ends, causal, scale, q_offset or 0)[0]
 
 
 def attention_ref(
@@ -86,10 +90,18 @@ def attention_ref(
     doc_ids: torch.Tensor | None = None,
     causal: bool = True,
     scale: float | None = None,
+    q_offset: int | None = None,
 ) -> torch.Tensor:
     """The definition of correct: PyTorch SDPA with one boolean mask built per call (any dtype, float64 too)."""
-    _check_inputs(q, k, v, doc_ids)
-    mask = document_mask(doc_ids, causal) if doc_ids is not None else None
+    _check_inputs(q, k, v, doc_ids, q_offset)
+    T, Tq = k.shape[1], q.shape[1]
+    rows = None if not q_offset and Tq == T else torch.arange(q_offset, q_offset + Tq, device=q.device)
+    if doc_ids is not None:
+        mask = document_mask(doc_ids, causal, rows=rows)
+    elif causal and rows is not None:
+        mask = torch.arange(T, device=q.device)[None, :] <= rows[:, None]
+    else:
+        mask = None
     return sdpa(q, k, v, mask=mask, causal=causal and mask is None, scale=scale)
 
 
@@ -127,18 +139,22 @@ def document_mask(doc_ids: torch.Tensor, causal: bool = True, rows: torch.Tensor
     return mask
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
+                  q_offset: int | None = None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention wants q (B, T, Hq, D) and k, v (B, T, Hkv, D), got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    B, T, hq, d = q.shape
-    if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != d:
+    B, Tq, hq, d = q.shape
+    T = k.shape[1]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != d or (q_offset is None and Tq != T):
         raise ValueError(
-            f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B={B}, T={T}, Hkv, D={d}) "
-            f"to match q {tuple(q.shape)}"
+            f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B={B}, T={Tq}, Hkv, D={d}) "
+            f"to match q {tuple(q.shape)} (or q_offset must place q's rows among theirs)"
         )
+    if q_offset is not None and not 0 <= q_offset <= T - Tq:
+        raise ValueError(f"attention: q_offset {q_offset} puts q's {Tq} rows outside the keys' {T}")
     if hq % k.shape[2]:
         raise ValueError(f"attention: {hq} query heads is not a multiple of {k.shape[2]} kv heads")
     if not q.dtype == k.dtype == v.dtype:
@@ -227,46 +243,49 @@ def _block_d(d: int) -> int:
 
 @torch.library.custom_op(
     "nanoforge::flash_attn_fwd", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor? starts, Tensor? ends, bool causal, float scale) -> (Tensor, Tensor)")
-def _flash_fwd(q, k, v, starts, ends, causal, scale):
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? starts, Tensor? ends, bool causal, float scale, int q_off) "
+           "-> (Tensor, Tensor)")
+def _flash_fwd(q, k, v, starts, ends, causal, scale, q_off):
+    """q: rows q_off .. q_off + Tq of the T-token rows of k and v (and of starts, ends)."""
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    B, T, hq, d = q.shape
+    B, TQ, hq, d = q.shape
+    T = k.shape[1]
     has_docs = starts is not None
     if not has_docs:  # the kernels never read starts/ends then; any tensor does as a placeholder
         starts = ends = q
-    o = _empty(B, T, hq, d, like=q)
-    lse = _empty(B, hq, T, like=q, dtype=torch.float32)
-    _attn_fwd[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
+    o = _empty(B, TQ, hq, d, like=q)
+    lse = _empty(B, hq, TQ, like=q, dtype=torch.float32)
+    _attn_fwd[lambda meta: (B * hq, triton.cdiv(TQ, meta["BLOCK_M"]))](
         q, k, v, o, lse, starts, ends,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        T, hq, scale * LOG2E,
+        T, hq, scale * LOG2E, q_off, TQ,
         GROUP=hq // k.shape[2], HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=causal, HAS_DOCS=has_docs,
     )  # fmt: skip
     return o, lse
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, starts, ends, causal, scale):
-    B, T, hq, d = q.shape
-    return q.new_empty(B, T, hq, d), q.new_empty(B, hq, T, dtype=torch.float32)
+def _(q, k, v, starts, ends, causal, scale, q_off):
+    B, TQ, hq, d = q.shape
+    return q.new_empty(B, TQ, hq, d), q.new_empty(B, hq, TQ, dtype=torch.float32)
 
 
 @torch.library.custom_op(
     "nanoforge::flash_attn_bwd", mutates_args=(),
     schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? starts, Tensor? ends, "
-           "bool causal, float scale) -> (Tensor, Tensor, Tensor)")
-def _flash_bwd(do, q, k, v, o, lse, starts, ends, causal, scale):
+           "bool causal, float scale, int q_off) -> (Tensor, Tensor, Tensor)")
+def _flash_bwd(do, q, k, v, o, lse, starts, ends, causal, scale, q_off):
     q, k, v, o, do = (_unit_stride(x) for x in (q, k, v, o, do))
-    B, T, hq, d = q.shape
-    hkv = k.shape[2]
+    B, TQ, hq, d = q.shape
+    T, hkv = k.shape[1], k.shape[2]
     has_docs = starts is not None
     if not has_docs:
         starts = ends = q
     common = dict(HEAD_D=d, BLOCK_D=_block_d(d), CAUSAL=causal, HAS_DOCS=has_docs)
 
-    delta = _empty(B, hq, T, like=q, dtype=torch.float32)
-    _attn_bwd_delta[(B * hq, triton.cdiv(T, 64))](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], T, hq,
+    delta = _empty(B, hq, TQ, like=q, dtype=torch.float32)
+    _attn_bwd_delta[(B * hq, triton.cdiv(TQ, 64))](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], TQ, hq,
         HEAD_D=d, BLOCK_D=_block_d(d), BLOCK_M=64,
     )  # fmt: skip
 
@@ -275,34 +294,34 @@ def _flash_bwd(do, q, k, v, o, lse, starts, ends, causal, scale):
         q, k, v, do, lse, delta, dk, dv, starts, ends,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3],
-        T, hkv, scale, scale * LOG2E, GROUP=hq // hkv, **common,
+        T, hkv, scale, scale * LOG2E, q_off, TQ, GROUP=hq // hkv, **common,
     )  # fmt: skip
 
     dq = _empty(*q.shape, like=q)
-    _attn_bwd_dq[lambda meta: (B * hq, triton.cdiv(T, meta["BLOCK_M"]))](
+    _attn_bwd_dq[lambda meta: (B * hq, triton.cdiv(TQ, meta["BLOCK_M"]))](
         q, k, v, do, lse, delta, dq, starts, ends,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        T, hq, scale, scale * LOG2E, GROUP=hq // hkv, **common,
+        T, hq, scale, scale * LOG2E, q_off, TQ, GROUP=hq // hkv, **common,
     )  # fmt: skip
     return dq, dk, dv
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, starts, ends, causal, scale):
+def _(do, q, k, v, o, lse, starts, ends, causal, scale, q_off):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, starts, ends, causal, scale = inputs
+    q, k, v, starts, ends, causal, scale, q_off = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, starts, ends)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.q_off = causal, scale, q_off
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, starts, ends = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, starts, ends, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, starts, ends, ctx.causal, ctx.scale, ctx.q_off)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -390,10 +409,10 @@ def _split_range(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _doc_range(STARTS, ENDS, x0, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """For tokens [x0, x0+BLOCK): the union [lo, hi) and the intersection [full_lo, full_hi) of their
-    documents (doc starts and ends are non-decreasing along the row), and the block's last token."""
-    x_last = tl.minimum(x0 + BLOCK, T) - 1
+def _doc_range(STARTS, ENDS, x0, X_END, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """For tokens [x0, min(x0+BLOCK, X_END)): the union [lo, hi) and the intersection [full_lo, full_hi) of
+    their documents (doc starts and ends are non-decreasing along the row), and the block's last token."""
+    x_last = tl.minimum(x0 + BLOCK, X_END) - 1
     if HAS_DOCS:
         lo = tl.load(STARTS + x0)
         full_lo = tl.load(STARTS + x_last)
@@ -408,9 +427,10 @@ def _doc_range(STARTS, ENDS, x0, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr)
 
 
 @triton.jit
-def _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """Keys that rows [m0, m0+BLOCK_M) may see: [lo, hi); every row sees all of [full_lo, full_hi)."""
-    lo, full_lo, full_hi, hi, m_last = _doc_range(STARTS, ENDS, m0, T, BLOCK_M, HAS_DOCS)
+def _keys_of_query_block(STARTS, ENDS, m0, M_END, T, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                         HAS_DOCS: tl.constexpr):
+    """Keys that rows [m0, min(m0+BLOCK_M, M_END)) may see: [lo, hi); every row sees all of [full_lo, full_hi)."""
+    lo, full_lo, full_hi, hi, m_last = _doc_range(STARTS, ENDS, m0, M_END, T, BLOCK_M, HAS_DOCS)
     if CAUSAL:  # no key after the query
         full_hi = tl.minimum(full_hi, m0 + 1)
         hi = tl.minimum(hi, m_last + 1)
@@ -420,7 +440,7 @@ def _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M: tl.constexpr, CAUSAL: tl.
 @triton.jit
 def _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Queries that may see keys [n0, n0+BLOCK_N): [lo, hi); all of [full_lo, full_hi) see every key."""
-    lo, full_lo, full_hi, hi, n_last = _doc_range(STARTS, ENDS, n0, T, BLOCK_N, HAS_DOCS)
+    lo, full_lo, full_hi, hi, n_last = _doc_range(STARTS, ENDS, n0, T, T, BLOCK_N, HAS_DOCS)
     if CAUSAL:  # no query before the key
         lo = tl.maximum(lo, n0)
         full_lo = tl.maximum(full_lo, n_last)
@@ -489,11 +509,14 @@ def _attn_fwd(
     Q, K, V, O, LSE, STARTS, ENDS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-    T, H, qk_scale,
+    T, H, qk_scale, Q_OFF, TQ,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: heaviest query blocks first
+    """Queries are rows [Q_OFF, Q_OFF + TQ) of the T-token row whose keys K, V hold (all of a row: Q_OFF 0,
+    TQ T); Q, O and LSE hold only those TQ rows."""
+    m0_local = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: heaviest query blocks first
+    m0 = Q_OFF + m0_local  # the block's position in the row
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -504,11 +527,12 @@ def _attn_fwd(
     STARTS += b * T
     ENDS += b * T
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_local = m0_local + tl.arange(0, BLOCK_M)
+    offs_m = Q_OFF + offs_local
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < T
+    row_ok = offs_local < TQ
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
-    q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    q = tl.load(Q + offs_local[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
     if HAS_DOCS:
         q_start = tl.load(STARTS + offs_m, mask=row_ok, other=0)
         q_end = tl.load(ENDS + offs_m, mask=row_ok, other=T)
@@ -519,15 +543,15 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
+    lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, Q_OFF + TQ, T, BLOCK_M, CAUSAL, HAS_DOCS)
     a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
 
     o = (acc / l_i[:, None]).to(O.dtype.element_ty)
-    tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :], o, mask=io_mask)
-    tl.store(LSE + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(O + offs_local[:, None] * stride_ot + offs_d[None, :], o, mask=io_mask)
+    tl.store(LSE + bh.to(tl.int64) * TQ + offs_local, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @triton.jit
@@ -551,27 +575,29 @@ def _attn_bwd_delta(
 
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, lo, hi,
+    dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n, k_start, k_end, Q_OFF, TQ, qk_scale, lo, hi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):  # fmt: skip
-    """Works on transposed scores (keys x queries) so that dK and dV come out as (BLOCK_N, D)."""
+    """Works on transposed scores (keys x queries) so that dK and dV come out as (BLOCK_N, D). lo, hi and the
+    loads count in this launch's TQ query rows; the masks in the row's positions (Q_OFF + local)."""
     offs_d = tl.arange(0, BLOCK_D)
     for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        qt = _load_tile(Q + offs_m[None, :] * stride_qt + offs_d[:, None], offs_d, offs_m, T, HEAD_D, BLOCK_D, MASKED, False)  # (D, M)
-        lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)
+        offs_local = m0 + tl.arange(0, BLOCK_M)
+        offs_m = Q_OFF + offs_local
+        qt = _load_tile(Q + offs_local[None, :] * stride_qt + offs_d[:, None], offs_d, offs_local, TQ, HEAD_D, BLOCK_D, MASKED, False)  # (D, M)
+        lse = tl.load(LSE + offs_local, mask=offs_local < TQ, other=0.0)
         pt = tl.exp2(_dot(k, qt, None) * qk_scale - lse[None, :])  # (N, M) probabilities
         if MASKED:
             # Documents are symmetric, so _visible with the roles swapped gives the in-range, same-document
             # (key, query) pairs; causality is not symmetric and is added here.
-            keep = _visible(offs_n, offs_m, k_start, k_end, T, False, HAS_DOCS)
+            keep = _visible(offs_n, offs_m, k_start, k_end, Q_OFF + TQ, False, HAS_DOCS)
             if CAUSAL:
                 keep &= offs_m[None, :] >= offs_n[:, None]
             pt = tl.where(keep, pt, 0.0)
-        do = _load_tile(DO + offs_m[:, None] * stride_dot + offs_d[None, :], offs_d, offs_m, T, HEAD_D, BLOCK_D, MASKED, True)
+        do = _load_tile(DO + offs_local[:, None] * stride_dot + offs_d[None, :], offs_d, offs_local, TQ, HEAD_D, BLOCK_D, MASKED, True)
         dv = _dot(pt.to(do.dtype), do, dv)
-        delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA + offs_local, mask=offs_local < TQ, other=0.0)
         dst = pt * (_dot(v, tl.trans(do), None) - delta[None, :])
         dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk)
     return dk, dv
@@ -583,7 +609,7 @@ def _attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, STARTS, ENDS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    T, HKV, scale, qk_scale,
+    T, HKV, scale, qk_scale, Q_OFF, TQ,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -608,6 +634,11 @@ def _attn_bwd_dkdv(
         k_end = 0
 
     lo, full_lo, full_hi, hi = _queries_of_key_block(STARTS, ENDS, n0, T, BLOCK_N, CAUSAL, HAS_DOCS)
+    # This launch's queries are rows [Q_OFF, Q_OFF + TQ): the ranges in their local rows.
+    lo = tl.minimum(tl.maximum(lo - Q_OFF, 0), TQ)
+    full_lo = tl.minimum(tl.maximum(full_lo - Q_OFF, 0), TQ)
+    full_hi = tl.minimum(tl.maximum(full_hi - Q_OFF, 0), TQ)
+    hi = tl.minimum(tl.maximum(hi - Q_OFF, 0), TQ)
     a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_M)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -615,11 +646,11 @@ def _attn_bwd_dkdv(
         h = hk * GROUP + g
         Qh = Q + b * stride_qb + h * stride_qh
         DOh = DO + b * stride_dob + h * stride_doh
-        LSEh = LSE + (b * HKV * GROUP + h) * T
-        DELTAh = DELTA + (b * HKV * GROUP + h) * T
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, a, b_, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, b_, c, HEAD_D, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_DOCS)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, T, qk_scale, c, hi, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+        LSEh = LSE + (b * HKV * GROUP + h) * TQ
+        DELTAh = DELTA + (b * HKV * GROUP + h) * TQ
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, Q_OFF, TQ, qk_scale, a, b_, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, Q_OFF, TQ, qk_scale, b_, c, HEAD_D, BLOCK_D, BLOCK_M, False, CAUSAL, HAS_DOCS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_dot, offs_n, k_start, k_end, Q_OFF, TQ, qk_scale, c, hi, HEAD_D, BLOCK_D, BLOCK_M, True, CAUSAL, HAS_DOCS)
 
     offs = offs_n[:, None] * stride_dkt + offs_d[None, :]
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs, (dk * scale).to(DK.dtype.element_ty), mask=io_mask)
@@ -652,11 +683,12 @@ def _attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, STARTS, ENDS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-    T, H, scale, qk_scale,
+    T, H, scale, qk_scale, Q_OFF, TQ,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: heaviest query blocks first
+    m0_local = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # causal: heaviest query blocks first
+    m0 = Q_OFF + m0_local
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -664,16 +696,17 @@ def _attn_bwd_dq(
     V += b * stride_vb + (h // GROUP) * stride_vh
     STARTS += b * T
     ENDS += b * T
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_local = m0_local + tl.arange(0, BLOCK_M)
+    offs_m = Q_OFF + offs_local
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < T
+    row_ok = offs_local < TQ
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
     Q += b * stride_qb + h * stride_qh
     DO += b * stride_dob + h * stride_doh
-    q = tl.load(Q + offs_m[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=io_mask, other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+    q = tl.load(Q + offs_local[:, None] * stride_qt + offs_d[None, :], mask=io_mask, other=0.0)
+    do = tl.load(DO + offs_local[:, None] * stride_dot + offs_d[None, :], mask=io_mask, other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * TQ + offs_local, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * TQ + offs_local, mask=row_ok, other=0.0)
     if HAS_DOCS:
         q_start = tl.load(STARTS + offs_m, mask=row_ok, other=0)
         q_end = tl.load(ENDS + offs_m, mask=row_ok, other=T)
@@ -681,13 +714,13 @@ def _attn_bwd_dq(
         q_start = 0
         q_end = 0
 
-    lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, T, BLOCK_M, CAUSAL, HAS_DOCS)
+    lo, full_lo, full_hi, hi = _keys_of_query_block(STARTS, ENDS, m0, Q_OFF + TQ, T, BLOCK_M, CAUSAL, HAS_DOCS)
     a, b_, c = _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, a, b_, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, b_, c, HEAD_D, BLOCK_D, BLOCK_N, False, CAUSAL, HAS_DOCS)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, q_start, q_end, T, qk_scale, c, hi, HEAD_D, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_DOCS)
-    offs = offs_m[:, None] * stride_dqt + offs_d[None, :]
+    offs = offs_local[:, None] * stride_dqt + offs_d[None, :]
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
 

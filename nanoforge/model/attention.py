@@ -9,6 +9,9 @@ and V live and which keys each query sees:
   flash kernels (their PyTorch reference off the GPU).
 - `SDPAAttention`: the same masks through PyTorch SDPA and a dense mask, with
   optional dropout on the attention weights (the flash kernels have none).
+- `ContextParallelAttention`: a rank's share of each sequence's tokens
+  (context parallelism) against every token's keys, all-gathered across the
+  ranks that share the sequence, with the same causal and document masks.
 - `KVCache`: a contiguous per-layer cache for the reference generator: each
   call appends the new tokens' K/V at `self.length` and attends over all
   cached keys (causal within the new chunk).
@@ -27,6 +30,7 @@ Shapes: q (B, T, Hq, D); k, v (B, T, Hkv, D); the result (B, T, Hq, D).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from nanoforge.kernels.flash_attention import attention as flash_attention
 from nanoforge.kernels.flash_attention import doc_bounds, document_mask, sdpa
@@ -61,6 +65,69 @@ class SDPAAttention(AttentionBackend):
 
     def attend(self, layer, q, k, v):
         return sdpa(q, k, v, mask=self.mask, causal=self.mask is None, dropout_p=self.p)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along the sequence (dim 1) over a process group, rank by rank; backward, each rank's
+    slice of the gradients summed over the group (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        # One contiguous block per rank: gloo sums a non-contiguous gradient wrongly, and the CPU attention
+        # backward hands one over.
+        stacked = torch.stack(grad.chunk(n, dim=1)).contiguous()
+        if grad.is_cuda:
+            out = torch.empty_like(stacked[0])
+            dist.reduce_scatter_tensor(out, stacked, group=ctx.group)
+            return out, None
+        dist.all_reduce(stacked, group=ctx.group)  # gloo has no reduce-scatter
+        return stacked[rank], None
+
+
+class ContextParallelAttention(AttentionBackend):
+    """This rank's tokens of each row (context parallelism) attend to every token of the row: K and V are
+    all-gathered over `group` (autograd sums their gradients back), so causality and documents (`doc_ids`,
+    the whole (B, T) row; None: causal only) are exact wherever the chunks were cut. `q_index` holds the
+    positions of the local tokens (contiguous chunks), `kv_index` those of the gathered keys in gather order.
+
+    Each local chunk runs as a window of queries against the whole row's keys (`attention(..., q_offset=)`):
+    our flash kernels on a GPU, which read only the key blocks that the chunk's documents and causality
+    reach, and the SDPA reference elsewhere. With dropout (which the kernels lack), SDPA with the dense
+    (B, 1, T_local, T) mask."""
+
+    def __init__(self, doc_ids: torch.Tensor | None, q_index: torch.Tensor, kv_index: torch.Tensor, group,
+                 dropout: float = 0.0):
+        self.doc_ids, self.q_index, self.kv_index, self.group, self.p = doc_ids, q_index, kv_index, group, dropout
+        breaks = (torch.nonzero(q_index[1:] != q_index[:-1] + 1).flatten() + 1).tolist()
+        starts = [0, *breaks]
+        self.chunks = [(start, end - start, int(q_index[start])) for start, end in
+                       zip(starts, [*breaks, len(q_index)])]  # (local start, length, position in the row)
+        self.order = torch.argsort(kv_index)  # gathered keys -> row order
+        self.mask = self.bounds = None  # built by the first layer, reused by the rest
+
+    def attend(self, layer, q, k, v):
+        keys, values = _GatherTokens.apply(k, self.group), _GatherTokens.apply(v, self.group)
+        if self.p:
+            if self.mask is None:
+                rows, cols = self.q_index.to(q.device), self.kv_index.to(q.device)
+                self.mask = (document_mask(self.doc_ids, rows=rows, cols=cols) if self.doc_ids is not None
+                             else (cols[None, :] <= rows[:, None])[None, None])
+            return sdpa(q, keys, values, mask=self.mask, dropout_p=self.p)
+        order = self.order.to(q.device)
+        keys, values = keys[:, order], values[:, order]
+        if self.doc_ids is not None and self.bounds is None:
+            self.bounds = doc_bounds(self.doc_ids)
+        return torch.cat([flash_attention(q[:, start : start + n], keys, values, doc_ids=self.doc_ids, causal=True,
+                                          bounds=self.bounds, q_offset=offset) for start, n, offset in self.chunks],
+                         dim=1)
 
 
 class KVCache(AttentionBackend):

@@ -198,17 +198,24 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         if attn is None:
             attn = DenseAttention()
-        x = self.embed(input_ids)
-        rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        else:
-            rope = self.rope(positions, x.dtype)
-        x = self.drop(x)
+        x = self.embed_inputs(input_ids, positions)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, attn)
         x = self.norm(x)
         return x if return_hidden else self.lm_head(x)
+
+    # The forward pass in pieces, for a pipeline stage that runs only some of them.
+    def embed_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (plus learned position embeddings, GPT-2), after dropout: the residual stream."""
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        return self.drop(x)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What attention rotates q and k by: RoPE's (cos, sin), or None for learned positions."""
+        return None if self.pos_embed is not None else self.rope(positions, dtype)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -6,6 +6,13 @@ and `transformers` read it as is) with `trainer_state.pt` beside it: the
 optimizer, the step, the RNG states, the data position, the TrainConfig and
 the loss history, all that an exact resume needs.
 
+A parallel run (`nanoforge.train.parallel`) writes its weights and optimizer
+state as `torch.distributed.checkpoint` shards instead, in `dcp/` (every rank
+its own, tensors under layout-independent names: `canonical`), and the main
+process exports the model folder from them, so the folder is the same plain
+Hugging Face model whatever the layout. Shards load at any other layout,
+including one process without a process group: resharding is DCP's.
+
 Publishing is two-phase so that a crash never leaves a mix that looks good:
   1. write every file into `.checkpoint.tmp/`;
   2. rename it to `.checkpoint.ready/` (one atomic rename: the commit point);
@@ -16,8 +23,10 @@ committed checkpoint and deletes an uncommitted one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,28 +42,101 @@ _WRITING = ".checkpoint.tmp"
 _COMMITTED = ".checkpoint.ready"
 
 
+SHARDS = "dcp"  # the folder of a parallel run's torch.distributed.checkpoint shards
+
+
 def finish_pending(out_dir: str | os.PathLike) -> None:
-    """Complete a committed but unpublished checkpoint; drop one that was never committed."""
+    """Complete a committed but unpublished checkpoint; drop one that was never committed. In a parallel
+    run only the main process (RANK 0) touches the folder."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
     out = Path(out_dir)
     shutil.rmtree(out / _WRITING, ignore_errors=True)
     ready = out / _COMMITTED
     if ready.is_dir():
+        names = {f.name for f in ready.iterdir()}
+        if STATE_FILE in names and SHARDS not in names:  # shards of an earlier parallel checkpoint: stale now
+            shutil.rmtree(out / SHARDS, ignore_errors=True)
         for f in ready.iterdir():
+            if f.is_dir():
+                shutil.rmtree(out / f.name, ignore_errors=True)
             os.replace(f, out / f.name)
         ready.rmdir()
 
 
-def save_checkpoint(out_dir: str | os.PathLike, model: Transformer, tokenizer: Tokenizer, state: dict) -> None:
+def begin_checkpoint(out_dir: str | os.PathLike) -> Path:
+    """The empty folder that a checkpoint is written into before `commit_checkpoint` publishes it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     finish_pending(out)
     tmp = out / _WRITING
     tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(out_dir: str | os.PathLike) -> None:
+    out = Path(out_dir)
+    os.replace(out / _WRITING, out / _COMMITTED)
+    finish_pending(out)
+
+
+def save_checkpoint(out_dir: str | os.PathLike, model: Transformer, tokenizer: Tokenizer, state: dict) -> None:
+    tmp = begin_checkpoint(out_dir)
     save_model(model, tmp)
     tokenizer.save(tmp)
     torch.save(state, tmp / STATE_FILE)
-    os.replace(tmp, out / _COMMITTED)
-    finish_pending(out)
+    commit_checkpoint(out_dir)
+
+
+# --- sharded (parallel) checkpoints -----------------------------------------------------------------
+
+def save_shards(tmp: Path, tensors: dict) -> None:
+    """Every rank writes its shards of `tensors` ({"model": ..., "optimizer": ..., ...} by canonical names,
+    DTensors or plain) into tmp/dcp, collectively."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, checkpoint_id=tmp / SHARDS)
+
+
+def load_shards(path: str | os.PathLike, template: dict, distributed: bool) -> set[str]:
+    """Load a sharded checkpoint in place into `template` (the live tensors of `Trainer.state_dict()`, at any
+    layout: DCP reads whatever pieces of the saved shards each rank's tensors cover). Only the top-level parts
+    ("model", "optimizer", "average") that the checkpoint holds are read; returns their names."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    parts = {k: v for k, v in template.items() if k in saved}
+    with _one_process(not distributed):
+        dcp.load(parts, checkpoint_id=path, no_dist=not distributed)
+    return set(parts)
+
+
+@contextlib.contextmanager
+def _one_process(quiet: bool):
+    """DCP warns that it runs without a process group: here that is the intent."""
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
+        yield
+
+
+def export_shards(path: str | os.PathLike, out_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer,
+                  part: str = "model") -> None:
+    """The Hugging Face model folder of a sharded checkpoint (its weight average, with part="average"):
+    the whole model read into one process, without a process group, and saved as `save_model` does."""
+    import torch.distributed.checkpoint as dcp
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.reset_buffers("cpu")
+    model.requires_grad_(False)  # DCP loads in place, into views of the weights
+    with _one_process(True):
+        dcp.load({part: canonical(model.named_parameters(), cfg)}, checkpoint_id=path, no_dist=True)
+    save_model(model, out_dir)
+    tokenizer.save(out_dir)
 
 
 def remove_checkpoint(out_dir: str | os.PathLike) -> None:
@@ -64,6 +146,7 @@ def remove_checkpoint(out_dir: str | os.PathLike) -> None:
     for name in (STATE_FILE, "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "log.json", "loss.png", "answers.json"):
         (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / SHARDS, ignore_errors=True)
 
 
 def has_checkpoint(out_dir: str | os.PathLike) -> bool:
@@ -86,6 +169,8 @@ def load_state(out_dir: str | os.PathLike) -> dict:
                              param="resume") from None
     if "training_weights" in state:  # the model folder holds the weight average; these are the trained ones
         state["model"] = state.pop("training_weights")
+    if state.get("sharded"):  # a parallel run's: weights and optimizer state are in the shards beside it
+        state["sharded"] = str(Path(out_dir) / SHARDS)
     return state
 
 

@@ -7,6 +7,11 @@ model preset, freshly initialised with the tokenizer's vocabulary (rounded up
 to `pad_vocab`), or, with `init`, a model folder's weights and tokenizer
 (continued pretraining of a Hugging Face checkpoint, say).
 
+Under torchrun with parallel flags every rank runs `pretrain` with its
+`Parallel` layout: the main rank tokenizes, every rank builds the same model
+from the same seed, reads its own rows of each batch, and the layout
+parallelizes the model (see `nanoforge.train.parallel`).
+
 nanoGPT's Tiny Shakespeare results, reproduced:
     nanoforge train --preset shakespeare-char-cpu --data tinyshakespeare.txt --out runs/shakespeare-cpu
     nanoforge train --preset shakespeare-char --data tinyshakespeare.txt --out runs/shakespeare   (GPU)
@@ -77,13 +82,17 @@ def prepared_data(cfg: TrainConfig, out_dir: Path, resuming: bool) -> Path:
     return target
 
 
-def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
-    """Run (or resume, from the checkpoint in out_dir) a pretraining run; returns its summary."""
+def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, layout: SingleDevice | None = None) -> dict:
+    """Run (or resume, from the checkpoint in out_dir) a pretraining run; returns its summary.
+
+    `layout`: where it runs (default: one device, cfg.device); a parallel layout's ranks all call this, and
+    the main one prepares the data and writes the files."""
     out_dir = Path(out_dir)
+    layout = layout or SingleDevice(pick_device(cfg.device))
+    device = layout.device
     state = load_state(out_dir) if resume else None
-    device = pick_device(cfg.device)
-    use_cuda_graph(device, cfg.cuda_graph)  # refuse before anything is written
-    data_dir = prepared_data(cfg, out_dir, resuming=resume)
+    use_cuda_graph(device, cfg.cuda_graph, layout.name)  # refuse before anything is written
+    data_dir = layout.on_main(lambda: prepared_data(cfg, out_dir, resuming=resume))
     tokenizer = Tokenizer.load(data_dir)
     expected = model_config(cfg, tokenizer)
     if state is not None:  # first: a checkpoint of another model is that, not a mismatch of its settings
@@ -97,11 +106,12 @@ def pretrain(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False) -> 
         torch.manual_seed(cfg.seed)
         model = Transformer(expected).to(device)
     eos = json.loads((data_dir / "meta.json").read_text())["eos_id"]
-    loader = PackedLoader(data_dir / "train.bin", cfg.batch_size, seq_len, seed=cfg.seed, eot_id=eos,
-                          doc_masking=cfg.doc_masking)
-    val = PackedLoader(data_dir / "val.bin", cfg.batch_size, seq_len, seed=cfg.seed, eot_id=eos,
-                       doc_masking=cfg.doc_masking)
-    print(f"pretraining {model.num_params() / 1e6:.2f}M parameters ({cfg.init or cfg.model}) on {device}: "
-          f"{cfg.batch_size} x {seq_len} tokens x {cfg.grad_accum} micro-batches per step, {cfg.max_steps} steps")
+    common = dict(seed=cfg.seed, eot_id=eos, doc_masking=cfg.doc_masking, shard=layout.data_shard)
+    loader = PackedLoader(data_dir / "train.bin", cfg.batch_size, seq_len, **common)
+    val = PackedLoader(data_dir / "val.bin", cfg.batch_size, seq_len, **common)
+    if layout.is_main:
+        where = f"{layout.world_size} processes ({layout.name}), {device.type}" if layout.distributed else device
+        print(f"pretraining {model.num_params() / 1e6:.2f}M parameters ({cfg.init or cfg.model}) on {where}: "
+              f"{cfg.batch_size} x {seq_len} tokens x {cfg.grad_accum} micro-batches per step, {cfg.max_steps} steps")
     data = RunData(loader, lambda n: val.iter_eval(cfg.batch_size, seq_len, n))
-    return train(model, tokenizer, cfg, data, out_dir, layout=SingleDevice(device), resume=state, title="pretrain")
+    return train(model, tokenizer, cfg, data, out_dir, layout=layout, resume=state, title="pretrain")

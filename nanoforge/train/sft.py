@@ -67,15 +67,18 @@ def answer_eval(model: Transformer, tokenizer: Tokenizer, records: list[dict], m
 
 
 def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, answer_tokens: int = 256,
-             eval_samples: int | None = 100) -> dict:
+             eval_samples: int | None = 100, layout: SingleDevice | None = None) -> dict:
     """Run (or resume) SFT; returns the loop's summary plus the held-out answer check.
 
     A fresh run with cfg.epochs set trains for that many passes over the examples (max_steps is
-    computed); `eval_samples` held-out prompts (None: all) are answered at the end."""
+    computed); `eval_samples` held-out prompts (None: all) are answered at the end. With a parallel
+    `layout` every rank trains; the layout is closed after training, and the main rank answers the
+    prompts with the model folder the run wrote (the others return the summary alone)."""
     out_dir = Path(out_dir)
+    layout = layout or SingleDevice(pick_device(cfg.device))
+    device, say = layout.device, (print if layout.is_main else lambda *a, **k: None)
     state = load_state(out_dir) if resume else None
-    device = pick_device(cfg.device)
-    use_cuda_graph(device, cfg.cuda_graph)  # refuse before anything is written
+    use_cuda_graph(device, cfg.cuda_graph, layout.name)  # refuse before anything is written
     source = out_dir if resume else Path(cfg.init or "runs/pretrain")
     if not (source / "config.json").is_file():
         raise NanoforgeError(f"{source}/config.json not found: SFT starts from a pretrained model folder "
@@ -101,9 +104,9 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
                                  f"of the {len(records)} records (characters outside its vocabulary: {chars[:40]!r}); "
                                  f"fine-tune a model whose tokenizer covers the data (e.g. pretrained with "
                                  f"--tokenizer bpe:N)", param="data")
-        print(f"SFT: skipped {skipped} of {len(records)} records holding characters outside {source}'s vocabulary "
+        say(f"SFT: skipped {skipped} of {len(records)} records holding characters outside {source}'s vocabulary "
               f"({chars[:40]!r}): a character-level model cannot read them, here or when it serves")
-    packer = SFTPacker(train_examples, seq_len, cfg.batch_size, seed=cfg.seed)
+    packer = SFTPacker(train_examples, seq_len, cfg.batch_size, seed=cfg.seed, shard=layout.data_shard)
 
     def steps_for(examples, passes: float) -> int:
         """Batches that `passes` passes over the examples fill (each takes len - 1 slots of a row)."""
@@ -112,10 +115,10 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
     if state is None and cfg.epochs:
         cfg = cfg.replace(max_steps=steps_for(train_examples, cfg.epochs))
 
-    val_packer = SFTPacker(val_examples, seq_len, cfg.batch_size, seed=cfg.seed)
+    val_packer = SFTPacker(val_examples, seq_len, cfg.batch_size, seed=cfg.seed, shard=layout.data_shard)
     for name, p in (("training", packer), ("held-out", val_packer)):
         if p.dropped:
-            print(f"SFT: dropped {p.dropped} of {p.dropped + len(p.examples)} {name} examples longer than "
+            say(f"SFT: dropped {p.dropped} of {p.dropped + len(p.examples)} {name} examples longer than "
                   f"seq_len + 1 = {seq_len + 1} tokens")
     val_start, one_pass = val_packer.state_dict(), steps_for(val_examples, 1)
 
@@ -124,11 +127,18 @@ def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, ans
         val_packer.load_state_dict(val_start)
         return islice(val_packer, min(n or one_pass, one_pass))
 
-    print(f"fine-tuning {source} ({model.num_params() / 1e6:.2f}M parameters) on {device}: "
-          f"{len(train_records)} examples ({len(val_records)} held out), {cfg.batch_size} x {seq_len} tokens "
-          f"per step, {cfg.max_steps} steps")
-    summary = train(model, tokenizer, cfg, RunData(packer, eval_batches), out_dir, layout=SingleDevice(device),
-                    resume=state, title="sft")
+    where = f"{layout.world_size} processes ({layout.name}), {device.type}" if layout.distributed else device
+    say(f"fine-tuning {source} ({model.num_params() / 1e6:.2f}M parameters) on {where}: "
+        f"{len(train_records)} examples ({len(val_records)} held out), {cfg.batch_size} x {seq_len} tokens "
+        f"per step, {cfg.max_steps} steps")
+    summary = train(model, tokenizer, cfg, RunData(packer, eval_batches), out_dir, layout=layout, resume=state,
+                    title="sft")
+    if layout.distributed:  # the model is sharded across the ranks: answer with the folder the run wrote
+        layout.close()
+        if not layout.is_main:
+            return summary
+        model = load_for_training(out_dir, device)
+        model.cfg = model.cfg.replace(eos_token_id=sorted({tokenizer.eot_id, tokenizer.eos_id}))
 
     held_out = val_records if eval_samples is None else val_records[:eval_samples]
     check = answer_eval(model, tokenizer, held_out, answer_tokens)

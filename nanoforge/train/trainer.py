@@ -50,7 +50,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.attention import AttentionBackend, DenseAttention, SDPAAttention
 from nanoforge.model.transformer import Transformer
 from nanoforge.tokenizer import Tokenizer
-from nanoforge.train.checkpoint import canonical, restore_rng, rng_state, save_checkpoint
+from nanoforge.train.checkpoint import canonical, load_shards, restore_rng, rng_state, save_checkpoint
 from nanoforge.train.config import DTYPES, TrainConfig, sequence_length
 from nanoforge.train.loss import linear_cross_entropy
 from nanoforge.train.optim import init_optimizer_state, lr_at, make_optimizer
@@ -58,6 +58,7 @@ from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_lo
 
 AttentionFor = Callable[[Batch], AttentionBackend]  # which attention a batch gets
 LossFn = Callable[[Batch], torch.Tensor]  # batch (on the device) -> summed loss over its trained tokens
+TENSOR_PARTS = ("model", "optimizer", "average")  # the parts of Trainer.state_dict() that hold tensors
 
 
 @dataclass
@@ -204,6 +205,15 @@ class SingleDevice:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
+    data_shard = (0, 1)  # (this rank's index, ranks) among the ranks that read different rows of each batch
+
+    def on_main(self, fn: Callable[[], object]) -> object:
+        """Run `fn` (files, printing) on the main process; every rank gets its result."""
+        return fn()
+
+    def close(self) -> None:
+        """The run is over (a parallel layout leaves its process group)."""
+
     def parallelize(self, model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
         """The model as this rank trains it (here: as it is)."""
         return model
@@ -230,6 +240,10 @@ class SingleDevice:
         ranks that share it (and unscaled from `divisor`'s factor)."""
         return loss
 
+    def step_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A step's mean loss from this rank's share of it (the sum of its micro-batches' losses / divisor)."""
+        return loss
+
     def count(self, n: int) -> int:
         """Trained tokens counted in this rank's rows, summed over the ranks that read other rows."""
         return n
@@ -243,7 +257,9 @@ class SingleDevice:
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    forward_backward = None  # a pipeline's schedule replaces the micro-batch loop; None: the loop
+    def forward_backward(self, loss_fn: LossFn, batches: list[Batch], divisor: int | torch.Tensor, amp) -> torch.Tensor:
+        """Forward and backward of a step's micro-batches (a pipeline's schedule, in a pipelined run)."""
+        return forward_backward(loss_fn, batches, divisor, amp)
 
     def eval_loss(self, loss_fn: LossFn, batch: Batch) -> torch.Tensor:
         return loss_fn(batch)
@@ -263,9 +279,12 @@ class WeightAverage:
     """
 
     def __init__(self, model: torch.nn.Module, decay: float, device: torch.device | str):
-        self.names = [n for n, _ in model.named_parameters()]
-        self.params = [p.detach() for p in model.parameters()]  # views: they see every optimizer step
+        self.names, weights = zip(*((n, p.detach()) for n, p in model.named_parameters()))
+        # This rank's shards of sharded weights (views: they see every optimizer step); the average is
+        # shard by shard, like the optimizer.
+        self.params = [_local(p) for p in weights]
         self.avg = [p.clone() for p in self.params]
+        self._like = weights  # what `named` wraps the average's shards like
         self.decay = decay
         self.weight = torch.zeros((), device=device)
         self._weights = [self.weight] * len(self.params)  # per-tensor weights: no host sync, capturable
@@ -279,7 +298,8 @@ class WeightAverage:
         torch._foreach_lerp_(self.avg, self.params, self._weights)
 
     def named(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return zip(self.names, self.avg)
+        """(name, average) per weight; for a sharded weight, a DTensor of the average's shards laid out as it."""
+        return zip(self.names, (_shard_like(a, p) for a, p in zip(self.avg, self._like)))
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[list[torch.Tensor]]:
@@ -294,6 +314,21 @@ class WeightAverage:
     def keep(self) -> None:
         """The run is over: the model holds the average from now on."""
         torch._foreach_copy_(self.params, self.avg)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view), or the tensor."""
+    return t.to_local() if hasattr(t, "device_mesh") else t
+
+
+def _shard_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` as a shard of a DTensor laid out like `like` (or itself, for a plain tensor)."""
+    if not hasattr(like, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def forward_backward(loss_fn: LossFn, batches: list[Batch], divisor: int | torch.Tensor, amp) -> torch.Tensor:
@@ -329,10 +364,7 @@ class TrainStep:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
 
     def run(self, batches: list[Batch], divisor: int | torch.Tensor) -> torch.Tensor:
-        if self.layout.forward_backward is not None:
-            loss = self.layout.forward_backward(batches, divisor)
-        else:
-            loss = forward_backward(self.loss_fn, batches, divisor, self.amp)
+        loss = self.layout.forward_backward(self.loss_fn, batches, divisor, self.amp)
         if self.grad_clip > 0:
             self.layout.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
@@ -349,7 +381,7 @@ class TrainStep:
         divisor = self.layout.divisor(sum(count_trained(b) for b in micro))  # counted on the CPU: no device sync
         loss = self.run([to_device(self.layout.local(b), self.device) for b in micro], divisor)
         self.optimizer.zero_grad(set_to_none=True)
-        return self.layout.total(loss)
+        return self.layout.step_loss(loss)
 
 
 class GraphedStep:
@@ -538,6 +570,10 @@ class Trainer:
         reader already loaded in place are left alone; missing "model" or "average" keep what the model
         holds (a model folder's weights, loaded before)."""
         live = self.state_dict()
+        if state.get("sharded"):  # a parallel run's checkpoint: DCP reads this layout's pieces in place
+            loaded = load_shards(state["sharded"], {k: v for k, v in live.items() if k in TENSOR_PARTS},
+                                 self.layout.distributed)
+            state = state | {k: live[k] for k in loaded}
         if "param_groups" in state["optimizer"]:  # a checkpoint of nanoforge before parallel layouts
             self._load_unnamed(state)
             state = {k: v for k, v in state.items() if k != "optimizer"} | {"optimizer": {}}
@@ -573,7 +609,7 @@ class Trainer:
         if self.layout.distributed:
             self.layout.save_checkpoint(self.out_dir, state, self.model_cfg, self.tokenizer)
         else:
-            files = {k: v for k, v in state.items() if k not in ("model", "average")}
+            files = {k: v for k, v in state.items() if k not in ("model", "average")}  # the optimizer stays
             with self.average.swapped_in() if self.average is not None else contextlib.nullcontext() as training:
                 if training is not None:  # the folder holds the average; the state, the training weights
                     files["training_weights"] = self._canonical(zip(self.average.names, (t.cpu() for t in training)))
