@@ -175,6 +175,11 @@ def test_planner_counts_the_memory_and_time_of_a_layout():
     assert est["time_s"]["compute"] == pytest.approx(flops / 64 / (989e12 * 0.5))
     assert est["mfu"] == pytest.approx(flops / (64 * 989e12 * est["time_s"]["step"]))
     assert est["fits"] and not est["recompute"]
+    # the head's micro-batch of logits: bf16 logits and their bf16 gradient when compiled (the default), plus the
+    # fp32 copy and its log-softmax when eager
+    assert mem["logits"] == pytest.approx(4 * 8192 * m.vocab_size / 8 / GiB)
+    eager = estimate(m, Layout(tp=8, cp=1, pp=2, dp=4, schedule="1f1b"), w, Hardware(gpus=64, compiled=False))
+    assert eager["memory_gib"]["logits"] == pytest.approx(10 * 8192 * m.vocab_size / 8 / GiB)
 
 
 def test_plan_lists_runnable_layouts_fitting_first_and_llama3_405b(tmp_path, capsys):

@@ -306,6 +306,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvlink-gbs", type=float, default=360.0, help="collective bandwidth inside a node, GB/s per GPU")
     p.add_argument("--network-gbs", type=float, default=40.0, help="bandwidth across nodes, GB/s per GPU")
     p.add_argument("--overhead-gib", type=float, default=4.0, help="memory for CUDA, NCCL and the allocator (GiB)")
+    p.add_argument("--no-compile", dest="compiled", action="store_false",
+                   help="the step runs eagerly: the logits' fp32 copy and log-softmax are held too")
     p.add_argument("--top", type=int, default=12, help="rows shown (default 12)")
     p.add_argument("--llama3", action="store_true",
                    help="also estimate Llama 3 405B's published layouts (the paper's Table 4) on this hardware")
@@ -325,7 +327,7 @@ def run_plan(args) -> int:
     seq_len = args.seq_len or min(model.max_seq_len, 8192)
     hw = Hardware(gpus=args.gpus, hbm_gib=args.hbm_gib, peak_tflops=args.peak_tflops, efficiency=args.efficiency,
                   gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs,
-                  overhead_gib=args.overhead_gib)
+                  overhead_gib=args.overhead_gib, compiled=args.compiled)
     work = Workload(seq_len=seq_len, batch_tokens=parse_count(args.batch_tokens), micro_batch=args.micro_batch)
     rows = plan(model, work, hw, tp=args.tp, cp=args.cp, pp=args.pp)
     fit = sum(r["fits"] for r in rows)

@@ -17,8 +17,10 @@ Memory per GPU (the worst pipeline stage: the first, with the embedding, or the 
                                 pp (1 + (pp - 1) / (pp v)) interleaved. With recomputation (activation
                                 checkpointing per block) only each block's input stays, plus one block's
                                 activations while it is recomputed.
-    logits                      the last stage's micro-batch of logits: bf16, their fp32 copy and its
-                                log-softmax (10 B per token and vocabulary entry / tp)
+    logits                      the last stage's micro-batch of logits. Compiled (the GPU default) the
+                                head and the loss are one graph: the bf16 logits kept for the backward
+                                and their bf16 gradient, 4 B per token and vocabulary entry / tp; eager
+                                (--no-compile), also their fp32 copy and its log-softmax: 10 B
     overhead                    CUDA context, NCCL buffers, allocator slack: --overhead-gib
 
 Step time, per GPU:
@@ -58,6 +60,7 @@ class Hardware:
     nvlink_gbs: float = 360.0  # achieved bus bandwidth of a collective inside a node (NVLink 4), GB/s per GPU
     network_gbs: float = 40.0  # achieved per-GPU bandwidth across nodes (400 Gb/s RoCE / InfiniBand), GB/s
     overhead_gib: float = 4.0
+    compiled: bool = True  # the step runs under torch.compile (the trainer's default on a GPU)
 
 
 @dataclass
@@ -152,7 +155,7 @@ def estimate(m: ModelConfig, lay: Layout, w: Workload, hw: Hardware) -> dict:
     held = in_flight(lay, micro)
     act = layers * held * full
     act_recompute = layers * held * kept + full
-    logits = 10 * w.micro_batch * w.seq_len / lay.cp * m.vocab_size / lay.tp
+    logits = (4 if hw.compiled else 10) * w.micro_batch * w.seq_len / lay.cp * m.vocab_size / lay.tp
     fixed = weights + grads + optim + gathered + logits + hw.overhead_gib * GiB
     memory = {"weights": weights, "grads": grads, "optimizer": optim, "gathered": gathered, "logits": logits,
               "activations": act, "activations_recompute": act_recompute,
