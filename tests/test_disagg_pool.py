@@ -88,6 +88,32 @@ def test_blocks_round_trip_and_a_second_engine_computes_only_the_rest(model, tok
         b.close()
 
 
+def test_a_client_writes_into_its_own_segment_and_another_reads_it(stores):
+    """Puts land in the writer's own segment (a local copy, as a prefill node keeps its KV in its own DRAM);
+    the other client reads them across the link, byte for byte."""
+    nbytes, n = 1 << 16, 8
+    homes = []
+    bufs = [torch.randint(0, 256, (n * nbytes,), dtype=torch.uint8) for _ in stores]
+    for store, buf in zip(stores, bufs):
+        store.register_buffer(buf.data_ptr(), buf.numel())
+    try:
+        for w, (writer, reader) in enumerate((stores, stores[::-1])):
+            src, dst = bufs[w], bufs[1 - w]
+            keys = [f"own-segment/{w}/{i}" for i in range(n)]
+            assert writer.put_from(keys, [src.data_ptr() + i * nbytes for i in range(n)], nbytes) == [True] * n
+            homes.append({tuple(writer.segments(k)) for k in keys})
+            expected = src.clone()
+            dst.zero_()
+            assert reader.get_into(keys, [dst.data_ptr() + i * nbytes for i in range(n)], nbytes) == [True] * n
+            assert torch.equal(dst, expected)
+        # each writer's blocks all sit in one segment, and not the same one (Mooncake's default placement is
+        # random over the segments: 8 blocks in one place would be a 1-in-128 chance)
+        assert [len(h) for h in homes] == [1, 1] and homes[0] != homes[1]
+    finally:
+        for store, buf in zip(stores, bufs):
+            store.unregister_buffer(buf.data_ptr())
+
+
 def test_mixed_prompts_with_and_without_hits_are_exact(model, tok, stores):
     """Several prompts at once, some sharing a prefix with what the pool holds, some not, one shorter than a
     block, n > 1 and a seeded sample: the same tokens as an engine without a pool."""

@@ -5,7 +5,12 @@ instance mounts `segment_bytes` of its own CPU memory into the cluster's pool)
 and `mooncake_master` allocates and evicts them. We use it with the TCP
 transport and `P2PHANDSHAKE` (no metadata server), through one registered
 buffer per client and the batched calls `batch_put_from` / `batch_get_into`:
-one call per request and direction, however many blocks. Codes, as Mooncake
+one call per request and direction, however many blocks. A client that holds
+a segment writes into its own segment (Mooncake's `preferred_segment`): the
+write is a local copy and only the reader's fetch crosses the link, as in
+Mooncake, where a prefill node's KV stays in its own DRAM until a decode node
+pulls it (over loopback TCP on a 2-core machine: 1.9 GB/s local against 0.3
+GB/s remote puts). Codes, as Mooncake
 0.3.13 returns them: a key that is missing, or not written for lack of room, is
 a miss (`False`); RPC and transfer failures raise PoolError (the connector then
 computes locally and leaves the pool alone for a while).
@@ -75,6 +80,11 @@ class MooncakeStore:
         if code != 0:
             raise NanoforgeError(f"cannot join the Mooncake Store of the master at {master} (setup returned {code}): "
                                  f"is mooncake_master running there?", param="store")
+        self.put_config = None  # Mooncake's default placement
+        if segment_bytes:  # write into our own segment: a local copy, not a transfer
+            from mooncake.store import ReplicateConfig
+            self.put_config = ReplicateConfig()
+            self.put_config.preferred_segment = self.store.get_hostname()
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         code = self.store.register_buffer(ptr, nbytes)
@@ -85,7 +95,11 @@ class MooncakeStore:
         self.store.unregister_buffer(ptr)
 
     def put_from(self, keys: list[str], ptrs: list[int], nbytes: int) -> list[bool]:
-        codes = self.store.batch_put_from(keys, ptrs, [nbytes] * len(keys))
+        sizes = [nbytes] * len(keys)
+        if self.put_config is None:
+            codes = self.store.batch_put_from(keys, ptrs, sizes)
+        else:
+            codes = self.store.batch_put_from(keys, ptrs, sizes, self.put_config)
         self._raise_on_failure("put", codes)
         return [c in _STORED for c in codes]
 
@@ -95,6 +109,11 @@ class MooncakeStore:
         if first_miss is not None and first_miss not in _MISSING:
             self._raise_on_failure("get", [first_miss])
         return [c == nbytes for c in codes]
+
+    def segments(self, key: str) -> list[str]:
+        """The segments (clients' hostnames) holding replicas of `key`."""
+        return [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                for r in self.store.get_replica_desc(key) if r.is_memory_replica()]
 
     def contains(self, keys: list[str]) -> list[bool]:
         codes = self.store.batch_is_exist(keys)
