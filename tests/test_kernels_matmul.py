@@ -12,11 +12,11 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import interpreter, raises_bug
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import bench
 from nanoforge.kernels import matmul as mm
-from conftest import interpreter, raises_bug
 
 # sigmoid(-large) in the GELU/SiLU epilogues overflows exp() to inf (correctly giving 0); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -122,6 +122,67 @@ def test_strided_operands(force_triton):
     b = torch.randn(30, 40, generator=g).half().t()  # (40, 30), strides (1, 40)
     out = _run(a, b, schedule="streamk")
     _assert_matches(out, a.double() @ b.double(), torch.float16)
+
+
+class _FakeAutotuner:
+    """Stands in for triton.autotune on the CPU: runs the interpreter with one fixed config, calls the
+    config's pre-hook like Triton does, and returns a 'compiled kernel' that launches the interpreter
+    with every parameter positional, as Triton's CompiledKernel takes them."""
+
+    def __init__(self, fn, config):
+        self.fn, self.best_config, self.runs = fn, config, 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.runs += 1
+            nargs = {**dict(zip(self.fn.arg_names, args)), **kwargs, **self.best_config.all_kwargs()}
+            mm._set_tma_block_shapes(nargs)
+            self.fn[grid](*args, **kwargs, **self.best_config.kwargs)
+            return _FakeCompiled(self.fn)
+        return run
+
+
+class _FakeCompiled:
+    packed_metadata = None
+    launches = 0
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        assert len(grid) == 3
+
+        def run(*args):
+            assert len(args) == len(self.fn.arg_names)  # every parameter, in order, the constexprs too
+            _FakeCompiled.launches += 1
+            self.fn[grid](*args)
+        return run
+
+
+@interpreter
+@pytest.mark.parametrize("schedule", ["tiled", "hybrid"])
+@pytest.mark.parametrize("M,N,K", [(64, 48, 64), (37, 45, 70)])  # TMA descriptors; pointers
+def test_launch_plan_reuses_the_compiled_kernel(force_triton, monkeypatch, schedule, M, N, K):
+    """The GPU launch path, on the CPU: the first call of a shape goes through the autotuner, later
+    ones launch the compiled kernel directly with the plan's arguments, and every result is right."""
+    import triton
+
+    config = triton.Config({**mm._INTERPRET_CONFIG, "SK_ITERS": mm._INTERPRET_SK_ITERS, "FIXUP": "owner",
+                            "WS_TILE": mm._MAX_TILE_ELEMS}, num_warps=4, num_stages=2)
+    tuner = _FakeAutotuner(mm._matmul_tiled_kernel, triton.Config(dict(mm._INTERPRET_CONFIG), num_warps=4))
+    ptuner = _FakeAutotuner(mm._matmul_persistent_kernel, config)
+    monkeypatch.setattr(mm, "_tiled_tuned", tuner)
+    monkeypatch.setattr(mm, "_persistent_tuned", ptuner)
+    monkeypatch.setattr(mm, "_autotuned", lambda device: True)
+    monkeypatch.setattr(mm, "_PLANS", {})
+    monkeypatch.setattr(_FakeCompiled, "launches", 0)
+    for seed in range(3):
+        a, b, bias = _inputs(M, N, K, torch.bfloat16, seed=seed)
+        b = b.t().contiguous().t()  # the (N, K) weight seen through .t(), as linear() passes it
+        out = mm.matmul(a, b, bias=bias, activation="silu", schedule=schedule)
+        ref = mm.matmul_ref(a.double(), b.double(), bias=bias.double(), activation="silu")
+        _assert_matches(out, ref, torch.bfloat16)
+    assert tuner.runs + ptuner.runs == 1 and _FakeCompiled.launches == 2 and len(mm._PLANS) == 1
 
 
 def test_pick_schedule():

@@ -465,6 +465,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _autotuned(device: torch.device) -> bool:
+    """Compiled and autotuned kernels (a GPU); else the interpreter's one fixed config."""
+    return device.type == "cuda" and not _interpreting()
+
+
 @functools.cache
 def _cuda_info(device: torch.device) -> tuple[int, bool]:
     """(SM count, TMA capable) of a CUDA device, queried once: a property query costs microseconds a call."""
@@ -605,7 +610,7 @@ def _matmul_triton(a, b, bias, activation, schedule, out):
     (M, K), N = a.shape, b.shape[1]
     device = a.device
     num_sms = _num_sms(device)
-    tuned = device.type == "cuda" and not _interpreting()
+    tuned = _autotuned(device)
     c_strides = (N, 1) if out is None else out.stride()
     if bias is not None:
         bias = bias.contiguous()
