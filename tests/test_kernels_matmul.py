@@ -7,7 +7,12 @@ unevenly. Output buffers are poisoned with NaN so an element the kernel fails to
 write fails the comparison. `gpu` tests repeat the checks at full size.
 """
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +294,18 @@ def test_gpu_linear_full_size():
     x = torch.randn(4, 2048, 768, generator=g).bfloat16().cuda()
     w = torch.randn(3072, 768, generator=g).bfloat16().cuda()
     _assert_matches(mm.linear(x, w), F.linear(x.double(), w.double()), torch.bfloat16)
+
+
+def test_gemm_launch_script_smoke(tmp_path):
+    """benchmarks/gpu_gemm_launch.py --smoke on the CPU (interpreter): the H200 script cannot rot."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "NANOFORGE_KERNELS"}
+    env.update(OUT=str(tmp_path), TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "gpu_gemm_launch.py"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gemm_launch.json").read_text())
+    assert report["launched"]["shapes"] == 2 and report["launched"]["geomean_vs_cublas"] > 0
+    host = report["host"][0]
+    assert 0 < host["ours_python_us"] < host["ours_host_us"] and host["cublas_host_us"] > 0
+    assert report["readme_row"].startswith("| GEMM")
