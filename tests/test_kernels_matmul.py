@@ -190,6 +190,21 @@ def test_launch_plan_reuses_the_compiled_kernel(force_triton, monkeypatch, sched
     assert tuner.runs + ptuner.runs == 1 and _FakeCompiled.launches == 2 and len(mm._PLANS) == 1
 
 
+@interpreter
+def test_misaligned_operands_take_pointers(force_triton, monkeypatch):
+    """A view that starts 2 bytes into its storage cannot be a TMA base: the same shape and strides as an
+    aligned call (whose plan uses TMA) must still give the right answer, through pointers."""
+    monkeypatch.setattr(mm, "_PLANS", {})
+    a, b, _ = _inputs(64, 48, 64, torch.bfloat16, seed=5)
+    _assert_matches(_run(a, b), a.double() @ b.double(), torch.bfloat16)  # aligned: TMA
+    a_off = torch.cat([torch.zeros(1, dtype=a.dtype), a.flatten()])[1:].view(64, 64)
+    assert a_off.data_ptr() % 16 != 0 and a_off.stride() == a.stride()
+    out = _run(a_off, b)
+    assert not mm._tma_ok(a_off, b, out)
+    assert [plan.use_tma for plan in mm._PLANS.values()] == [True, False]
+    _assert_matches(out, a.double() @ b.double(), torch.bfloat16)
+
+
 def test_pick_schedule():
     # 1024x4352 with 128x128 tiles: 272 tiles = 2.06 waves on 132 SMs -> hybrid
     assert mm._pick_schedule(1024, 4352, 132) == "hybrid"

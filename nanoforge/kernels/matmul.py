@@ -562,11 +562,11 @@ _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096  # one per distinct (shape, strides, ...) seen; a serving engine sees one per batch size
 
 
-def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned) -> _Plan:
+def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned) -> _Plan:
     (M, K), N = a.shape, b.shape[1]
     if schedule == "auto":
         schedule = _pick_schedule(M, N, num_sms)
-    use_tma = _tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c_strides)
+    use_tma = operands_aligned and _tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c_strides)
     consts = {"HAS_BIAS": bias is not None, "ACTIVATION": activation or "none", "USE_TMA": use_tma,
               "B_NK": use_tma and b.stride(1) != 1}
     m_bucket = triton.next_power_of_2(M)  # the autotune key: tuned once per power-of-two token count
@@ -622,7 +622,8 @@ def _matmul_triton(a, b, bias, activation, schedule, out):
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned)
+        plan = _PLANS[key] = _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned,
+                                             all(aligned[:3]))
     c = out if out is not None else torch.empty((M, N), device=device, dtype=a.dtype)
     bias_arg = bias if bias is not None else c  # c: any pointer, never read without HAS_BIAS
     if plan.compiled is not None:  # the steady state on a GPU
