@@ -56,6 +56,11 @@ and newer, A, B and C are addressed through TMA tensor descriptors when their
 strides allow it (16-byte aligned rows); otherwise through plain pointers.
 Under TRITON_INTERPRET=1 (CPU tests) one small fixed config is used and both
 addressing modes are exercised.
+
+Launch: the host side of a call is kept short (see "launch plans" below): all
+that depends only on shapes, strides, dtypes, alignment and flags is worked out
+on a key's first call and kept, and later calls launch the compiled kernel
+directly, without the autotuner's or Triton's per-call argument handling.
 """
 
 from __future__ import annotations
