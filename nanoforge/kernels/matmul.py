@@ -627,8 +627,8 @@ def _matmul_triton(a, b, bias, activation, schedule, out):
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned,
-                                             all(aligned[:3]))
+        operands_aligned = all(aligned[:3])  # TMA bases must be 16-byte aligned
+        plan = _PLANS[key] = _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned)
     c = out if out is not None else torch.empty((M, N), device=device, dtype=a.dtype)
     bias_arg = bias if bias is not None else c  # c: any pointer, never read without HAS_BIAS
     if plan.compiled is not None:  # the steady state on a GPU
