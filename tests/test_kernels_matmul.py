@@ -7,16 +7,21 @@ unevenly. Output buffers are poisoned with NaN so an element the kernel fails to
 write fails the comparison. `gpu` tests repeat the checks at full size.
 """
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import interpreter, raises_bug
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import bench
 from nanoforge.kernels import matmul as mm
-from conftest import interpreter, raises_bug
 
 # sigmoid(-large) in the GELU/SiLU epilogues overflows exp() to inf (correctly giving 0); numpy warns
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -124,6 +129,82 @@ def test_strided_operands(force_triton):
     _assert_matches(out, a.double() @ b.double(), torch.float16)
 
 
+class _FakeAutotuner:
+    """Stands in for triton.autotune on the CPU: runs the interpreter with one fixed config, calls the
+    config's pre-hook like Triton does, and returns a 'compiled kernel' that launches the interpreter
+    with every parameter positional, as Triton's CompiledKernel takes them."""
+
+    def __init__(self, fn, config):
+        self.fn, self.best_config, self.runs = fn, config, 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.runs += 1
+            nargs = {**dict(zip(self.fn.arg_names, args)), **kwargs, **self.best_config.all_kwargs()}
+            mm._set_tma_block_shapes(nargs)
+            self.fn[grid](*args, **kwargs, **self.best_config.kwargs)
+            return _FakeCompiled(self.fn)
+        return run
+
+
+class _FakeCompiled:
+    packed_metadata = None
+    launches = 0
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        assert len(grid) == 3
+
+        def run(*args):
+            assert len(args) == len(self.fn.arg_names)  # every parameter, in order, the constexprs too
+            _FakeCompiled.launches += 1
+            self.fn[grid](*args)
+        return run
+
+
+@interpreter
+@pytest.mark.parametrize("schedule", ["tiled", "hybrid"])
+@pytest.mark.parametrize("M,N,K", [(64, 48, 64), (37, 45, 70)])  # TMA descriptors; pointers
+def test_launch_plan_reuses_the_compiled_kernel(force_triton, monkeypatch, schedule, M, N, K):
+    """The GPU launch path, on the CPU: the first call of a shape goes through the autotuner, later
+    ones launch the compiled kernel directly with the plan's arguments, and every result is right."""
+    import triton
+
+    config = triton.Config({**mm._INTERPRET_CONFIG, "SK_ITERS": mm._INTERPRET_SK_ITERS, "FIXUP": "owner",
+                            "WS_TILE": mm._MAX_TILE_ELEMS}, num_warps=4, num_stages=2)
+    tuner = _FakeAutotuner(mm._matmul_tiled_kernel, triton.Config(dict(mm._INTERPRET_CONFIG), num_warps=4))
+    ptuner = _FakeAutotuner(mm._matmul_persistent_kernel, config)
+    monkeypatch.setattr(mm, "_tiled_tuned", tuner)
+    monkeypatch.setattr(mm, "_persistent_tuned", ptuner)
+    monkeypatch.setattr(mm, "_autotuned", lambda device: True)
+    monkeypatch.setattr(mm, "_PLANS", {})
+    monkeypatch.setattr(_FakeCompiled, "launches", 0)
+    for seed in range(3):
+        a, b, bias = _inputs(M, N, K, torch.bfloat16, seed=seed)
+        b = b.t().contiguous().t()  # the (N, K) weight seen through .t(), as linear() passes it
+        out = mm.matmul(a, b, bias=bias, activation="silu", schedule=schedule)
+        ref = mm.matmul_ref(a.double(), b.double(), bias=bias.double(), activation="silu")
+        _assert_matches(out, ref, torch.bfloat16)
+    assert tuner.runs + ptuner.runs == 1 and _FakeCompiled.launches == 2 and len(mm._PLANS) == 1
+
+
+@interpreter
+def test_misaligned_operands_take_pointers(force_triton, monkeypatch):
+    """A view that starts 2 bytes into its storage cannot be a TMA base: the same shape and strides as an
+    aligned call (whose plan uses TMA) must still give the right answer, through pointers."""
+    monkeypatch.setattr(mm, "_PLANS", {})
+    a, b, _ = _inputs(64, 48, 64, torch.bfloat16, seed=5)
+    _assert_matches(_run(a, b), a.double() @ b.double(), torch.bfloat16)  # aligned: TMA
+    a_off = torch.cat([torch.zeros(1, dtype=a.dtype), a.flatten()])[1:].view(64, 64)
+    assert a_off.data_ptr() % 16 != 0 and a_off.stride() == a.stride()
+    out = _run(a_off, b)
+    assert not mm._tma_ok(a_off, b, out)
+    assert [plan.use_tma for plan in mm._PLANS.values()] == [True, False]
+    _assert_matches(out, a.double() @ b.double(), torch.bfloat16)
+
+
 def test_pick_schedule():
     # 1024x4352 with 128x128 tiles: 272 tiles = 2.06 waves on 132 SMs -> hybrid
     assert mm._pick_schedule(1024, 4352, 132) == "hybrid"
@@ -228,3 +309,18 @@ def test_gpu_linear_full_size():
     x = torch.randn(4, 2048, 768, generator=g).bfloat16().cuda()
     w = torch.randn(3072, 768, generator=g).bfloat16().cuda()
     _assert_matches(mm.linear(x, w), F.linear(x.double(), w.double()), torch.bfloat16)
+
+
+def test_gemm_launch_script_smoke(tmp_path):
+    """benchmarks/gpu_gemm_launch.py --smoke on the CPU (interpreter): the H200 script cannot rot."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "NANOFORGE_KERNELS"}
+    env.update(OUT=str(tmp_path), TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "gpu_gemm_launch.py"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gemm_launch.json").read_text())
+    assert report["launched"]["shapes"] == 2 and report["launched"]["geomean_vs_cublas"] > 0
+    host = report["host"][0]
+    assert 0 < host["ours_python_us"] < host["ours_host_us"] and host["cublas_host_us"] > 0
+    assert report["readme_row"].startswith("| GEMM")

@@ -56,6 +56,11 @@ and newer, A, B and C are addressed through TMA tensor descriptors when their
 strides allow it (16-byte aligned rows); otherwise through plain pointers.
 Under TRITON_INTERPRET=1 (CPU tests) one small fixed config is used and both
 addressing modes are exercised.
+
+Launch: the host side of a call is kept short (see "launch plans" below): all
+that depends only on shapes, strides, dtypes, alignment and flags is worked out
+on a key's first call and kept, and later calls launch the compiled kernel
+directly, without the autotuner's or Triton's per-call argument handling.
 """
 
 from __future__ import annotations
@@ -411,7 +416,7 @@ _GPU_TILES = [
 _SK_ITERS = 16
 # Under the interpreter: tiny, non-square tiles (catches swapped M/N indexing)
 # and short Stream-K pieces so that small test shapes split tiles many ways.
-_INTERPRET_CONFIG = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=3)
+_INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 3}
 _INTERPRET_SK_ITERS = 2
 _INTERPRET_FIXUP = "owner"  # the hybrid's fix-up under the interpreter (tests run both)
 _INTERPRET_NUM_SMS = 4
@@ -465,11 +470,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _autotuned(device: torch.device) -> bool:
+    """Compiled and autotuned kernels (a GPU); else the interpreter's one fixed config."""
+    return device.type == "cuda" and not _interpreting()
+
+
+@functools.cache
+def _cuda_info(device: torch.device) -> tuple[int, bool]:
+    """(SM count, TMA capable) of a CUDA device, queried once: a property query costs microseconds a call."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, TensorDescriptor is not None and props.major >= 9
+
+
 def _num_sms(device: torch.device) -> int:
     """Programs of the persistent schedules: one per SM on a GPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _INTERPRET_NUM_SMS
+    return _cuda_info(device)[0] if device.type == "cuda" else _INTERPRET_NUM_SMS
 
 
 @functools.cache
@@ -489,60 +504,150 @@ def _pick_schedule(M: int, N: int, num_sms: int) -> str:
     return "hybrid" if tiles < 0.75 * waves * num_sms else "tiled"
 
 
+def _tma_layout_ok(device: torch.device, elem_size: int, a_strides, b_strides, c_strides) -> bool:
+    """TMA's needs that do not depend on where the tensors are: Hopper+, and each operand row-major
+    (b may be column-major: it is then read as the (N, K) matrix it is a view of) with 16-byte rows."""
+    if TensorDescriptor is None or (device.type == "cuda" and not _cuda_info(device)[1]):
+        return False
+    b_row = b_strides[0] if b_strides[1] == 1 else b_strides[1] if b_strides[0] == 1 else None
+    return (b_row is not None and a_strides[1] == 1 and c_strides[1] == 1
+            and all(row * elem_size % 16 == 0 for row in (a_strides[0], b_row, c_strides[0])))
+
+
 def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
     """TMA needs Hopper+, a last dim of stride 1, and 16-byte-aligned base and row strides."""
-    if TensorDescriptor is None or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9):
-        return False
-    es = a.element_size()
-    row_major = [(a, a.stride(0), a.stride(1)), (c, c.stride(0), c.stride(1))]
-    if b.stride(1) == 1:
-        row_major.append((b, b.stride(0), 1))
-    elif b.stride(0) == 1:
-        row_major.append((b, b.stride(1), 1))
+    return (_tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c.stride())
+            and (a.data_ptr() | b.data_ptr() | c.data_ptr()) % 16 == 0)
+
+
+# --------------------------------------------------------------------------- launch plans
+#
+# A Python matmul call used to cost the host 110-180 us on the H200 machine (argument checks, device
+# queries, three TMA descriptors, the autotuner's key and pre-hook, Triton's argument binding and
+# specialization), more than GPT-2's 16,384 x 768 x 768 GEMM takes on the GPU. So everything that
+# depends only on the call's shapes, strides, dtypes and flags is worked out once per such key, into a
+# `_Plan`: the schedule, the addressing mode, the autotuned block config, the grid, the constexpr
+# arguments and, on a GPU, the compiled kernel itself, which later calls launch directly. The key holds
+# every value that Triton specializes a compiled kernel on (integer arguments, 16-byte alignment of
+# pointers), so the kernel that the first call compiled is the one Triton would pick for the next.
+
+
+class _Plan:
+    """How calls of one key launch. `rest`: the kernel's arguments after (a, b, c, bias), i.e. the
+    Stream-K workspace and every integer (sizes, the autotune key, the SM count, strides), then, once the
+    kernel is compiled, the constexprs too: all of them are fixed by the key."""
+
+    __slots__ = ("b_nk", "blocks", "compiled", "consts", "grid", "kernel", "rest", "schedule", "use_tma")
+
+    def __init__(self, schedule, use_tma, b_nk, kernel, consts, rest):
+        self.schedule, self.use_tma, self.b_nk = schedule, use_tma, b_nk
+        self.kernel = kernel  # the Autotuner until the config is known, then the bare JITFunction
+        self.consts = consts  # constexpr keyword arguments (with the block config once known)
+        self.rest = rest
+        self.blocks = self.grid = None  # descriptor block shapes and grid, once the config is known
+        self.compiled = None  # on a GPU: the compiled kernel, launched directly with (*args, *consts)
+
+    def fix_config(self, M: int, N: int, config: dict, num_sms: int) -> None:
+        """Freeze the block config: the descriptors' block shapes and the grid follow from it."""
+        bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+        self.blocks = ([bm, bk], [bn, bk] if self.b_nk else [bk, bn], [bm, bn])
+        self.grid = (_programs(self.schedule, M, N, bm, bn, num_sms), 1, 1)
+
+
+def _programs(schedule: str, M: int, N: int, block_m: int, block_n: int, num_sms: int) -> int:
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    if schedule == "tiled":
+        return tiles
+    # persistent: one program per SM, at most one per tile; Stream-K modes: num_sms programs, and the
+    # kernel decides how many of them get a share of the work
+    return min(num_sms, tiles) if schedule == "persistent" else num_sms
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096  # one per distinct (shape, strides, ...) seen; a serving engine sees one per batch size
+
+
+def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned) -> _Plan:
+    (M, K), N = a.shape, b.shape[1]
+    if schedule == "auto":
+        schedule = _pick_schedule(M, N, num_sms)
+    use_tma = operands_aligned and _tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c_strides)
+    consts = {"HAS_BIAS": bias is not None, "ACTIVATION": activation or "none", "USE_TMA": use_tma,
+              "B_NK": use_tma and b.stride(1) != 1}
+    m_bucket = triton.next_power_of_2(M)  # the autotune key: tuned once per power-of-two token count
+    strides = (*a.stride(), *b.stride(), *c_strides)
+    if schedule == "tiled":
+        kernel, rest = (_tiled_tuned if tuned else _matmul_tiled_kernel), (M, N, K, m_bucket, *strides)
     else:
-        return False
-    return all(inner == 1 and (outer * es) % 16 == 0 and t.data_ptr() % 16 == 0 for t, outer, inner in row_major)
+        kernel = _persistent_tuned if tuned else _matmul_persistent_kernel
+        rest = (*_workspace(a.device, num_sms), M, N, K, m_bucket, num_sms, *strides)
+        consts["MODE"] = schedule
+        if not tuned:
+            consts |= {"SK_ITERS": _INTERPRET_SK_ITERS, "WS_TILE": _MAX_TILE_ELEMS,
+                       "FIXUP": _INTERPRET_FIXUP if schedule == "hybrid" else "owner"}
+    plan = _Plan(schedule, use_tma, consts["B_NK"], kernel, consts, rest)
+    if not tuned:
+        plan.consts |= _INTERPRET_CONFIG
+        plan.fix_config(M, N, _INTERPRET_CONFIG, num_sms)
+    return plan
+
+
+def _descriptor(base: torch.Tensor, shape: list, row_stride: int, block_shape: list) -> TensorDescriptor:
+    """TensorDescriptor(base, shape, [row_stride, 1], block_shape) without its checks (a few us a call):
+    the plan's key already holds what they check (strides, 16-byte alignment)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape = base, shape, [row_stride, 1], block_shape
+    return desc
+
+
+def _operands(plan: _Plan, a, b, c, blocks) -> tuple:
+    """a, b, c as the kernel takes them: TMA descriptors or the tensors themselves."""
+    if not plan.use_tma:
+        return a, b, c
+    (M, K), N = a.shape, c.shape[1]
+    # b as (N, K) when it is the transposed view of a row-major weight; same base address either way
+    b_desc = (_descriptor(b, [N, K], b.stride(1), blocks[1]) if plan.b_nk
+              else _descriptor(b, [K, N], b.stride(0), blocks[1]))
+    return _descriptor(a, [M, K], a.stride(0), blocks[0]), b_desc, _descriptor(c, [M, N], c.stride(0), blocks[2])
 
 
 def _matmul_triton(a, b, bias, activation, schedule, out):
-    M, K = a.shape
-    N = b.shape[1]
-    c = out if out is not None else torch.empty((M, N), device=a.device, dtype=a.dtype)
-    num_sms = _num_sms(a.device)
-    if schedule == "auto":
-        schedule = _pick_schedule(M, N, num_sms)
-    tuned = a.is_cuda and not _interpreting()
-    cfg = {} if tuned else _INTERPRET_CONFIG
-    use_tma = _tma_ok(a, b, c)
-    b_nk = use_tma and b.stride(1) != 1
-    if use_tma:
-        # Real block shapes come from the autotune pre-hook (GPU) or the fixed config.
-        bm, bn, bk = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg else (1, 1, 1)
-        a_arg = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk])
-        b_arg = (TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [bn, bk]) if b_nk
-                 else TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn]))
-        c_arg = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
-    else:
-        a_arg, b_arg, c_arg = a, b, c
-    common = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "none", USE_TMA=use_tma, B_NK=b_nk, **cfg)
-    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    bias_arg = bias.contiguous() if bias is not None else c  # c: any pointer, never read without HAS_BIAS
-    m_bucket = triton.next_power_of_2(M)  # autotune once per power-of-two token count
-
-    def tiles(meta) -> int:
-        return triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-
-    if schedule == "tiled":
-        kernel = _tiled_tuned if tuned else _matmul_tiled_kernel
-        kernel[lambda meta: (tiles(meta),)](a_arg, b_arg, c_arg, bias_arg, M, N, K, m_bucket, *strides, **common)
-    else:
-        kernel = _persistent_tuned if tuned else _matmul_persistent_kernel
-        if not tuned:
-            common |= dict(SK_ITERS=_INTERPRET_SK_ITERS, WS_TILE=_MAX_TILE_ELEMS,
-                           FIXUP=_INTERPRET_FIXUP if schedule == "hybrid" else "owner")
-        partials, flags = _workspace(a.device, num_sms)
-        # Stream-K modes: num_sms programs; the kernel decides how many get a share of the work.
-        grid = (lambda meta: (min(num_sms, tiles(meta)),)) if schedule == "persistent" else (num_sms,)
-        kernel[grid](a_arg, b_arg, c_arg, bias_arg, partials, flags, M, N, K, m_bucket, num_sms, *strides,
-                     MODE=schedule, **common)
+    (M, K), N = a.shape, b.shape[1]
+    device = a.device
+    num_sms = _num_sms(device)
+    tuned = _autotuned(device)
+    c_strides = (N, 1) if out is None else out.stride()
+    if bias is not None:
+        bias = bias.contiguous()
+    # Triton specializes pointers on 16-byte alignment: part of the key (a fresh `c` is always aligned).
+    aligned = tuple(t is None or t.data_ptr() % 16 == 0 for t in (a, b, out, bias))
+    key = (device, a.dtype, M, N, K, a.stride(), b.stride(), c_strides, bias is not None, aligned, activation,
+           schedule, num_sms, tuned, _INTERPRET_FIXUP)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        operands_aligned = all(aligned[:3])  # TMA bases must be 16-byte aligned
+        plan = _PLANS[key] = _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned)
+    c = out if out is not None else torch.empty((M, N), device=device, dtype=a.dtype)
+    bias_arg = bias if bias is not None else c  # c: any pointer, never read without HAS_BIAS
+    if plan.compiled is not None:  # the steady state on a GPU
+        plan.compiled[plan.grid](*_operands(plan, a, b, c, plan.blocks), bias_arg, *plan.rest)
+    elif plan.blocks is not None:  # the interpreter, or a Triton that returned no compiled kernel
+        plan.kernel[plan.grid](*_operands(plan, a, b, c, plan.blocks), bias_arg, *plan.rest, **plan.consts)
+    else:  # first call on a GPU: the autotuner picks (or recalls) the block config
+        # The descriptors get their block shapes from the autotune pre-hook, the grid from the config run.
+        operands = _operands(plan, a, b, c, ([1, 1], [1, 1], [1, 1]))
+        grid = lambda meta: (_programs(plan.schedule, M, N, meta["BLOCK_M"], meta["BLOCK_N"], num_sms),)
+        compiled = plan.kernel[grid](*operands, bias_arg, *plan.rest, **plan.consts)
+        config = plan.kernel.best_config
+        plan.kernel = plan.kernel.fn  # the JITFunction under the autotuner
+        plan.consts = plan.consts | config.all_kwargs()  # block shapes, num_warps, num_stages
+        plan.fix_config(M, N, config.kwargs, num_sms)
+        # Triton's launch returns the compiled kernel. Launched directly, it takes every parameter in
+        # order, the constexprs too, and skips the binding and specialization of the arguments.
+        tail = plan.kernel.arg_names[len(operands) + 1 + len(plan.rest):]
+        if hasattr(compiled, "packed_metadata") and all(n in plan.consts for n in tail):
+            plan.rest = (*plan.rest, *(plan.consts[n] for n in tail))
+            plan.compiled = compiled
     return c
