@@ -123,7 +123,9 @@ class LLMEngine:
             eos_token_ids=tuple(sorted(eos)), vocab_size=cfg.vocab_size))
         self.runner = ModelRunner(model, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, use_cuda_graphs=config.use_cuda_graphs)
+                                  max_model_len=self.max_model_len,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  use_cuda_graphs=config.use_cuda_graphs)
         self.connector: KVConnector | None = None
         if kv_pool is not None:
             staging = config.kv_pool_staging or (1 << 30 if self.runner.device.type == "cuda" else 64 << 20)
