@@ -38,6 +38,7 @@ from nanoforge.model.sampling import make_generator, sample
 from nanoforge.model.transformer import Transformer
 from nanoforge.serve.input_batch import PARAM_UPDATE_WORDS, InputBatch, Layout, StepInputs, StepSamples, idle_packed
 from nanoforge.serve.scheduler import SchedulerOutput
+from nanoforge.serve.tensor_parallel import TensorParallel
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 SCORE_ROWS = 512  # prompt positions projected onto the vocabulary at once (bounds the fp32 logits' memory)
@@ -93,8 +94,9 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_model_len: int, max_num_batched_tokens: int = 8192,
-                 use_cuda_graphs: bool = True):
+                 use_cuda_graphs: bool = True, tp: TensorParallel | None = None):
         self.model = model
+        self.tp = tp
         self.cfg = model.cfg
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
@@ -204,6 +206,8 @@ class ModelRunner:
         """Run one step; returns the sampled tokens, their logprobs (where asked) and the prompt logprobs of
         the chunks' `scored_positions`, each keyed by seq_id."""
         step, samples = self.batch.prepare(out)
+        if self.tp is not None:
+            self.tp.send(step)
         hidden = self.run(step)
         if hidden is None:
             return {}, {}, {}
@@ -214,6 +218,7 @@ class ModelRunner:
         logits = self.model.lm_head(rows).float()
         return *self._sample(samples, logits), prompt_logprobs
 
+    @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor | None:
         """The device's part of a step: uploads, block operations, the forward pass. Returns the hidden states
         (of the graph's rows for a replayed decode step)."""
