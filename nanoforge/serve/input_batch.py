@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nanoforge.model.sampling import SEED_MOD, random_seed
 from nanoforge.serve.scheduler import SchedulerOutput
 from nanoforge.serve.sequence import Sequence, SequenceStatus
 
@@ -126,7 +127,7 @@ class InputBatch:
         self._table_obj: list[list[int] | None] = [None] * max_num_seqs  # the block_table list the device mirrors
         self._mirror = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
         self._known = np.zeros(max_num_seqs, dtype=np.int64)  # leading table entries the device holds
-        self._seed_source = seed_source or (lambda: int(torch.randint(0, 2**62, ()).item()))
+        self._seed_source = seed_source or random_seed
         self.max_num_tokens = max(max_num_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
         self.max_num_seqs = max(max_num_seqs, self.graph_sizes[-1] if self.graph_sizes else 0)
         self._pin = pin_memory
@@ -156,8 +157,8 @@ class InputBatch:
         self._slot_of[seq.seq_id] = slot
         self._seq[slot] = seq
         p = seq.sampling_params
-        seed = (p.seed + seq.index) if p.seed is not None else self._seed_source()
-        params.append((slot, max(p.top_k, 0), seed % (1 << 63), float(p.temperature), float(p.top_p)))
+        seed = (p.seed + seq.index) % SEED_MOD if p.seed is not None else self._seed_source()
+        params.append((slot, max(p.top_k, 0), seed, float(p.temperature), float(p.top_p)))
         return slot
 
     def _table_updates(self, seq: Sequence, slot: int, first_written: int, updates: list) -> None:

@@ -318,7 +318,6 @@ class LLMEngine:
         self._prompts.pop(group.request_id, None)
         self._first_token.pop(group.request_id, None)
         self._saves.pop(group.request_id, None)
-        self.runner.release(group.request_id, len(group.seqs))
 
 
 # --- construction shared by every rank -------------------------------------------------------------------

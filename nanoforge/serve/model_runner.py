@@ -29,14 +29,21 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from nanoforge.kernels.paged_attention import paged_attention, write_kv
+from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
-from nanoforge.model.sampling import make_generator, sample
+from nanoforge.model.sampling import SEED_MOD, sample
 from nanoforge.model.transformer import Transformer
-from nanoforge.serve.input_batch import PARAM_UPDATE_WORDS, InputBatch, Layout, StepInputs, StepSamples, idle_packed
+from nanoforge.serve.input_batch import (
+    PARAM_UPDATE_WORDS,
+    InputBatch,
+    Layout,
+    StepInputs,
+    StepSamples,
+    idle_packed,
+)
 from nanoforge.serve.scheduler import SchedulerOutput
 from nanoforge.serve.tensor_parallel import TensorParallel
 
@@ -97,6 +104,7 @@ class ModelRunner:
                  use_cuda_graphs: bool = True, tp: TensorParallel | None = None):
         self.model = model
         self.tp = tp
+        self.is_driver = tp is None or tp.is_driver  # the rank that samples and reads tokens back
         self.cfg = model.cfg
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
@@ -116,7 +124,6 @@ class ModelRunner:
                                 max_blocks_per_seq=self.max_blocks_per_seq, scratch_block=self.scratch_block,
                                 max_num_tokens=max_num_batched_tokens, graph_sizes=sizes, pin_memory=cuda)
         self._init_device_batch(max_num_seqs)
-        self.generators: dict[tuple[str, int], torch.Generator | None] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if sizes:
             self._capture_graphs(sizes)
@@ -208,28 +215,65 @@ class ModelRunner:
         step, samples = self.batch.prepare(out)
         if self.tp is not None:
             self.tp.send(step)
-        hidden = self.run(step)
-        if hidden is None:
-            return {}, {}, {}
+        hidden, logits = self.run(step)
         prompt_logprobs = self._score_prompts(samples, hidden) if samples.scored else {}
         if not step.num_samples:  # only prompt chunks that sample nothing (max_tokens=0, or not their last chunk)
             return {}, {}, prompt_logprobs
-        rows = hidden[self._views["sample_row"][:step.num_samples]] if not step.graph else hidden[:step.num_samples]
-        logits = self.model.lm_head(rows).float()
-        return *self._sample(samples, logits), prompt_logprobs
+        return *self._outputs(samples, self.sampled[:step.num_samples].tolist(), logits), prompt_logprobs
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> torch.Tensor | None:
-        """The device's part of a step: uploads, block operations, the forward pass. Returns the hidden states
-        (of the graph's rows for a replayed decode step)."""
-        self._views = v = self._upload(step)
+    def run(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The device's part of a step: upload, block operations, the forward pass and, on the first rank,
+        sampling into `self.sampled[:step.num_samples]`. Returns the hidden states of the step's tokens (None
+        for a replayed graph: decodes score no prompt token) and the logits of the sampled rows (first rank)."""
+        v = self._upload(step)
         self._block_ops(step)
         if not step.num_tokens:
-            return None
+            return None, None
+        n = step.num_samples
         if step.graph:
             self.graphs[step.layout.t].replay()
-            return self.g_hidden[:step.num_seqs]
-        return self._forward(v, step.num_tokens, step.num_seqs, step.max_q_len, step.table_width)
+            hidden, logits = None, self.g_logits[:n] if self.is_driver else None
+        else:
+            hidden = self._forward(v, step.num_tokens, step.num_seqs, step.max_q_len, step.table_width)
+            logits = self._sample(v, hidden[v["sample_row"][:n]], n) if n and self.is_driver else None
+        if step.needs_filter and self.is_driver:
+            self._sample_filtered(v, logits, n)
+        return hidden, logits
+
+    # --- sampling ---------------------------------------------------------------------------------------
+
+    def _seeds(self, v: dict, n: int) -> torch.Tensor:
+        """Each sampled row's seed: its slot's, plus its completion offset (a fork's n rows), modulo 2**63."""
+        return (self.slot_seed[v["sample_slot"][:n]] + v["seed_offset"][:n]) & (SEED_MOD - 1)
+
+    def _sample(self, v: dict, hidden: torch.Tensor, n: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the n sampled rows (in the model's dtype; into `logits_out` if given) and their tokens,
+        greedy or drawn with temperature, into self.sampled[:n]. Top-k / top-p is `_sample_filtered`'s."""
+        logits = torch.matmul(hidden, self.model.lm_head.weight.t(), out=logits_out)
+        slots = v["sample_slot"][:n]
+        sample_tokens(logits, self.slot_temperature[slots], self._seeds(v, n), v["draw"][:n], out=self.sampled[:n])
+        return logits
+
+    def _sample_filtered(self, v: dict, logits: torch.Tensor, n: int) -> None:
+        """Draw the step's rows again with their top-k and top-p (the same noise: the same draw)."""
+        slots = v["sample_slot"][:n]
+        self.sampled[:n] = sample(logits, self.slot_temperature[slots], self.slot_top_k[slots],
+                                  self.slot_top_p[slots], self._seeds(v, n), v["draw"][:n])
+
+    def _outputs(self, samples: StepSamples, tokens: list[int], logits: torch.Tensor | None):
+        """The sampled tokens, and logprob entries where asked, keyed by seq_id (a fork's n tokens in order)."""
+        sampled: dict[int, list[int]] = {}
+        logprobs: dict[int, list] = {}
+        for (seq, _), tok in zip(samples.seqs, tokens):
+            sampled.setdefault(seq.seq_id, []).append(tok)
+        if samples.logprob_rows:
+            rows = samples.logprob_rows
+            entries = logprob_entries(logits[rows], [tokens[i] for i in rows],
+                                      [samples.seqs[i][0].sampling_params.logprobs for i in rows])
+            for i, entry in zip(rows, entries):
+                logprobs.setdefault(samples.seqs[i][0].seq_id, []).append(entry)
+        return sampled, logprobs
 
     def _score_prompts(self, samples: StepSamples, hidden: torch.Tensor) -> dict[int, list]:
         """Prompt logprobs: the logits at each score row give the logprob of the prompt token after it."""
@@ -245,48 +289,13 @@ class ModelRunner:
             start += n
         return result
 
-    def _sample(self, samples: StepSamples, logits: torch.Tensor):
-        # one row per token to draw: a chunk with num_samples = n contributes n rows (parallel sampling)
-        temps, top_ks, top_ps, gens = [], [], [], []
-        for seq, j in samples.seqs:
-            p = seq.sampling_params
-            index = seq.index + j  # forked children take the next indices
-            key = (seq.request_id, index)
-            if key not in self.generators:
-                g = self.generators[key] = make_generator(None if p.seed is None else p.seed + index, self.device)
-                # a resumed sequence (its first tokens drawn by another engine) continues the same draws
-                for _ in range(seq.num_output_tokens if g is not None else 0):
-                    torch.empty(logits.shape[-1], device=self.device).exponential_(generator=g)
-            temps.append(p.temperature)
-            top_ks.append(max(p.top_k, 0))
-            top_ps.append(p.top_p)
-            gens.append(self.generators[key])
-        dev = self.device
-        top_k = torch.tensor(top_ks, device=dev) if any(top_ks) else None
-        top_p = torch.tensor(top_ps, device=dev) if any(x < 1.0 for x in top_ps) else None
-        tokens = sample(logits, torch.tensor(temps, device=dev), top_k, top_p, gens).tolist()
-
-        sampled: dict[int, list[int]] = {}
-        logprobs: dict[int, list] = {}
-        for (seq, _), tok in zip(samples.seqs, tokens):
-            sampled.setdefault(seq.seq_id, []).append(tok)
-        if samples.logprob_rows:
-            rows = samples.logprob_rows
-            entries = logprob_entries(logits[rows], [tokens[i] for i in rows],
-                                      [samples.seqs[i][0].sampling_params.logprobs for i in rows])
-            for i, entry in zip(rows, entries):
-                logprobs.setdefault(samples.seqs[i][0].seq_id, []).append(entry)
-        return sampled, logprobs
-
-    def release(self, request_id: str, n: int) -> None:
-        """Forget a finished request's generators."""
-        for i in range(n):
-            self.generators.pop((request_id, i), None)
-
     # --- CUDA graphs for decode -------------------------------------------------------------------------
 
     def _capture_graphs(self, sizes: list[int]) -> None:
-        self.g_hidden = torch.zeros(sizes[-1], self.cfg.d_model, dtype=self.dtype, device=self.device)
+        """One graph per decode batch size: input ids, the rows' block tables, the model, the logits (into
+        a buffer the sizes share) and the sampled tokens (temperature and seeds included)."""
+        if self.is_driver:
+            self.g_logits = torch.zeros(sizes[-1], self.cfg.vocab_size, dtype=self.dtype, device=self.device)
         pool = None
         for b in reversed(sizes):
             layout = Layout(b, b)
@@ -294,8 +303,10 @@ class ModelRunner:
             self.inputs[:layout.size].copy_(torch.from_numpy(idle))
             v = layout.views(self.inputs)
 
-            def run():
-                self.g_hidden[:b] = self._forward(v, b, b, 1, self.max_blocks_per_seq)
+            def run(v=v, b=b):
+                hidden = self._forward(v, b, b, 1, self.max_blocks_per_seq)
+                if self.is_driver:
+                    self._sample(v, hidden, b, logits_out=self.g_logits[:b])
 
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
