@@ -44,6 +44,7 @@ from tqdm import tqdm
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import PRESETS, ModelConfig, preset
 from nanoforge.runtime import pick_device, pick_dtype
+from nanoforge.serve.step_profile import print_profile
 from nanoforge.serve.tensor_parallel import check_tensor_parallel
 
 if TYPE_CHECKING:
@@ -94,10 +95,11 @@ def _sync(device: torch.device) -> None:
 # --- the engine ------------------------------------------------------------------------------------
 
 def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, temperature: float = 0.6,
-               use_cuda_graphs: bool = True, tensor_parallel_size: int = 1,
-               model_factory=None) -> tuple[dict, list[list[int]]]:
+               use_cuda_graphs: bool = True, tensor_parallel_size: int = 1, model_factory=None,
+               profile: bool = False) -> tuple[dict, list[list[int]]]:
     """Every request at once; returns the numbers and each request's output token ids. With tensor parallelism
-    the other ranks build their copy of the model with `model_factory(device)` (default: from its weights)."""
+    the other ranks build their copy of the model with `model_factory(device)` (default: from its weights).
+    `profile`: time each step by kind (serve/step_profile.py), into the numbers' "profile"."""
     from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
@@ -106,13 +108,15 @@ def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, tempe
                                                  tensor_parallel_size=tensor_parallel_size),
                        model_factory=model_factory)
     try:
-        return _run(engine, model, prompts, outputs, temperature, max_num_seqs)
+        return _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile)
     finally:
         engine.close()
 
 
-def _run(engine, model, prompts, outputs, temperature, max_num_seqs) -> tuple[dict, list[list[int]]]:
+def _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile) -> tuple[dict, list[list[int]]]:
+    from nanoforge.serve.model_runner import kv_bytes_per_block
     from nanoforge.serve.sampling_params import SamplingParams
+    from nanoforge.serve.step_profile import StepProfiler
 
     # warm up (compilation, autotuning, graph capture happen in the constructor and the first steps)
     engine.add_request(prompts[0][:64], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -124,10 +128,17 @@ def _run(engine, model, prompts, outputs, temperature, max_num_seqs) -> tuple[di
     util_sum, samples, step = 0.0, 0, 0
     bar = tqdm(total=sum(outputs), desc="nanoforge engine", unit="tok", unit_scale=True)
     device = model.embed.weight.device
+    runner = engine.runner
+    prof = runner.profiler = StepProfiler(runner.model, kv_bytes_per_block(runner.model, 1, runner.dtype)) \
+        if profile else None
     _sync(device)
     t0 = time.perf_counter()
     while engine.has_unfinished():
+        if prof is not None:
+            prof.step_begin()
         outs = engine.step()
+        if prof is not None:
+            prof.step_end()
         step += 1
         # utilisation walks every block table: sample it every 8th step to keep it off the clock
         if step % 8 == 0 and engine.scheduler.block_manager.num_used_blocks:
@@ -140,10 +151,13 @@ def _run(engine, model, prompts, outputs, temperature, max_num_seqs) -> tuple[di
     bar.close()
     s = engine.stats()
     produced = sum(len(t) for t in token_ids.values())
-    return ({"seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt,
-             "kv_utilization_mean": util_sum / max(samples, 1), "preemptions": s["preemptions"],
-             "steps": s["steps"], "kv_blocks_total": s["kv_blocks_total"], "max_num_seqs": max_num_seqs},
-            [token_ids[r] for r in rids])
+    result = {"seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt,
+              "kv_utilization_mean": util_sum / max(samples, 1), "preemptions": s["preemptions"],
+              "steps": s["steps"], "kv_blocks_total": s["kv_blocks_total"], "max_num_seqs": max_num_seqs}
+    if prof is not None:
+        result["profile"] = prof.summary()
+        runner.profiler = None
+    return result, [token_ids[r] for r in rids]
 
 
 # --- the Hugging Face baseline ------------------------------------------------------------------------
@@ -309,7 +323,7 @@ def _model_on(w: Workload, dtype: torch.dtype, device: torch.device) -> Transfor
 
 def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256, temperature: float = 0.6,
                      baseline: bool = True, out: Path = Path("runs/bench/throughput.json"), device: torch.device,
-                     dtype: torch.dtype, tensor_parallel_size: int = 1) -> dict:
+                     dtype: torch.dtype, tensor_parallel_size: int = 1, profile: bool = False) -> dict:
     from nanoforge.model.hf import save_model
 
     model = build_model(w, device, dtype)
@@ -330,7 +344,8 @@ def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256
     torch.manual_seed(w.seed)
     result["nanoforge"], engine_ids = run_engine(model, prompts, outputs, max_num_seqs=max_num_seqs,
                                                  temperature=temperature, tensor_parallel_size=tensor_parallel_size,
-                                                 model_factory=functools.partial(_model_on, w, dtype))
+                                                 model_factory=functools.partial(_model_on, w, dtype),
+                                                 profile=profile)
     result["tensor_parallel_size"] = tensor_parallel_size
     if baseline:
         with tempfile.TemporaryDirectory() as d:
@@ -361,6 +376,8 @@ def print_table(r: dict) -> None:
         print(f"{name:<32}{hf['output_tok_s']:>14,.0f}{hf['generated_tok_s']:>17,.0f}{hf['seconds']:>10.1f}")
         print(f"speed-up over HF on the same requests: {r['speedup']:.2f}x  ({100 * hf['padding_waste']:.0f}% of "
               f"the tokens HF generated pad a request to its batch's longest output)")
+    if "profile" in e:
+        print_profile(e["profile"])
     if "greedy_identical" in r:
         print(f"greedy outputs identical on both sides: {r['greedy_identical']}/{r['workload']['requests']} requests")
     print(f"KV-cache utilisation (mean over steps): {100 * e['kv_utilization_mean']:.1f}%  "
@@ -397,6 +414,9 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch", type=int, default=64, metavar="N",
                    help="HF baseline: requests per generate() call, sorted by prompt length (default: 64)")
     p.add_argument("--no-baseline", action="store_true", help="skip the HF baseline (default: run it)")
+    p.add_argument("--profile", action="store_true",
+                   help="engine: per step kind (prefill, decode, mixed), host and device time per step and the "
+                        "achieved fraction of the device's memory bandwidth and FLOP/s (default: off)")
     p.add_argument("--out", default="runs/bench/throughput.json", metavar="PATH",
                    help="JSON file for the results; a directory gets throughput.json (default: %(default)s)")
     p.add_argument("--device", default="auto",
@@ -454,5 +474,5 @@ def run_cli(args: argparse.Namespace) -> int:
     print(line, flush=True)
     bench_throughput(workload, hf_batch=args.hf_batch, max_num_seqs=args.max_num_seqs, temperature=args.temperature,
                      baseline=not args.no_baseline, out=out, device=device, dtype=dtype,
-                     tensor_parallel_size=args.tensor_parallel_size)
+                     tensor_parallel_size=args.tensor_parallel_size, profile=args.profile)
     return 0

@@ -28,6 +28,7 @@ sized from a memory budget; a block id indexes the same block in every layer.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -125,6 +126,7 @@ class ModelRunner:
                                 max_num_tokens=max_num_batched_tokens, graph_sizes=sizes, pin_memory=cuda)
         self._init_device_batch(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.profiler = None  # a StepProfiler (serve/step_profile.py) while `bench throughput --profile` runs
         if sizes:
             self._capture_graphs(sizes)
 
@@ -215,11 +217,20 @@ class ModelRunner:
         step, samples = self.batch.prepare(out)
         if self.tp is not None:
             self.tp.send(step)
+        prof = self.profiler
+        if prof is not None:
+            prof.device_begin(out, step.num_samples)
         hidden, logits = self.run(step)
+        if prof is not None:
+            prof.device_end()
         prompt_logprobs = self._score_prompts(samples, hidden) if samples.scored else {}
         if not step.num_samples:  # only prompt chunks that sample nothing (max_tokens=0, or not their last chunk)
             return {}, {}, prompt_logprobs
-        return *self._outputs(samples, self.sampled[:step.num_samples].tolist(), logits), prompt_logprobs
+        t0 = time.perf_counter()
+        tokens = self.sampled[:step.num_samples].tolist()  # the step's one sync
+        if prof is not None:
+            prof.waited(time.perf_counter() - t0)
+        return *self._outputs(samples, tokens, logits), prompt_logprobs
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
