@@ -116,7 +116,8 @@ class StepProfiler:
             device = k.device + sum(a.elapsed_time(b) for a, b in k.events) / 1e3
             gbs = k.bytes / device / 1e9 if device else 0.0
             tfs = k.flops / device / 1e12 if device else 0.0
-            result[name] = {"steps": k.steps, "tokens": k.tokens, "wall_ms": 1e3 * k.wall / k.steps,
+            result[name] = {"steps": k.steps, "tokens": k.tokens, "bytes": k.bytes, "flops": k.flops,
+                            "wall_ms": 1e3 * k.wall / k.steps,
                             "host_ms": 1e3 * (k.wall - k.wait) / k.steps, "wait_ms": 1e3 * k.wait / k.steps,
                             "device_ms": 1e3 * device / k.steps, "tokens_per_s": k.tokens / k.wall if k.wall else 0,
                             "achieved_GB_s": gbs, "achieved_TFLOP_s": tfs,
