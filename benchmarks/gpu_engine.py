@@ -46,8 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanoforge.kernels.rope import apply_rope_ref  # noqa: E402  (the reference in plain PyTorch)
 from nanoforge.model.config import preset  # noqa: E402
-from nanoforge.model.transformer import Transformer, apply_rope  # noqa: E402
+from nanoforge.model.transformer import Transformer  # noqa: E402
 from nanoforge.runtime import peak_flops, peak_hbm_bandwidth  # noqa: E402
 from nanoforge.serve.bench_throughput import make_workload, run_engine  # noqa: E402
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -156,7 +157,7 @@ def gptfast_decoder(model: Transformer, max_len: int, compile_step: bool):
             if a.q_norm is not None:
                 q = F.rms_norm(q, (d,), a.q_norm.weight, eps)
                 k = F.rms_norm(k, (d,), a.k_norm.weight, eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
             kc[i].index_copy_(2, pos, k.transpose(1, 2))
             vc[i].index_copy_(2, pos, v.transpose(1, 2))
             keys, values = kc[i].repeat_interleave(rep, dim=1), vc[i].repeat_interleave(rep, dim=1)
@@ -195,8 +196,10 @@ def decode_reference(model, prompt: list[int], tokens: int, compile_step: bool, 
     sync(dev)
     dt = time.perf_counter() - t0
     out = [out[0]] + [int(t) for t in out[1:]]
+    from torch._dynamo.utils import counters  # a reference that fell back from CUDA graphs would flatter us
+
     return {"tokens": out, "decode_tokens": len(out) - 1, "seconds": dt, "tok_s": (len(out) - 1) / dt,
-            "truncated": len(out) < tokens}
+            "truncated": len(out) < tokens, "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
 
 
 def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dict:
@@ -242,13 +245,15 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                             "ours_hbm_fraction": per_token * ours["tok_s"] / hbm,
                             "reference_hbm_fraction": per_token * ref["tok_s"] / hbm,
                             "greedy_tokens_identical": same, "compared": n,
+                            "reference_cudagraph_skips": ref["cudagraph_skips"],
                             "truncated": ours["truncated"] or ref["truncated"],
                             "ours_decode_tokens": ours["decode_tokens"], "reference_decode_tokens": ref["decode_tokens"]}
         del model
         free_memory(device)
         print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s, gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
               f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
-              f" greedy tokens identical for the first {same}/{n}")
+              f" greedy tokens identical for the first {same}/{n}"
+              + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else ""))
     return result
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.rmsnorm import rms_norm
+from nanoforge.kernels.rope import apply_rope  # one token's heads in one kernel when serving
 from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.config import ModelConfig
 
@@ -68,20 +69,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         raise NanoforgeError(f"unsupported rope_scaling type {kind!r}; nanoforge supports default, linear and llama3",
                              param="rope_scaling")
     return inv_freq
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    """Rotate pairs (i, i + D/2) of each head (the Hugging Face layout), x: (B, T, H, D).
-
-    The result keeps x's dtype. Under autocast, q and k come out of the projection in bf16 while cos and
-    sin are fp32 (they follow the fp32 residual stream); the rotation is then computed in fp32 and rounded
-    once, so q, k and v reach attention in the same dtype."""
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 # --- attention and MLP -------------------------------------------------------------------------
