@@ -76,3 +76,18 @@ def test_gpu_kernel_equals_the_reference_bit_for_bit(dtype):
     cos, sin = (t.cuda() for t in angles(B, T, D, dtype, offset=4000))
     with torch.no_grad():
         assert torch.equal(apply_rope(q, cos, sin), apply_rope_ref(q, cos, sin))
+
+
+@interpreter
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_serving_forward_with_fused_kernels_is_the_training_forward(name, monkeypatch):
+    """No gradient: RoPE in one kernel and the residual add fused into the MLP's RMSNorm (Triton, interpreted);
+    with gradients: the reference ops. The logits agree."""
+    torch.manual_seed(0)
+    model = Transformer(preset(name)).eval()
+    ids = torch.randint(0, 256, (2, 9))
+    want = model(ids)
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    with torch.no_grad():
+        got = model(ids)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.kernels.rmsnorm import rms_norm
+from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
 from nanoforge.kernels.rope import apply_rope  # one token's heads in one kernel when serving
 from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.config import ModelConfig
@@ -129,8 +129,19 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, attn):
-        x = x + self.attn(self.attn_norm(x), rope, attn)
-        return x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.attn_norm(x), rope, attn)
+        if self._fuse_add_norm(a, x):  # serving: the residual add and the MLP's norm in one pass (one launch)
+            h, x = add_rms_norm(a, x, self.mlp_norm.weight, self.mlp_norm.eps)
+        else:
+            x = x + a
+            h = self.mlp_norm(x)
+        return x + self.mlp(h)
+
+    def _fuse_add_norm(self, a, x) -> bool:
+        """Outside autograd and torch.compile (which fuse on their own), for RMSNorm, with one dtype (autocast
+        training keeps an fp32 residual stream)."""
+        return (isinstance(self.mlp_norm, RMSNorm) and a.dtype == x.dtype and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling())
 
 
 # --- the model ---------------------------------------------------------------------------------
