@@ -301,7 +301,7 @@ class LLMEngine:
     def _output(self, group: SequenceGroup, finished: bool, now: float) -> RequestOutput:
         rid = group.request_id
         outs = [CompletionOutput(s.index, self._detok[s.seq_id].text if s.seq_id in self._detok else "",
-                                 list(s.output_token_ids), s.finish_reason,
+                                 s.output_token_ids, s.finish_reason,  # (a fresh slice)
                                  list(s.output_logprobs) if s.sampling_params.logprobs is not None else None)
                 for s in sorted(group.seqs, key=lambda s: s.index)]
         metrics = {"arrival_time": group.arrival_time, "first_token_time": self._first_token.get(rid)}
