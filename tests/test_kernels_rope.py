@@ -91,3 +91,30 @@ def test_serving_forward_with_fused_kernels_is_the_training_forward(name, monkey
     with torch.no_grad():
         got = model(ids)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_kv_write_in_one_kernel_fill_the_cache_as_the_reference(dtype, monkeypatch):
+    from nanoforge.kernels.paged_attention import write_kv
+    from nanoforge.kernels.rope import apply_rope_and_write_kv
+
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    N, H, Hkv, D, blocks, bs = 5, 4, 2, 16, 6, 4
+    qkv = torch.randn(N, (H + 2 * Hkv) * D).to(dtype)
+    k = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)  # strided views, as the engine's step has them
+    v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+    cos, sin = (t[0] for t in angles(1, N, D, dtype, offset=37))
+    slots = torch.tensor([3, 9, 10, 22, 0])
+    caches = [torch.full((blocks, bs, Hkv, D), float("nan"), dtype=dtype) for _ in range(4)]
+    apply_rope_and_write_kv(k, v, cos, sin, caches[0], caches[1], slots)
+    write_kv(apply_rope_ref(k[None], cos[None], sin[None])[0], v, caches[2], caches[3], slots)
+    flat = [c.view(-1, Hkv, D) for c in caches]
+    assert torch.equal(flat[1][slots], flat[3][slots])  # V copied unchanged
+    if dtype == torch.float32:
+        assert torch.equal(flat[0][slots], flat[2][slots])
+    else:  # the interpreter truncates where the GPU rounds
+        assert torch.allclose(flat[0][slots].float(), flat[2][slots].float(), rtol=2 ** -6, atol=2 ** -6)
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[0][untouched].isnan().all() and flat[1][untouched].isnan().all()  # nothing else written

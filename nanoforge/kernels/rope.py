@@ -79,3 +79,49 @@ def _rope_kernel(X, COS, SIN, OUT, T, H, sxb, sxt, sxh, scb, sct, HALF: tl.const
     op = OUT + pid.to(tl.int64) * H * 2 * HALF + hs * (2 * HALF) + ds
     tl.store(op, o1, mask=m)
     tl.store(op + HALF, o2, mask=m)
+
+
+def apply_rope_and_write_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate k (N, Hkv, D) by cos, sin (N, 1, D) and store it and v at `slot_mapping` (N,) of the paged caches
+    (num_blocks, block_size, Hkv, D): `write_kv(apply_rope(k), v, ...)` in one launch where that takes about
+    eight (the engine's decode step)."""
+    from nanoforge.kernels.paged_attention import write_kv
+
+    N, H, D = k.shape
+    if not (_fast(k[None], cos[None], sin[None]) and v.shape == k.shape and k_cache.dtype == v_cache.dtype == k.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (H, D)
+            and k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
+            and cos.stride() == sin.stride() and slot_mapping.shape == (N,)):
+        return write_kv(apply_rope(k[None], cos[None], sin[None])[0], v, k_cache, v_cache, slot_mapping)
+    _rope_write_kv_kernel[(N,)](k, v, cos, sin, k_cache, v_cache, slot_mapping, H, k.stride(0), k.stride(1),
+                                v.stride(0), v.stride(1), cos.stride(0), HALF=D // 2,
+                                BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2))
+
+
+@triton.jit
+def _rope_write_kv_kernel(K, V, COS, SIN, KC, VC, SLOTS, H, skt, skh, svt, svh, sct, HALF: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t: its rotated K heads and its V heads into cache slot SLOTS[t] (rounded as `_rope_kernel`)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)[:, None]
+    ds = tl.arange(0, BLOCK_D)[None, :]
+    m = (hs < H) & (ds < HALF)
+    kp = K + t * skt + hs * skh + ds
+    x1 = tl.load(kp, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(kp + HALF, mask=m, other=0.0).to(tl.float32)
+    dm = ds < HALF
+    c1 = tl.load(COS + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    ty = KC.dtype.element_ty
+    o1 = ((x1 * c1).to(ty).to(tl.float32) - (x2 * s1).to(ty).to(tl.float32)).to(ty)
+    o2 = ((x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)).to(ty)
+    base = slot * H * 2 * HALF + hs * (2 * HALF) + ds
+    tl.store(KC + base, o1, mask=m)
+    tl.store(KC + base + HALF, o2, mask=m)
+    vp = V + t * svt + hs * svh + ds
+    tl.store(VC + base, tl.load(vp, mask=m, other=0.0), mask=m)
+    tl.store(VC + base + HALF, tl.load(vp + HALF, mask=m, other=0.0), mask=m)

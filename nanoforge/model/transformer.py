@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
-from nanoforge.kernels.rope import apply_rope  # one token's heads in one kernel when serving
 from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.config import ModelConfig
 
@@ -93,10 +92,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.attend(self.layer_idx, q, k, v)
+        o = attn.attend_rotary(self.layer_idx, q, k, v, rope)
         return self.dropout(self.wo(o.reshape(B, T, -1)))
 
 

@@ -33,6 +33,7 @@ import time
 import torch
 
 from nanoforge.kernels.paged_attention import paged_attention, write_kv
+from nanoforge.kernels.rope import apply_rope, apply_rope_and_write_kv
 from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.sampling import SEED_MOD, sample
@@ -64,6 +65,17 @@ class PagedAttention(AttentionBackend):
     def attend(self, layer, q, k, v):
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         write_kv(k[0], v[0], kc, vc, self.slot_mapping)
+        return self._attend_cached(q, kc, vc)
+
+    def attend_rotary(self, layer, q, k, v, rope):
+        if rope is None:
+            return self.attend(layer, q, k, v)
+        cos, sin = rope
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        apply_rope_and_write_kv(k[0], v[0], cos[0], sin[0], kc, vc, self.slot_mapping)  # one launch on a GPU
+        return self._attend_cached(apply_rope(q, cos, sin), kc, vc)
+
+    def _attend_cached(self, q, kc, vc):
         o = paged_attention(q[0], kc, vc, self.block_tables, self.seq_lens, self.cu_seqlens_q,
                             max_q_len=self.max_q_len)
         return o[None]
