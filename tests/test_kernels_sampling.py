@@ -108,3 +108,13 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
     assert kept[0].tolist() == [True, False, True, False, False]
     assert torch.equal(kept[1], want1) and need == 2
     assert kept[2].all()
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_draws_the_references_tokens_at_full_vocabulary():
+    """Compiled Triton (not the interpreter): Philox bits and the block-split argmax at Qwen3's vocabulary."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(len(SEEDS), 151936, generator=gen) * 2).to("cuda", torch.bfloat16)
+    temperature = torch.tensor([0.0, 1.0, 0.6, 2.0, 0.0, 1.3], device="cuda")
+    got = sample_tokens(logits, temperature, SEEDS.cuda(), DRAWS.cuda())
+    assert torch.equal(got.cpu(), sample_tokens_ref(logits.cpu(), temperature.cpu(), SEEDS, DRAWS))

@@ -135,9 +135,12 @@ class Block(nn.Module):
 
     def _fuse_add_norm(self, a, x) -> bool:
         """Outside autograd and torch.compile (which fuse on their own), for RMSNorm, with one dtype (autocast
-        training keeps an fp32 residual stream)."""
-        return (isinstance(self.mlp_norm, RMSNorm) and a.dtype == x.dtype and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling())
+        training keeps an fp32 residual stream), on plain tensors of a norm without hooks (parallel training's
+        DTensors and sequence-parallel hooks take the module)."""
+        n = self.mlp_norm
+        return (isinstance(n, RMSNorm) and a.dtype == x.dtype and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not (n._forward_hooks or n._forward_pre_hooks)
+                and type(a) is type(x) is type(n.weight.data) is torch.Tensor)
 
 
 # --- the model ---------------------------------------------------------------------------------
