@@ -92,9 +92,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
                          f"and draws (rows,), got {tuple(temperature.shape)}, {tuple(seeds.shape)}, "
                          f"{tuple(draws.shape)}")
     if use_fast(logits) and logits.dtype != torch.float64 and rows and logits.shape[1]:
-        tokens = _sample_triton(logits, temperature, seeds, draws)
-    else:
-        tokens = sample_tokens_ref(logits, temperature, seeds, draws)
+        return _sample_triton(logits, temperature, seeds, draws, out)
+    tokens = sample_tokens_ref(logits, temperature, seeds, draws)
     return tokens if out is None else out.copy_(tokens)
 
 
@@ -132,7 +131,7 @@ def _pick_block(BEST, WHERE, OUT, num_blocks, BLOCKS_P2: tl.constexpr):
     tl.store(OUT + row, tl.sum(tl.where(offs == k, where, 0), 0).to(tl.int64))
 
 
-def _sample_triton(logits, temperature, seeds, draws) -> torch.Tensor:
+def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -140,9 +139,10 @@ def _sample_triton(logits, temperature, seeds, draws) -> torch.Tensor:
     num_blocks = triton.cdiv(vocab, block)
     best = torch.empty(rows, num_blocks, device=logits.device, dtype=torch.float32)
     where = torch.empty(rows, num_blocks, device=logits.device, dtype=torch.int32)
-    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
+    direct = out is not None and out.dtype == torch.int64 and out.is_contiguous()  # write the tokens in place
+    dst = out if direct else torch.empty(rows, device=logits.device, dtype=torch.int64)
     _gumbel_max_blocks[(rows, num_blocks)](logits, logits.stride(0), temperature.float().contiguous(),
                                            seeds.long().contiguous(), draws.long().contiguous(), best, where, vocab,
                                            num_blocks, BLOCK=block, num_warps=1 if _interpreting() else 8)
-    _pick_block[(rows,)](best, where, out, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)))
-    return out
+    _pick_block[(rows,)](best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)))
+    return dst if direct or out is None else out.copy_(dst)
