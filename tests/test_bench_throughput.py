@@ -109,6 +109,8 @@ def test_profile_counts_each_step_kind_and_its_work():
     assert p["decode"]["achieved_GB_s"] == pytest.approx(nbytes / dev_s / 1e9)
     for r in p.values():
         assert r["wall_ms"] >= r["host_ms"] > 0 and r["wait_ms"] >= 0 and 0 < r["device_ms"] <= r["wall_ms"]
+        # on a CPU the device's part runs on the host: the three add up to the step
+        assert r["host_ms"] + r["device_ms"] + r["wait_ms"] == pytest.approx(r["wall_ms"])
         assert r["hbm_fraction"] is None and r["flops_fraction"] is None  # no known peaks on a CPU
 
 

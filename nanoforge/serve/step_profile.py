@@ -5,7 +5,8 @@ Each step is a *prefill* (every scheduled sequence computes several tokens), a *
 
 - wall: the whole `LLMEngine.step()` (scheduling, packing, launching, reading the tokens back, bookkeeping);
 - wait: the time the host sat blocked reading the sampled tokens back (the step's one sync);
-- host = wall - wait: the time the CPU was busy, the part a faster GPU cannot remove;
+- host = wall - wait: the time the CPU was busy, the part a faster GPU cannot remove (on a CPU, where the
+  device's part runs on the host, that part is left out of host too);
 - device: the device's span of the step's work (CUDA events around upload, model and sampling; on the CPU,
   the wall time of that part, which runs synchronously), read once at the end (no extra syncs);
 - what the device had to move and compute: weight bytes plus the KV bytes the step's attention reads, and
@@ -118,7 +119,8 @@ class StepProfiler:
             tfs = k.flops / device / 1e12 if device else 0.0
             result[name] = {"steps": k.steps, "tokens": k.tokens, "bytes": k.bytes, "flops": k.flops,
                             "wall_ms": 1e3 * k.wall / k.steps,
-                            "host_ms": 1e3 * (k.wall - k.wait) / k.steps, "wait_ms": 1e3 * k.wait / k.steps,
+                            "host_ms": 1e3 * (k.wall - k.wait - (k.device if not k.events else 0)) / k.steps,
+                            "wait_ms": 1e3 * k.wait / k.steps,
                             "device_ms": 1e3 * device / k.steps, "tokens_per_s": k.tokens / k.wall if k.wall else 0,
                             "achieved_GB_s": gbs, "achieved_TFLOP_s": tfs,
                             "hbm_fraction": gbs * 1e9 / bw if bw else None,
@@ -136,5 +138,5 @@ def print_profile(summary: dict) -> None:
         print(f"{name:<10}{r['steps']:>7}{r['tokens']:>10}{r['wall_ms']:>9.2f}{r['host_ms']:>9.2f}{r['wait_ms']:>9.2f}"
               f"{r['device_ms']:>10.2f}{r['achieved_GB_s']:>9.1f}{frac(r['hbm_fraction']):>7}"
               f"{r['achieved_TFLOP_s']:>9.2f}{frac(r['flops_fraction']):>7}")
-    print("host = wall - wait (the CPU's busy time per step); device = the device's span of upload, model and "
-          "sampling")
+    print("host = wall - wait (the CPU's busy time per step; on a CPU, less the device part too); device = the "
+          "device's span of upload, model and sampling")
