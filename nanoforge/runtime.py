@@ -29,3 +29,25 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise NanoforgeError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}", param="dtype")
     return DTYPES[name]
+
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) and HBM bandwidth (bytes/s), by a substring of the device name.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
+PEAK_HBM_BYTES = {"H100": 3.35e12, "H200": 4.8e12, "H800": 3.35e12, "A100": 2.0e12, "A800": 2.0e12}
+
+
+def _peak(table: dict, device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in table.items() if key in name), None)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's bf16 peak, or None where we do not know it (CPUs, other GPUs): MFU shows n/a."""
+    return _peak(PEAK_BF16_FLOPS, device)
+
+
+def peak_hbm_bandwidth(device: torch.device) -> float | None:
+    """The device's memory bandwidth in bytes/s, or None where we do not know it."""
+    return _peak(PEAK_HBM_BYTES, device)

@@ -82,6 +82,46 @@ def test_cli_greedy_run_counts_identical_requests(tmp_path, capsys):
     assert "greedy outputs identical on both sides: 5/5 requests" in capsys.readouterr().out
 
 
+def test_profile_counts_each_step_kind_and_its_work():
+    """Three prompts prefilled in one step, then three decode steps: the profile's counts, bytes and FLOPs
+    are those of that schedule, computed here from the shapes."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-llama")).eval()
+    cfg = model.cfg
+    prompts, outputs = [[1] * 5, [2] * 7, [3] * 9], [4, 4, 4]
+    stats, ids = bt.run_engine(model, prompts, outputs, max_num_seqs=8, temperature=0, profile=True)
+    assert [len(t) for t in ids] == outputs
+    p = stats["profile"]
+    assert set(p) == {"prefill", "decode"}
+    assert (p["prefill"]["steps"], p["prefill"]["tokens"]) == (1, 21)
+    assert (p["decode"]["steps"], p["decode"]["tokens"]) == (3, 9)
+    body = cfg.num_params()  # without the embedding and the vocabulary projection
+    vocab = cfg.vocab_size * cfg.d_model
+    pairs = sum(n * (n + 1) // 2 for n in (5, 7, 9))
+    flops = 2 * body * 21 + 2 * vocab * 3 + 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * pairs
+    dev_s = p["prefill"]["device_ms"] / 1e3
+    assert p["prefill"]["achieved_TFLOP_s"] == pytest.approx(flops / dev_s / 1e12)
+    kv_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # fp32 K and V of one token
+    read = sum(n + k for n in (5, 7, 9) for k in (1, 2, 3))  # context of each decode query
+    norms = sum(w.numel() for w in model.parameters() if w.dim() == 1)
+    nbytes = 3 * (body + norms + vocab) * 4 + read * kv_token
+    dev_s = 3 * p["decode"]["device_ms"] / 1e3
+    assert p["decode"]["achieved_GB_s"] == pytest.approx(nbytes / dev_s / 1e9)
+    for r in p.values():
+        assert r["wall_ms"] >= r["host_ms"] > 0 and r["wait_ms"] >= 0 and 0 < r["device_ms"] <= r["wall_ms"]
+        # on a CPU the device's part runs on the host: the three add up to the step
+        assert r["host_ms"] + r["device_ms"] + r["wait_ms"] == pytest.approx(r["wall_ms"])
+        assert r["hbm_fraction"] is None and r["flops_fraction"] is None  # no known peaks on a CPU
+
+
+def test_cli_profile_prints_the_breakdown(tmp_path, capsys):
+    assert main(["bench", "throughput", *TINY, "--no-baseline", "--profile", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "throughput.json").read_text())
+    assert {"prefill", "decode"} <= set(r["nanoforge"]["profile"])
+    out = capsys.readouterr().out
+    assert "step kind" in out and "host ms" in out and "\ndecode " in out
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--num-requests", "0"], "--num-requests"),
     (["--max-output", "0"], "--max-output"),
@@ -140,6 +180,6 @@ def test_every_flag_has_help_with_its_default():
     p = argparse.ArgumentParser()
     bt.add_cli_arguments(p)
     options = [a for a in p._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 14
+    assert len(options) == 16
     for a in options:
         assert a.help and "default" in a.help, a.option_strings

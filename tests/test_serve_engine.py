@@ -112,6 +112,22 @@ def test_seeded_request_is_independent_of_batch(tok):
     assert alone == generate(model, ps[0], max_new_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=123)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_sampling_survives_preemption(tok, mode):
+    """A preempted seeded request continues its draws where it stopped: the tokens of an unpressured run,
+    which are the reference generator's."""
+    model = make_model(tok)
+    ps = prompts(8, random.Random(9), 20, 40)
+    params = [SamplingParams(temperature=0.9, top_k=15 if i % 2 else 0, max_tokens=24, seed=50 + i, ignore_eos=True)
+              for i in range(len(ps))]
+    llm = LLM(model, tok, block_size=4, num_gpu_blocks=30, max_num_batched_tokens=16, preemption_mode=mode,
+              swap_space=0 if mode == "recompute" else 1 << 20)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
+    assert llm.engine.stats()["preemptions"] > 0
+    assert got == [generate(model, p, max_new_tokens=24, temperature=0.9, top_k=q.top_k, seed=q.seed)
+                   for p, q in zip(ps, params)]
+
+
 def test_stop_strings_stop_ids_and_logprobs(tok):
     model = make_model(tok)
     p = tok.encode("the lazy dog")
@@ -185,3 +201,18 @@ def test_throughput_benchmark_counts_what_it_generated():
     assert [len(t) for t in ids] == outputs  # in the order the requests were given
     assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
     assert 0.9 < r["kv_utilization_mean"] <= 1.0
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_engine_on_every_triton_kernel_decodes_the_reference_tokens(tok, monkeypatch):
+    """The engine's GPU path on the CPU (interpreted): RoPE fused with the KV write, paged attention, the fused
+    residual add + RMSNorm and sampling in Triton give the reference generator's tokens, greedy and seeded."""
+    model = make_model(tok, "tiny-qwen3")
+    ps = prompts(3, random.Random(11), 5, 20)
+    seeded = SamplingParams(temperature=0.8, max_tokens=8, seed=5, ignore_eos=True)
+    want = [generate(model, p, max_new_tokens=8) for p in ps] + \
+        [generate(model, ps[0], max_new_tokens=8, temperature=0.8, seed=5)]
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    llm = LLM(model, tok, num_gpu_blocks=40)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps + ps[:1], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 3 + [seeded])]
+    assert got == want

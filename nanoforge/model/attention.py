@@ -34,11 +34,20 @@ import torch.distributed as dist
 
 from nanoforge.kernels.flash_attention import attention as flash_attention
 from nanoforge.kernels.flash_attention import doc_bounds, document_mask, sdpa
+from nanoforge.kernels.rope import apply_rope
 
 
 class AttentionBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def attend_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
+        """`attend` after rotating q and k by rope = (cos, sin) (None: learned positions, no rotation). A backend
+        that stores K may fuse the rotation into the store (the engine's paged cache does)."""
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.attend(layer, q, k, v)
 
 
 class DenseAttention(AttentionBackend):

@@ -12,7 +12,7 @@ import torch
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.attention import KVCache
-from nanoforge.model.sampling import make_generator, sample
+from nanoforge.model.sampling import SEED_MOD, random_seed, sample
 from nanoforge.model.transformer import Transformer
 
 
@@ -37,7 +37,8 @@ def generate_stream(model: Transformer, prompt_ids: list[int], *, max_new_tokens
     budget = min(max_new_tokens, cfg.max_seq_len - len(prompt_ids))
     cache = KVCache(cfg.n_layers, 1, len(prompt_ids) + budget - 1, cfg.n_kv_heads, cfg.head_dim, device=device,
                     dtype=model.embed.weight.dtype)
-    gen = make_generator(seed, device)
+    # the i-th token is draw i of the seed's Philox noise, as the engine draws completion 0 of a request seeded so
+    seeds = torch.tensor([random_seed() if seed is None else seed % SEED_MOD], device=device)
     temp = torch.tensor([temperature], device=device)
     tk = torch.tensor([top_k], device=device) if top_k > 0 else None
     tp = torch.tensor([top_p], device=device) if top_p < 1.0 else None
@@ -47,7 +48,7 @@ def generate_stream(model: Transformer, prompt_ids: list[int], *, max_new_tokens
         positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=device)[None]
         logits = model(tokens, positions, cache)[:, -1]
         cache.advance(tokens.shape[1])
-        nxt = int(sample(logits, temp, tk, tp, [gen])[0])
+        nxt = int(sample(logits, temp, tk, tp, seeds, torch.tensor([i], device=device))[0])
         yield nxt
         if nxt in stop_ids:
             return

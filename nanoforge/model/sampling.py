@@ -2,15 +2,21 @@
 
 One implementation serves the reference generator and the serving engine.
 Each row of a batch carries its own settings; a row with temperature 0 is
-greedy. Random rows draw with the Gumbel-max trick (argmax of
-log p + Gumbel noise, written as p / Exp(1)), the noise coming from the row's
-own `torch.Generator` when it has a seed, so a seeded request gives the same
-tokens whatever else is in the batch.
+greedy. Random rows draw with the Gumbel-max trick from counter-based Philox
+noise keyed by the row's seed and draw index (`kernels.sampling`): a row's
+k-th draw with seed s is the same whatever else is in the batch, so a seeded
+request gives the same tokens in the engine (completion i of a request seeded
+s draws with seed s + i) as in `nanoforge generate --seed s` (which draws with
+seed s), and an unseeded one takes a seed from torch's global generator.
 """
 
 from __future__ import annotations
 
 import torch
+
+from nanoforge.kernels.sampling import sample_tokens
+
+SEED_MOD = 1 << 63  # seeds are taken modulo this (an int64 on the device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -29,33 +35,31 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         # keep the smallest prefix whose mass reaches top_p: drop a token if the mass *before* it already does
+        # (a row with top_p = 1 keeps everything: a float cumsum may reach 1 before the tail)
         mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= top_p[:, None]
+        remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     remove[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None,
-           top_p: torch.Tensor | None = None, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
-    """Next token per row: logits (B, V), temperature (B,) (0 = greedy). Returns (B,) int64."""
+           top_p: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+           draws: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row: logits (B, V), temperature (B,) (0 = greedy), seeds and draw indices (B,) int64
+    (the row's noise; needed unless every row is greedy). Returns (B,) int64."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    if bool((temperature == 0).all()):
-        return greedy
-    t = torch.where(temperature > 0, temperature, 1.0)
-    probs = filter_logits(logits / t[:, None], top_k, top_p).softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_()  # one launch for every unseeded row
-    for i, g in enumerate(generators or ()):
-        if g is not None:  # seeded rows redraw from their own generator
-            noise[i].exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(temperature > 0, sampled, greedy)
+    if top_k is not None or top_p is not None:
+        t = torch.where(temperature > 0, temperature, 1.0)
+        kept = filter_logits(logits / t[:, None], top_k, top_p)  # the nucleus of the tempered distribution
+        logits = logits.masked_fill(kept == float("-inf"), float("-inf"))
+    if seeds is None:
+        if bool((temperature > 0).any()):
+            raise ValueError("sample: rows with temperature > 0 need seeds and draw indices")
+        seeds = draws = torch.zeros(len(logits), dtype=torch.int64, device=logits.device)
+    return sample_tokens(logits, temperature, seeds, draws)
 
 
-def make_generator(seed: int | None, device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+def random_seed() -> int:
+    """A seed for an unseeded request, from torch's global generator (so torch.manual_seed makes runs repeat)."""
+    return int(torch.randint(0, SEED_MOD - 1, (), dtype=torch.int64).item())

@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.kernels.rmsnorm import rms_norm
+from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
+from nanoforge.kernels.swiglu import silu_mul
 from nanoforge.model.attention import AttentionBackend, DenseAttention
 from nanoforge.model.config import ModelConfig
 
@@ -70,20 +71,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    """Rotate pairs (i, i + D/2) of each head (the Hugging Face layout), x: (B, T, H, D).
-
-    The result keeps x's dtype. Under autocast, q and k come out of the projection in bf16 while cos and
-    sin are fp32 (they follow the fp32 residual stream); the rotation is then computed in fp32 and rounded
-    once, so q, k and v reach attention in the same dtype."""
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
-
-
 # --- attention and MLP -------------------------------------------------------------------------
 
 class Attention(nn.Module):
@@ -106,10 +93,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.attend(self.layer_idx, q, k, v)
+        o = attn.attend_rotary(self.layer_idx, q, k, v, rope)
         return self.dropout(self.wo(o.reshape(B, T, -1)))
 
 
@@ -126,8 +110,7 @@ class MLP(nn.Module):
     def forward(self, x):
         h = self.w_in(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = silu_mul(h)  # silu(gate) * up: one kernel when serving
         else:
             h = F.gelu(h, approximate="tanh")
         return self.dropout(self.w_out(h))
@@ -142,8 +125,22 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, attn):
-        x = x + self.attn(self.attn_norm(x), rope, attn)
-        return x + self.mlp(self.mlp_norm(x))
+        a = self.attn(self.attn_norm(x), rope, attn)
+        if self._fuse_add_norm(a, x):  # serving: the residual add and the MLP's norm in one pass (one launch)
+            h, x = add_rms_norm(a, x, self.mlp_norm.weight, self.mlp_norm.eps)
+        else:
+            x = x + a
+            h = self.mlp_norm(x)
+        return x + self.mlp(h)
+
+    def _fuse_add_norm(self, a, x) -> bool:
+        """Outside autograd and torch.compile (which fuse on their own), for RMSNorm, with one dtype (autocast
+        training keeps an fp32 residual stream), on plain tensors of a norm without hooks (parallel training's
+        DTensors and sequence-parallel hooks take the module)."""
+        n = self.mlp_norm
+        return (isinstance(n, RMSNorm) and a.dtype == x.dtype and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not (n._forward_hooks or n._forward_pre_hooks)
+                and type(a) is type(x) is type(n.weight.data) is torch.Tensor)
 
 
 # --- the model ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ printed and the numbers, the workload and the batching go to JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -43,6 +44,8 @@ from tqdm import tqdm
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import PRESETS, ModelConfig, preset
 from nanoforge.runtime import pick_device, pick_dtype
+from nanoforge.serve.step_profile import print_profile
+from nanoforge.serve.tensor_parallel import check_tensor_parallel
 
 if TYPE_CHECKING:
     from nanoforge.model.transformer import Transformer
@@ -92,14 +95,29 @@ def _sync(device: torch.device) -> None:
 # --- the engine ------------------------------------------------------------------------------------
 
 def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, temperature: float = 0.6,
-               use_cuda_graphs: bool = True) -> tuple[dict, list[list[int]]]:
-    """Every request at once; returns the numbers and each request's output token ids."""
+               use_cuda_graphs: bool = True, tensor_parallel_size: int = 1, model_factory=None,
+               profile: bool = False) -> tuple[dict, list[list[int]]]:
+    """Every request at once; returns the numbers and each request's output token ids. With tensor parallelism
+    the other ranks build their copy of the model with `model_factory(device)` (default: from its weights).
+    `profile`: time each step by kind (serve/step_profile.py), into the numbers' "profile"."""
     from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
-    from nanoforge.serve.sampling_params import SamplingParams
 
     engine = LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
                                                  max_model_len=max(len(p) + o for p, o in zip(prompts, outputs)) + 1,
-                                                 use_cuda_graphs=use_cuda_graphs))
+                                                 use_cuda_graphs=use_cuda_graphs,
+                                                 tensor_parallel_size=tensor_parallel_size),
+                       model_factory=model_factory)
+    try:
+        return _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile)
+    finally:
+        engine.close()
+
+
+def _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile) -> tuple[dict, list[list[int]]]:
+    from nanoforge.serve.model_runner import kv_bytes_per_block
+    from nanoforge.serve.sampling_params import SamplingParams
+    from nanoforge.serve.step_profile import StepProfiler
+
     # warm up (compilation, autotuning, graph capture happen in the constructor and the first steps)
     engine.add_request(prompts[0][:64], SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished():
@@ -110,10 +128,17 @@ def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, tempe
     util_sum, samples, step = 0.0, 0, 0
     bar = tqdm(total=sum(outputs), desc="nanoforge engine", unit="tok", unit_scale=True)
     device = model.embed.weight.device
+    runner = engine.runner
+    prof = runner.profiler = StepProfiler(runner.model, kv_bytes_per_block(runner.model, 1, runner.dtype)) \
+        if profile else None
     _sync(device)
     t0 = time.perf_counter()
     while engine.has_unfinished():
+        if prof is not None:
+            prof.step_begin()
         outs = engine.step()
+        if prof is not None:
+            prof.step_end()
         step += 1
         # utilisation walks every block table: sample it every 8th step to keep it off the clock
         if step % 8 == 0 and engine.scheduler.block_manager.num_used_blocks:
@@ -126,10 +151,13 @@ def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, tempe
     bar.close()
     s = engine.stats()
     produced = sum(len(t) for t in token_ids.values())
-    return ({"seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt,
-             "kv_utilization_mean": util_sum / max(samples, 1), "preemptions": s["preemptions"],
-             "steps": s["steps"], "kv_blocks_total": s["kv_blocks_total"], "max_num_seqs": max_num_seqs},
-            [token_ids[r] for r in rids])
+    result = {"seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt,
+              "kv_utilization_mean": util_sum / max(samples, 1), "preemptions": s["preemptions"],
+              "steps": s["steps"], "kv_blocks_total": s["kv_blocks_total"], "max_num_seqs": max_num_seqs}
+    if prof is not None:
+        result["profile"] = prof.summary()
+        runner.profiler = None
+    return result, [token_ids[r] for r in rids]
 
 
 # --- the Hugging Face baseline ------------------------------------------------------------------------
@@ -289,9 +317,13 @@ def build_model(w: Workload, device: torch.device, dtype: torch.dtype) -> Transf
         return Transformer(model_config(w)).to(dtype).eval()
 
 
+def _model_on(w: Workload, dtype: torch.dtype, device: torch.device) -> Transformer:
+    return build_model(w, device, dtype)
+
+
 def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256, temperature: float = 0.6,
                      baseline: bool = True, out: Path = Path("runs/bench/throughput.json"), device: torch.device,
-                     dtype: torch.dtype) -> dict:
+                     dtype: torch.dtype, tensor_parallel_size: int = 1, profile: bool = False) -> dict:
     from nanoforge.model.hf import save_model
 
     model = build_model(w, device, dtype)
@@ -311,7 +343,10 @@ def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256
                   "add --no-baseline; with no workload flags the CPU default takes about a minute")
     torch.manual_seed(w.seed)
     result["nanoforge"], engine_ids = run_engine(model, prompts, outputs, max_num_seqs=max_num_seqs,
-                                                 temperature=temperature)
+                                                 temperature=temperature, tensor_parallel_size=tensor_parallel_size,
+                                                 model_factory=functools.partial(_model_on, w, dtype),
+                                                 profile=profile)
+    result["tensor_parallel_size"] = tensor_parallel_size
     if baseline:
         with tempfile.TemporaryDirectory() as d:
             save_model(model, d)
@@ -341,6 +376,8 @@ def print_table(r: dict) -> None:
         print(f"{name:<32}{hf['output_tok_s']:>14,.0f}{hf['generated_tok_s']:>17,.0f}{hf['seconds']:>10.1f}")
         print(f"speed-up over HF on the same requests: {r['speedup']:.2f}x  ({100 * hf['padding_waste']:.0f}% of "
               f"the tokens HF generated pad a request to its batch's longest output)")
+    if "profile" in e:
+        print_profile(e["profile"])
     if "greedy_identical" in r:
         print(f"greedy outputs identical on both sides: {r['greedy_identical']}/{r['workload']['requests']} requests")
     print(f"KV-cache utilisation (mean over steps): {100 * e['kv_utilization_mean']:.1f}%  "
@@ -372,9 +409,14 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
                         "identical on both sides (default: 0.6, nano-vllm's)")
     p.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
                    help="engine: sequences per batch (default: 256)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="engine: split the model over N devices, one process each (default: 1)")
     p.add_argument("--hf-batch", type=int, default=64, metavar="N",
                    help="HF baseline: requests per generate() call, sorted by prompt length (default: 64)")
     p.add_argument("--no-baseline", action="store_true", help="skip the HF baseline (default: run it)")
+    p.add_argument("--profile", action="store_true",
+                   help="engine: per step kind (prefill, decode, mixed), host and device time per step and the "
+                        "achieved fraction of the device's memory bandwidth and FLOP/s (default: off)")
     p.add_argument("--out", default="runs/bench/throughput.json", metavar="PATH",
                    help="JSON file for the results; a directory gets throughput.json (default: %(default)s)")
     p.add_argument("--device", default="auto",
@@ -414,13 +456,14 @@ def run_cli(args: argparse.Namespace) -> int:
         dtype = pick_dtype(args.dtype, device)
     except NanoforgeError as e:
         raise NanoforgeError(f"{_flag(e.param)}: {e}", param=e.param) from None
-    for name in ("max_num_seqs", "hf_batch"):
+    for name in ("max_num_seqs", "hf_batch", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             raise NanoforgeError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}", param=name)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise NanoforgeError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}",
                              param="temperature")
     workload, line = resolve_workload(args, device)
+    check_tensor_parallel(model_config(workload), args.tensor_parallel_size)
     out = Path(args.out)
     if out.is_dir():
         out = out / "throughput.json"
@@ -430,5 +473,6 @@ def run_cli(args: argparse.Namespace) -> int:
         raise NanoforgeError(f"--out {args.out}: cannot create its folder ({e.strerror})", param="out") from None
     print(line, flush=True)
     bench_throughput(workload, hf_batch=args.hf_batch, max_num_seqs=args.max_num_seqs, temperature=args.temperature,
-                     baseline=not args.no_baseline, out=out, device=device, dtype=dtype)
+                     baseline=not args.no_baseline, out=out, device=device, dtype=dtype,
+                     tensor_parallel_size=args.tensor_parallel_size, profile=args.profile)
     return 0

@@ -20,7 +20,10 @@ whose first tokens another engine generated (a decode instance).
 from __future__ import annotations
 
 import concurrent.futures
+import copy
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +33,12 @@ from nanoforge.model.hf import load_model
 from nanoforge.model.transformer import Transformer
 from nanoforge.runtime import pick_device, pick_dtype
 from nanoforge.serve.kv_connector import KVConnector, KVPool, cache_layout, model_fingerprint
+from nanoforge.serve import tensor_parallel
 from nanoforge.serve.model_runner import ModelRunner, kv_bytes_per_block
 from nanoforge.serve.sampling_params import SamplingParams
 from nanoforge.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_request
 from nanoforge.serve.sequence import Sequence, SequenceGroup
+from nanoforge.serve.tensor_parallel import TensorParallel, check_tensor_parallel, shard_model
 from nanoforge.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -44,13 +49,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # default: the model's context
     num_gpu_blocks: int | None = None  # default: sized from the memory budget below
-    kv_cache_memory: int | None = None  # bytes for the KV cache; default: see _kv_budget
+    kv_cache_memory: int | None = None  # bytes for the KV cache; default: see kv_cache_blocks
     gpu_memory_utilization: float = 0.90
     swap_space: int = 0  # bytes of CPU memory for swapped-out blocks
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     use_cuda_graphs: bool = True
+    tensor_parallel_size: int = 1  # processes (one per GPU) the model is split over
     device: str = "auto"
     dtype: str = "auto"
     # with a KV pool: save computed prompt blocks to it (a decode instance does not), the staging buffer for
@@ -97,21 +103,22 @@ class _Detok:
 
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, config: EngineConfig | None = None,
-                 kv_pool: KVPool | None = None):
+                 kv_pool: KVPool | None = None, model_factory: Callable[[torch.device], Transformer] | None = None):
         """`tokenizer=None` serves token ids only (no text, no stop strings): benchmarks use that. `kv_pool`
-        shares prompt blocks with other engines through a cluster-wide pool."""
+        shares prompt blocks with other engines through a cluster-wide pool. With tensor parallelism, the other
+        ranks build their model with `model_factory(device)` (default: from `model`'s weights), and this engine
+        keeps a sharded copy of `model` (the given one is left whole)."""
         self.config = config = config or EngineConfig()
-        self.model = model
-        self.tokenizer = tokenizer
         cfg = model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
-        dtype = model.embed.weight.dtype
-        per_block = kv_bytes_per_block(model, config.block_size, dtype)
-        num_gpu_blocks = config.num_gpu_blocks or max(1, self._kv_budget() // per_block)
-        num_cpu_blocks = config.swap_space // per_block
-        if config.preemption_mode == "swap" and num_cpu_blocks == 0:
-            raise NanoforgeError("preemption_mode 'swap' needs swap_space (bytes of CPU memory) for at least one block",
-                                 param="swap_space")
+        self.tp: TensorParallel | None = None
+        if config.tensor_parallel_size != 1:
+            model = self._start_tensor_parallel(model, kv_pool, model_factory)
+        self.model = model
+        self.tokenizer = tokenizer
+        num_gpu_blocks, num_cpu_blocks = kv_cache_blocks(model, config, self.max_model_len)
+        if self.tp is not None:
+            num_gpu_blocks = self.tp.agree_min(num_gpu_blocks)
         eos = set(tokenizer.stop_ids) if tokenizer is not None else set()
         if cfg.eos_token_id is not None:
             eos |= set(cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id])
@@ -121,11 +128,10 @@ class LLMEngine:
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             eos_token_ids=tuple(sorted(eos)), vocab_size=cfg.vocab_size))
-        self.runner = ModelRunner(model, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
-                                  num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, use_cuda_graphs=config.use_cuda_graphs)
+        self.runner = make_runner(model, config, self.max_model_len, num_gpu_blocks, num_cpu_blocks, self.tp)
         self.connector: KVConnector | None = None
         if kv_pool is not None:
+            dtype = model.embed.weight.dtype
             staging = config.kv_pool_staging or (1 << 30 if self.runner.device.type == "cuda" else 64 << 20)
             namespace = f"nanoforge/{model_fingerprint(model)}/{cache_layout(cfg, config.block_size, dtype)}"
             self.connector = KVConnector(kv_pool, self.runner, self.scheduler.block_manager, namespace,
@@ -137,29 +143,29 @@ class LLMEngine:
         self._first_token: dict[str, float] = {}
         self._next_id = 0
 
+    def _start_tensor_parallel(self, model: Transformer, kv_pool, model_factory) -> Transformer:
+        """Start the other ranks; return this rank's shard of the model."""
+        n = self.config.tensor_parallel_size
+        check_tensor_parallel(model.cfg, n)
+        if kv_pool is not None:
+            raise NanoforgeError("a KV pool (--store) works with one device per instance; drop "
+                                 "--tensor-parallel-size", param="tensor_parallel_size")
+        if model_factory is None:
+            model_factory = functools.partial(model_from_state, model.cfg, model.state_dict())
+            model = copy.deepcopy(model)
+        self.tp = tensor_parallel.start(n, model.embed.weight.device, serve_worker,
+                                        (model_factory, self.config, self.max_model_len))
+        return shard_model(model, 0, n, self.tp.group)
+
     @classmethod
     def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None,
                         kv_pool: KVPool | None = None) -> "LLMEngine":
         config = config or EngineConfig()
         device = pick_device(config.device)
-        model = load_model(model_dir, device=device, dtype=pick_dtype(config.dtype, device))
-        return cls(model, Tokenizer.load(model_dir), config, kv_pool)
-
-    def _kv_budget(self) -> int:
-        c = self.config
-        if c.kv_cache_memory:
-            return c.kv_cache_memory
-        dev = self.model.embed.weight.device
-        if dev.type == "cuda":
-            free, total = torch.cuda.mem_get_info(dev)
-            used_by_others = total - free
-            # leave (1 - utilization) of the card, plus room for one full batch of activations
-            act = 64 * c.max_num_batched_tokens * self.model.cfg.d_model * 4
-            return max(0, int(total * c.gpu_memory_utilization) - used_by_others - act)
-        # CPU: enough for max_num_seqs sequences of 512 tokens, at most 1 GiB
-        cfg = self.model.cfg
-        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * self.model.embed.weight.element_size()
-        return min(1 << 30, per_token * c.max_num_seqs * min(512, self.max_model_len))
+        dtype = pick_dtype(config.dtype, device)
+        model = load_model(model_dir, device=device, dtype=dtype)
+        factory = functools.partial(_load_on, model_dir, dtype) if config.tensor_parallel_size > 1 else None
+        return cls(model, Tokenizer.load(model_dir), config, kv_pool, model_factory=factory)
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -219,9 +225,12 @@ class LLMEngine:
         return stats
 
     def close(self) -> None:
-        """Stop the KV connector's worker (an engine without one holds nothing to close)."""
+        """Stop the KV connector's worker and the other tensor-parallel ranks (if there are any)."""
         if self.connector is not None:
             self.connector.close()
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     # --- the step ---------------------------------------------------------------------------------------
 
@@ -292,7 +301,7 @@ class LLMEngine:
     def _output(self, group: SequenceGroup, finished: bool, now: float) -> RequestOutput:
         rid = group.request_id
         outs = [CompletionOutput(s.index, self._detok[s.seq_id].text if s.seq_id in self._detok else "",
-                                 list(s.output_token_ids), s.finish_reason,
+                                 s.output_token_ids, s.finish_reason,  # (a fresh slice)
                                  list(s.output_logprobs) if s.sampling_params.logprobs is not None else None)
                 for s in sorted(group.seqs, key=lambda s: s.index)]
         metrics = {"arrival_time": group.arrival_time, "first_token_time": self._first_token.get(rid)}
@@ -309,4 +318,60 @@ class LLMEngine:
         self._prompts.pop(group.request_id, None)
         self._first_token.pop(group.request_id, None)
         self._saves.pop(group.request_id, None)
-        self.runner.release(group.request_id, len(group.seqs))
+
+
+# --- construction shared by every rank -------------------------------------------------------------------
+
+def kv_cache_blocks(model: Transformer, c: EngineConfig, max_model_len: int) -> tuple[int, int]:
+    """KV-cache blocks on the device and in swap space for this rank's model: `num_gpu_blocks` if given, else
+    what the memory budget holds. On a GPU the budget is (utilisation x the card) - what others use - room for
+    one full batch of activations; on the CPU, enough for max_num_seqs sequences of 512 tokens, at most 1 GiB."""
+    cfg, dtype = model.cfg, model.embed.weight.dtype
+    per_block = kv_bytes_per_block(model, c.block_size, dtype)
+    if c.preemption_mode == "swap" and c.swap_space < per_block:
+        raise NanoforgeError("preemption_mode 'swap' needs swap_space (bytes of CPU memory) for at least one block",
+                             param="swap_space")
+    if c.num_gpu_blocks:
+        return c.num_gpu_blocks, c.swap_space // per_block
+    dev = model.embed.weight.device
+    if c.kv_cache_memory:
+        budget = c.kv_cache_memory
+    elif dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        act = 64 * c.max_num_batched_tokens * cfg.d_model * 4
+        budget = max(0, int(total * c.gpu_memory_utilization) - (total - free) - act)
+    else:
+        per_token = per_block // c.block_size
+        budget = min(1 << 30, per_token * c.max_num_seqs * min(512, max_model_len))
+    return max(1, budget // per_block), c.swap_space // per_block
+
+
+def make_runner(model: Transformer, c: EngineConfig, max_model_len: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                tp: TensorParallel | None) -> ModelRunner:
+    return ModelRunner(model, block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                       max_num_seqs=c.max_num_seqs, max_model_len=max_model_len,
+                       max_num_batched_tokens=c.max_num_batched_tokens, use_cuda_graphs=c.use_cuda_graphs, tp=tp)
+
+
+def serve_worker(tp: TensorParallel, model_factory: Callable, c: EngineConfig, max_model_len: int) -> None:
+    """A tensor-parallel rank other than the first: build its shard and runner as the first rank does, then run
+    every step the first rank sends until it says stop."""
+    model = shard_model(model_factory(tp.device), tp.rank, tp.world, tp.group)
+    num_gpu_blocks, num_cpu_blocks = kv_cache_blocks(model, c, max_model_len)
+    runner = make_runner(model, c, max_model_len, tp.agree_min(num_gpu_blocks), num_cpu_blocks, tp)
+    while not (step := tp.receive()).stop:
+        runner.run(step)
+
+
+def model_from_state(cfg, state: dict, device: torch.device) -> Transformer:
+    """A model with the given weights on `device` (the other ranks' copy of an in-memory model)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(state, assign=True)
+    model.reset_buffers(device)
+    model.to(device)
+    return model.eval()
+
+
+def _load_on(model_dir: str, dtype: torch.dtype, device: torch.device) -> Transformer:
+    return load_model(model_dir, device=device, dtype=dtype)

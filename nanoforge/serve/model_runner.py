@@ -1,47 +1,57 @@
 """ModelRunner: runs one scheduler step on the model over the paged KV cache.
 
 For each step it
-1. executes the block operations the scheduler asked for (swap out to the
-   CPU pool, swap in, copy-on-write copies), in that order;
-2. flattens every scheduled chunk into one ragged batch of tokens (no
-   padding between sequences), with positions, the cache slot of every token,
-   and per-sequence block tables, context lengths and query offsets;
-3. runs the model once, with `PagedAttention` as its attention backend: each
-   layer writes the new tokens' K/V into their slots and attends through the
-   block tables (`nanoforge.kernels.paged_attention`: Triton on a GPU, the
-   PyTorch reference on the CPU);
-4. computes logits only at the positions that sample, and samples each with
-   its own request's settings (`nanoforge.model.sampling`);
-5. where a request asked for them, turns logits into logprobs (fp32
-   log-softmax, top k; one routine, `logprob_entries`): of each sampled token,
-   and of each prompt token at the chunk's `scored_positions` (prompt logprobs,
-   projected onto the vocabulary a slice of rows at a time).
+1. packs the step's inputs on the host (`InputBatch.prepare`: the persistent batch sends only what changed
+   since the last step) and uploads them in one copy; the device keeps each sequence's block table and
+   sampling parameters in its slot of the batch;
+2. executes the block operations the scheduler asked for (swap out to the CPU pool, swap in, copy-on-write
+   copies), in that order;
+3. runs the model once over the step's ragged batch of tokens (no padding between sequences), with
+   `PagedAttention` as its attention backend: each layer writes the new tokens' K/V into their cache slots
+   and attends through the block tables (`nanoforge.kernels.paged_attention`: Triton on a GPU, the PyTorch
+   reference on the CPU);
+4. computes logits only at the positions that sample, and samples each with its own request's settings
+   (`nanoforge.model.sampling`);
+5. where a request asked for them, turns logits into logprobs (fp32 log-softmax, top k; one routine,
+   `logprob_entries`): of each sampled token, and of each prompt token at the chunk's `scored_positions`
+   (prompt logprobs, projected onto the vocabulary a slice of rows at a time).
 
-On a GPU, steps that are pure decode run as replays of CUDA graphs captured
-for a ladder of batch sizes (padded up to the next one), so the ~10 small
-kernels per layer cost one launch. Padded rows write to a scratch block that
-the block manager never hands out.
+On a GPU, steps that are pure decode run as replays of CUDA graphs captured for a ladder of batch sizes
+(padded up to the next one): the graph reads its inputs from fixed places of the uploaded buffer, gathers
+the block tables of its rows from the slots' tables, and runs the model. Padded rows read and write only a
+scratch block that the block manager never hands out.
 
-The KV cache is one tensor per K and V of shape
-(n_layers, num_blocks, block_size, n_kv_heads, head_dim), sized from a memory
-budget; a block id indexes the same block in every layer.
+The KV cache is one tensor per K and V of shape (n_layers, num_blocks, block_size, n_kv_heads, head_dim),
+sized from a memory budget; a block id indexes the same block in every layer.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
 
 import torch
 
 from nanoforge.kernels.paged_attention import paged_attention, write_kv
+from nanoforge.kernels.rope import apply_rope, apply_rope_and_write_kv
+from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
-from nanoforge.model.sampling import make_generator, sample
+from nanoforge.model.sampling import SEED_MOD, sample
 from nanoforge.model.transformer import Transformer
+from nanoforge.serve.input_batch import (
+    PARAM_UPDATE_WORDS,
+    InputBatch,
+    Layout,
+    StepInputs,
+    StepSamples,
+    idle_packed,
+)
 from nanoforge.serve.scheduler import SchedulerOutput
+from nanoforge.serve.tensor_parallel import TensorParallel
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 SCORE_ROWS = 512  # prompt positions projected onto the vocabulary at once (bounds the fp32 logits' memory)
+UPDATE_RESERVE = 1 << 16  # words of the upload buffer kept for table and parameter updates
 
 
 class PagedAttention(AttentionBackend):
@@ -55,14 +65,30 @@ class PagedAttention(AttentionBackend):
     def attend(self, layer, q, k, v):
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         write_kv(k[0], v[0], kc, vc, self.slot_mapping)
+        return self._attend_cached(q, kc, vc)
+
+    def attend_rotary(self, layer, q, k, v, rope):
+        if rope is None:
+            return self.attend(layer, q, k, v)
+        cos, sin = rope
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        apply_rope_and_write_kv(k[0], v[0], cos[0], sin[0], kc, vc, self.slot_mapping)  # one launch on a GPU
+        return self._attend_cached(apply_rope(q, cos, sin), kc, vc)
+
+    def _attend_cached(self, q, kc, vc):
         o = paged_attention(q[0], kc, vc, self.block_tables, self.seq_lens, self.cu_seqlens_q,
                             max_q_len=self.max_q_len)
         return o[None]
 
 
+def local_kv_heads(model: Transformer) -> int:
+    """KV heads of this rank's shard (all of them without tensor parallelism)."""
+    return model.layers[0].attn.n_kv_heads
+
+
 def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.cfg
-    return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * cfg.n_layers * block_size * local_kv_heads(model) * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
 def logprob_entries(logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[dict]:
@@ -77,53 +103,72 @@ def logprob_entries(logits: torch.Tensor, token_ids: list[int], ks: list[int]) -
             for t, c, ids, vals, kk in zip(token_ids, chosen, top_ids, top_vals, ks)]
 
 
-@dataclass
-class _Batch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn: PagedAttention
-    sample_rows: torch.Tensor  # index into the flattened tokens of each position that samples
-    score_rows: list[int]  # index into the flattened tokens of each position that scores a prompt token
-    score_targets: list[int]  # the prompt token each of those scores (the one after it)
-    scored: list  # (ScheduledSeq, number of score rows) of the chunks that score prompt tokens, in row order
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes that get a CUDA graph: the ladder up to max_num_seqs (and the next rung)."""
+    sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs] or [1]
+    if sizes[-1] < max_num_seqs <= GRAPH_BATCH_SIZES[-1]:
+        sizes.append(next(b for b in GRAPH_BATCH_SIZES if b >= max_num_seqs))
+    return sizes
 
 
 class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
-                 max_num_seqs: int = 256, max_model_len: int, use_cuda_graphs: bool = True):
+                 max_num_seqs: int = 256, max_model_len: int, max_num_batched_tokens: int = 8192,
+                 use_cuda_graphs: bool = True, tp: TensorParallel | None = None):
         self.model = model
+        self.tp = tp
+        self.is_driver = tp is None or tp.is_driver  # the rank that samples and reads tokens back
         self.cfg = model.cfg
         self.device = model.embed.weight.device
         self.dtype = model.embed.weight.dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        shape = (self.cfg.n_layers, num_gpu_blocks + 1, block_size, self.cfg.n_kv_heads, self.cfg.head_dim)
-        self.scratch_block = num_gpu_blocks  # padded graph rows write here; never handed out
+        shape = (self.cfg.n_layers, num_gpu_blocks + 1, block_size, local_kv_heads(model), self.cfg.head_dim)
+        self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         cpu_shape = (self.cfg.n_layers, num_cpu_blocks) + shape[2:]
-        pin = self.device.type == "cuda"
-        self.k_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) if num_cpu_blocks else None
-        self.v_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) if num_cpu_blocks else None
-        self.generators: dict[tuple[str, int], torch.Generator | None] = {}
+        cuda = self.device.type == "cuda"
+        self.k_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda) if num_cpu_blocks else None
+        self.v_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda) if num_cpu_blocks else None
+        sizes = graph_sizes(max_num_seqs) if use_cuda_graphs and cuda else []
+        self.batch = InputBatch(max_num_seqs=max_num_seqs, block_size=block_size,
+                                max_blocks_per_seq=self.max_blocks_per_seq, scratch_block=self.scratch_block,
+                                max_num_tokens=max_num_batched_tokens, graph_sizes=sizes, pin_memory=cuda)
+        self._init_device_batch(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if use_cuda_graphs and self.device.type == "cuda":
-            self._capture_graphs(max_num_seqs)
+        self.profiler = None  # a StepProfiler (serve/step_profile.py) while `bench throughput --profile` runs
+        if sizes:
+            self._capture_graphs(sizes)
 
-    # --- block operations ------------------------------------------------------------------
+    def _init_device_batch(self, max_num_seqs: int) -> None:
+        """The device half of the persistent batch: per slot (plus the scratch slot) a block table and sampling
+        parameters; the upload buffer the step's packed inputs land in; the sampled tokens of the last step."""
+        dev, slots = self.device, max_num_seqs + 1
+        self.table = torch.full((slots, self.max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=dev)
+        self.slot_temperature = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.slot_top_k = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self.slot_seed = torch.zeros(slots, dtype=torch.int64, device=dev)
+        b = self.batch
+        self.inputs = torch.zeros(Layout(b.max_num_tokens, b.max_num_seqs).size + UPDATE_RESERVE, dtype=torch.int64,
+                                  device=dev)
+        self.sampled = torch.zeros(b.max_num_seqs, dtype=torch.int64, device=dev)
 
-    def _block_ops(self, out: SchedulerOutput) -> None:
-        if out.blocks_to_swap_out:
-            src, dst = map(list, zip(*out.blocks_to_swap_out.items()))
+    # --- block operations ------------------------------------------------------------------------------
+
+    def _block_ops(self, step: StepInputs) -> None:
+        if step.swap_out:
+            src, dst = map(list, zip(*step.swap_out))
             self.k_swap[:, dst] = self.k_cache[:, src].cpu()
             self.v_swap[:, dst] = self.v_cache[:, src].cpu()
-        if out.blocks_to_swap_in:
-            src, dst = map(list, zip(*out.blocks_to_swap_in.items()))
+        if step.swap_in:
+            src, dst = map(list, zip(*step.swap_in))
             self.k_cache[:, dst] = self.k_swap[:, src].to(self.device, non_blocking=True)
             self.v_cache[:, dst] = self.v_swap[:, src].to(self.device, non_blocking=True)
-        if out.blocks_to_copy:
-            src, dst = map(list, zip(*out.blocks_to_copy))
+        if step.copies:
+            src, dst = map(list, zip(*step.copies))
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
 
@@ -141,145 +186,150 @@ class ModelRunner:
         self.k_cache[:, idx] = kv[:, 0].transpose(0, 1)
         self.v_cache[:, idx] = kv[:, 1].transpose(0, 1)
 
-    # --- batch building --------------------------------------------------------------------------
+    # --- uploading a step ------------------------------------------------------------------------------------
 
-    def _build(self, out: SchedulerOutput) -> _Batch:
-        ids, pos, slots, seq_lens, cu, rows, tables = [], [], [], [], [0], [], []
-        score_rows, score_targets, scored = [], [], []
-        bs = self.block_size
-        for item in out.scheduled:
-            if item.scored_positions:
-                positions = item.scored_positions
-                score_rows += [cu[-1] + p - item.start for p in positions]
-                score_targets += item.seq.token_ids[positions.start + 1:positions.stop + 1]
-                scored.append((item, len(positions)))
-            ids += item.token_ids
-            pos += range(item.start, item.end)
-            slots += item.slot_mapping(bs)
-            seq_lens.append(item.end)
-            cu.append(cu[-1] + item.num_tokens)
-            if item.num_samples:
-                rows.append(cu[-1] - 1)
-            tables.append(item.block_table)
-        width = max(len(t) for t in tables)
-        tables = [t + [self.scratch_block] * (width - len(t)) for t in tables]
-        dev = self.device
+    def _upload(self, step: StepInputs) -> dict:
+        """Copy the packed inputs to the device in one go, apply the table and parameter updates; return the
+        device views of the step's fields."""
+        n = step.packed.numel()
+        dst = self.inputs if n <= self.inputs.numel() else torch.empty(n, dtype=torch.int64, device=self.device)
+        dst[:n].copy_(step.packed, non_blocking=True)
+        a = step.layout.size
+        if step.num_table_updates:
+            u = dst[a:a + 2 * step.num_table_updates].view(-1, 2)
+            self.table.view(-1)[u[:, 0]] = u[:, 1].to(torch.int32)
+            a += 2 * step.num_table_updates
+        if step.num_param_updates:
+            u = dst[a:a + PARAM_UPDATE_WORDS * step.num_param_updates].view(-1, PARAM_UPDATE_WORDS)
+            slots, floats = u[:, 0], u[:, 3:].contiguous().view(torch.float64)
+            self.slot_top_k[slots] = u[:, 1]
+            self.slot_seed[slots] = u[:, 2]
+            self.slot_temperature[slots] = floats[:, 0].float()
+            self.slot_top_p[slots] = floats[:, 1].float()
+        return step.layout.views(dst)
 
-        def t(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype, device=dev)
+    # --- the forward pass ---------------------------------------------------------------------------------
 
-        attn = PagedAttention(self.k_cache, self.v_cache, t(slots, torch.int64), t(tables), t(seq_lens), t(cu),
-                              max_q_len=max(item.num_tokens for item in out.scheduled))
-        return _Batch(t([ids], torch.int64), t([pos], torch.int64), attn, t(rows, torch.int64), score_rows,
-                      score_targets, scored)
+    def _input_ids(self, v: dict, n: int) -> torch.Tensor:
+        """Token ids; rows whose token the step in flight sampled take it from the device (token_src >= 0)."""
+        src = v["token_src"][:n]
+        return torch.where(src >= 0, self.sampled[src.clamp(min=0)], v["ids"][:n])
 
-    # --- forward ------------------------------------------------------------------------------------
+    def _forward(self, v: dict, n: int, s: int, max_q_len: int, width: int) -> torch.Tensor:
+        """Hidden states of the step's n tokens of s sequences (width: block-table columns to read)."""
+        tables = self.table[:, :width].index_select(0, v["row_slot"][:s])
+        attn = PagedAttention(self.k_cache, self.v_cache, v["slots"][:n], tables, v["seq_lens"][:s],
+                              v["cu_seqlens"][:s + 1], max_q_len=max_q_len)
+        return self.model(self._input_ids(v, n)[None], v["positions"][:n][None], attn, return_hidden=True)[0]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, list], dict[int, list]]:
         """Run one step; returns the sampled tokens, their logprobs (where asked) and the prompt logprobs of
         the chunks' `scored_positions`, each keyed by seq_id."""
-        self._block_ops(out)
-        if not out.scheduled:
-            return {}, {}, {}
-        decode_only = all(item.is_decode for item in out.scheduled)  # decodes score no prompt token
-        prompt_logprobs = {}
-        if decode_only and self.graphs and len(out.scheduled) <= max(self.graphs):
-            hidden = self._replay(out)
-        else:
-            batch = self._build(out)
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn, return_hidden=True)[0]
-            if batch.scored:
-                prompt_logprobs = self._score_prompts(batch, hidden)
-            hidden = hidden[batch.sample_rows]
-        if not len(hidden):  # only prompt chunks that sample nothing (max_tokens=0, or not their last chunk)
+        step, samples = self.batch.prepare(out)
+        if self.tp is not None:
+            self.tp.send(step)
+        prof = self.profiler
+        if prof is not None:
+            prof.device_begin(out, step.num_samples)
+        hidden, logits = self.run(step)
+        if prof is not None:
+            prof.device_end()
+        prompt_logprobs = self._score_prompts(samples, hidden) if samples.scored else {}
+        if not step.num_samples:  # only prompt chunks that sample nothing (max_tokens=0, or not their last chunk)
             return {}, {}, prompt_logprobs
-        logits = self.model.lm_head(hidden).float()
-        return *self._sample(out, logits), prompt_logprobs
+        t0 = time.perf_counter()
+        tokens = self.sampled[:step.num_samples].tolist()  # the step's one sync
+        if prof is not None:
+            prof.waited(time.perf_counter() - t0)
+        return *self._outputs(samples, tokens, logits), prompt_logprobs
 
-    def _score_prompts(self, batch: _Batch, hidden: torch.Tensor) -> dict[int, list]:
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The device's part of a step: upload, block operations, the forward pass and, on the first rank,
+        sampling into `self.sampled[:step.num_samples]`. Returns the hidden states of the step's tokens (None
+        for a replayed graph: decodes score no prompt token) and the logits of the sampled rows (first rank)."""
+        v = self._upload(step)
+        self._block_ops(step)
+        if not step.num_tokens:
+            return None, None
+        n = step.num_samples
+        if step.graph:
+            self.graphs[step.layout.t].replay()
+            hidden, logits = None, self.g_logits[:n] if self.is_driver else None
+        else:
+            hidden = self._forward(v, step.num_tokens, step.num_seqs, step.max_q_len, step.table_width)
+            logits = self._sample(v, hidden[v["sample_row"][:n]], n) if n and self.is_driver else None
+        if step.needs_filter and self.is_driver:
+            self._sample_filtered(v, logits, n)
+        return hidden, logits
+
+    # --- sampling ---------------------------------------------------------------------------------------
+
+    def _seeds(self, v: dict, n: int) -> torch.Tensor:
+        """Each sampled row's seed: its slot's, plus its completion offset (a fork's n rows), modulo 2**63."""
+        return (self.slot_seed[v["sample_slot"][:n]] + v["seed_offset"][:n]) & (SEED_MOD - 1)
+
+    def _sample(self, v: dict, hidden: torch.Tensor, n: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the n sampled rows (in the model's dtype; into `logits_out` if given) and their tokens,
+        greedy or drawn with temperature, into self.sampled[:n]. Top-k / top-p is `_sample_filtered`'s."""
+        logits = torch.matmul(hidden, self.model.lm_head.weight.t(), out=logits_out)
+        slots = v["sample_slot"][:n]
+        sample_tokens(logits, self.slot_temperature[slots], self._seeds(v, n), v["draw"][:n], out=self.sampled[:n])
+        return logits
+
+    def _sample_filtered(self, v: dict, logits: torch.Tensor, n: int) -> None:
+        """Draw the step's rows again with their top-k and top-p (the same noise: the same draw)."""
+        slots = v["sample_slot"][:n]
+        self.sampled[:n] = sample(logits, self.slot_temperature[slots], self.slot_top_k[slots],
+                                  self.slot_top_p[slots], self._seeds(v, n), v["draw"][:n])
+
+    def _outputs(self, samples: StepSamples, tokens: list[int], logits: torch.Tensor | None):
+        """The sampled tokens, and logprob entries where asked, keyed by seq_id (a fork's n tokens in order)."""
+        sampled: dict[int, list[int]] = {}
+        logprobs: dict[int, list] = {}
+        for (seq, _), tok in zip(samples.seqs, tokens):
+            sampled.setdefault(seq.seq_id, []).append(tok)
+        if samples.logprob_rows:
+            rows = samples.logprob_rows
+            entries = logprob_entries(logits[rows], [tokens[i] for i in rows],
+                                      [samples.seqs[i][0].sampling_params.logprobs for i in rows])
+            for i, entry in zip(rows, entries):
+                logprobs.setdefault(samples.seqs[i][0].seq_id, []).append(entry)
+        return sampled, logprobs
+
+    def _score_prompts(self, samples: StepSamples, hidden: torch.Tensor) -> dict[int, list]:
         """Prompt logprobs: the logits at each score row give the logprob of the prompt token after it."""
-        ks = [item.seq.sampling_params.prompt_logprobs for item, n in batch.scored for _ in range(n)]
+        ks = [item.seq.sampling_params.prompt_logprobs for item, n in samples.scored for _ in range(n)]
         entries = []
-        for i in range(0, len(batch.score_rows), SCORE_ROWS):
-            rows = torch.tensor(batch.score_rows[i:i + SCORE_ROWS], device=hidden.device)
-            entries += logprob_entries(self.model.lm_head(hidden[rows]), batch.score_targets[i:i + SCORE_ROWS],
+        for i in range(0, len(samples.score_rows), SCORE_ROWS):
+            rows = torch.tensor(samples.score_rows[i:i + SCORE_ROWS], device=hidden.device)
+            entries += logprob_entries(self.model.lm_head(hidden[rows]), samples.score_targets[i:i + SCORE_ROWS],
                                        ks[i:i + SCORE_ROWS])
         result, start = {}, 0
-        for item, n in batch.scored:
+        for item, n in samples.scored:
             result[item.seq.seq_id] = entries[start:start + n]
             start += n
         return result
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
-        # one row per token to draw: a chunk with num_samples = n contributes n rows (parallel sampling)
-        row_of, temps, top_ks, top_ps, gens, keys = [], [], [], [], [], []
-        r = 0
-        for item in out.scheduled:
-            if not item.num_samples:
-                continue
-            p = item.seq.sampling_params
-            for j in range(item.num_samples):
-                index = item.seq.index + j  # forked children take the next indices
-                key = (item.seq.request_id, index)
-                if key not in self.generators:
-                    g = self.generators[key] = make_generator(None if p.seed is None else p.seed + index, self.device)
-                    # a resumed sequence (its first tokens drawn by another engine) continues the same draws
-                    for _ in range(item.seq.num_output_tokens if g is not None else 0):
-                        torch.empty(logits.shape[-1], device=self.device).exponential_(generator=g)
-                row_of.append(r)
-                temps.append(p.temperature)
-                top_ks.append(max(p.top_k, 0))
-                top_ps.append(p.top_p)
-                gens.append(self.generators[key])
-                keys.append(item)
-            r += 1
-        dev = self.device
-        rows = logits[torch.tensor(row_of, device=dev)] if len(row_of) != logits.shape[0] else logits
-        top_k = torch.tensor(top_ks, device=dev) if any(top_ks) else None
-        top_p = torch.tensor(top_ps, device=dev) if any(x < 1.0 for x in top_ps) else None
-        tokens = sample(rows, torch.tensor(temps, device=dev), top_k, top_p, gens).tolist()
+    # --- CUDA graphs for decode -------------------------------------------------------------------------
 
-        sampled: dict[int, list[int]] = {}
-        logprobs: dict[int, list] = {}
-        for item, tok in zip(keys, tokens):
-            sampled.setdefault(item.seq.seq_id, []).append(tok)
-        want_lp = [i for i, item in enumerate(keys) if item.seq.sampling_params.logprobs is not None]
-        if want_lp:
-            entries = logprob_entries(rows[want_lp], [tokens[i] for i in want_lp],
-                                      [keys[i].seq.sampling_params.logprobs for i in want_lp])
-            for i, entry in zip(want_lp, entries):
-                logprobs.setdefault(keys[i].seq.seq_id, []).append(entry)
-        return sampled, logprobs
-
-    def release(self, request_id: str, n: int) -> None:
-        """Forget a finished request's generators."""
-        for i in range(n):
-            self.generators.pop((request_id, i), None)
-
-    # --- CUDA graphs for decode -------------------------------------------------------------------
-
-    def _capture_graphs(self, max_num_seqs: int) -> None:
-        sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs] or [1]
-        if sizes[-1] < max_num_seqs and max_num_seqs <= GRAPH_BATCH_SIZES[-1]:
-            sizes.append(next(b for b in GRAPH_BATCH_SIZES if b >= max_num_seqs))
-        n = sizes[-1]
-        dev = self.device
-        self.g_ids = torch.zeros(1, n, dtype=torch.int64, device=dev)
-        self.g_pos = torch.zeros(1, n, dtype=torch.int64, device=dev)
-        self.g_slots = torch.full((n,), self.scratch_block * self.block_size, dtype=torch.int64, device=dev)
-        self.g_tables = torch.full((n, self.max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=dev)
-        self.g_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.g_cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.g_hidden = torch.zeros(n, self.cfg.d_model, dtype=self.dtype, device=dev)
+    def _capture_graphs(self, sizes: list[int]) -> None:
+        """One graph per decode batch size: input ids, the rows' block tables, the model, the logits (into
+        a buffer the sizes share) and the sampled tokens (temperature and seeds included)."""
+        if self.is_driver:
+            self.g_logits = torch.zeros(sizes[-1], self.cfg.vocab_size, dtype=self.dtype, device=self.device)
         pool = None
         for b in reversed(sizes):
-            attn = PagedAttention(self.k_cache, self.v_cache, self.g_slots[:b], self.g_tables[:b], self.g_lens[:b],
-                                  self.g_cu[:b + 1], max_q_len=1)
+            layout = Layout(b, b)
+            idle = idle_packed(layout, self.batch.scratch_cache_slot, self.batch.scratch_slot)
+            self.inputs[:layout.size].copy_(torch.from_numpy(idle))
+            v = layout.views(self.inputs)
 
-            def run():
-                h = self.model(self.g_ids[:, :b], self.g_pos[:, :b], attn, return_hidden=True)
-                self.g_hidden[:b] = h[0]
+            def run(v=v, b=b):
+                hidden = self._forward(v, b, b, 1, self.max_blocks_per_seq)
+                if self.is_driver:
+                    self._sample(v, hidden, b, logits_out=self.g_logits[:b])
 
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -292,27 +342,3 @@ class ModelRunner:
             pool = g.pool()
             self.graphs[b] = g
         torch.cuda.synchronize()
-
-    def _replay(self, out: SchedulerOutput) -> torch.Tensor:
-        b = len(out.scheduled)
-        size = next(s for s in sorted(self.graphs) if s >= b)
-        bs = self.block_size
-        ids, pos, slots, lens = [], [], [], []
-        tables = torch.full((size, self.max_blocks_per_seq), self.scratch_block, dtype=torch.int32)
-        for i, item in enumerate(out.scheduled):
-            p = item.start
-            ids.append(item.seq.token_ids[p])
-            pos.append(p)
-            table = item.block_table
-            slots.append(table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        pad = size - b
-        scratch = self.scratch_block * bs
-        self.g_ids[0, :size].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        self.g_pos[0, :size].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
-        self.g_slots[:size].copy_(torch.tensor(slots + [scratch] * pad), non_blocking=True)
-        self.g_lens[:size].copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.g_tables[:size].copy_(tables, non_blocking=True)
-        self.graphs[size].replay()
-        return self.g_hidden[:b]

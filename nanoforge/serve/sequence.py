@@ -136,6 +136,7 @@ class SequenceGroup:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.resumed = outputs is not None
+        self._prompt = list(prompt_token_ids)  # every output of the request shares this list: read it, never write
         if outputs is None:
             self.seqs = [Sequence(prompt_token_ids, self.sampling_params, request_id, 0, self.arrival_time)]
         else:
@@ -155,7 +156,7 @@ class SequenceGroup:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids
+        return self._prompt
 
     @property
     def fork_pending(self) -> bool:

@@ -7,19 +7,7 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
-
-# Dense bf16 tensor-core peaks (FLOP/s, no sparsity), by a substring of the device name.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """The device's bf16 peak, or None where we do not know it (CPUs, other GPUs): MFU shows n/a."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+from nanoforge.runtime import peak_flops  # noqa: F401 (re-exported: the trainer's MFU)
 
 
 def format_mfu(mfu: float | None) -> str:

@@ -1,0 +1,484 @@
+"""The engine at the hardware limit (issue 14): every measurement against its reference, in one process.
+
+    python benchmarks/gpu_engine.py [--out DIR] [--only a,b,...]    # H200, < 8 minutes; JSON + PNG under $OUT
+    python benchmarks/gpu_engine.py --smoke                         # CPU, tiny presets, fp32: the dry run
+
+Random bf16 weights of each preset's shape; every reference is built in this script from the same weights.
+
+(a) throughput: nano-vllm's workload (256 requests, prompts and outputs of 100-1,024 tokens, ignore_eos,
+    temperature 0.6) on Qwen3-0.6B's shape through `nanoforge bench throughput`'s engine loop; output tok/s
+    (target >= 20,000).
+(b) decode: batch-1 greedy decode of Llama-3.2-1B's and Qwen3-0.6B's shapes: the engine against a
+    gpt-fast-style reference (static KV-cache tensors, the decode step written in plain PyTorch and compiled
+    with torch.compile(mode="reduce-overhead"), i.e. one CUDA graph); tok/s, ratio (target >= 1.3x) and the
+    achieved HBM bandwidth (weights + the KV read per token, over the time per token; target >= 55%).
+(c) prefill: 64 prompts of 2,000 tokens on Llama-3.2-1B's shape (one output token each): the engine against
+    Hugging Face transformers' forward with SDPA (batches of 8, logits of the last position only: the same
+    work); tok/s and MFU (forward FLOPs: 2 per weight per token, causal attention pairs; 989 TFLOP/s dense bf16
+    on an H200). Targets: MFU >= 55%, >= 1.5x HF.
+(d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
+    8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
+    that hit the cache against the share of prefill time saved (target: saved >= 80% of the hit share).
+(e) profile: the engine's per-step-kind breakdown (`bench throughput --profile`) on half of (a)'s workload:
+    host and device ms per step, achieved HBM / FLOP fractions.
+
+Each section has a time budget: loops stop at their deadline (the JSON says so) and a section that no longer
+fits the run's total is skipped; a section that fails is reported and the rest still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from nanoforge.kernels.rope import apply_rope_ref  # noqa: E402  (the reference in plain PyTorch)
+from nanoforge.model.config import preset  # noqa: E402
+from nanoforge.model.transformer import Transformer  # noqa: E402
+from nanoforge.runtime import peak_flops, peak_hbm_bandwidth  # noqa: E402
+from nanoforge.serve.bench_throughput import make_workload, run_engine  # noqa: E402
+from nanoforge.serve.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from nanoforge.serve.model_runner import kv_bytes_per_block  # noqa: E402
+from nanoforge.serve.sampling_params import SamplingParams  # noqa: E402
+from nanoforge.serve.step_profile import StepProfiler, print_profile  # noqa: E402
+
+H200_FLOPS, H200_HBM = 989e12, 4.8e12  # dense bf16, bytes/s: the fractions when the device is not recognised
+
+GPU = {"throughput": dict(preset="qwen3-0.6b", requests=256, lo=100, hi=1024, budget=110),
+       "decode": dict(presets=("llama3-1b", "qwen3-0.6b"), prompt=128, tokens=512, compile=True, budget=170),
+       "prefill": dict(preset="llama3-1b", prompts=64, length=2000, hf_batch=8, budget=80),
+       "prefix": dict(preset="llama3-1b", groups=8, waves=8, prefix=1536, suffix=512, budget=60),
+       "profile": dict(preset="qwen3-0.6b", requests=128, lo=100, hi=1024, budget=60),
+       "total": 450}
+SMOKE = {"throughput": dict(preset="tiny-qwen3", requests=6, lo=8, hi=40, budget=60),
+         "decode": dict(presets=("tiny-llama", "tiny-qwen3"), prompt=8, tokens=24, compile=False, budget=60),
+         "prefill": dict(preset="tiny-llama", prompts=4, length=100, hf_batch=2, budget=60),
+         "prefix": dict(preset="tiny-llama", groups=2, waves=3, prefix=64, suffix=32, budget=60),
+         "profile": dict(preset="tiny-qwen3", requests=6, lo=8, hi=40, budget=60),
+         "total": 300}
+SECTIONS = ("throughput", "decode", "prefill", "prefix", "profile")
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build_model(name: str, device, dtype, max_seq_len: int) -> Transformer:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Transformer(preset(name, max_seq_len=max_seq_len)).to(dtype).eval()
+
+
+def peaks(device) -> tuple[float, float]:
+    return peak_flops(device) or H200_FLOPS, peak_hbm_bandwidth(device) or H200_HBM
+
+
+def make_engine(model, *, max_num_seqs: int, max_len: int, tokens: int = 16384, seqs_blocks: int | None = None,
+                prefix_caching: bool = True) -> LLMEngine:
+    """An engine whose KV cache holds `seqs_blocks` sequences of max_len (default: max_num_seqs of them)."""
+    blocks = (seqs_blocks or max_num_seqs) * math.ceil(max_len / 16) + 16
+    return LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
+                                               max_model_len=max_len, num_gpu_blocks=blocks,
+                                               enable_prefix_caching=prefix_caching))
+
+
+def drain(engine: LLMEngine, deadline: float = math.inf) -> dict[str, object]:
+    """Step until every request finished (or the deadline passed); the finished outputs by request id."""
+    done = {}
+    while engine.has_unfinished() and time.perf_counter() < deadline:
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+# --- (a) and (e): nano-vllm's workload ------------------------------------------------------------------
+
+def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = False) -> dict:
+    model = build_model(c["preset"], device, dtype, 2 * c["hi"] + 8)
+    prompts, outputs = make_workload(c["requests"], c["hi"], c["hi"], min(10000, model.cfg.vocab_size),
+                                     min_input=c["lo"], min_output=c["lo"])
+    r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, profile=profile)
+    r["workload"] = {"preset": c["preset"], "requests": c["requests"], "lengths": [c["lo"], c["hi"]],
+                     "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)}
+    del model
+    if profile:
+        print_profile(r["profile"])
+    else:
+        print(f"\n(a) throughput, {c['preset']} shape, {c['requests']} requests: {r['output_tok_s']:,.0f} output tok/s "
+              f"({r['seconds']:.1f} s, {r['steps']} steps, {r['preemptions']} preemptions; target >= 20,000)")
+    return r
+
+
+# --- (b) batch-1 decode ------------------------------------------------------------------------------------
+
+def gptfast_decoder(model: Transformer, max_len: int, compile_step: bool):
+    """gpt-fast's recipe on our weights: static per-layer K/V tensors (1, Hkv, max_len, D), a decode step in
+    plain PyTorch (F.rms_norm, F.linear, SDPA over the whole static cache with a mask, K/V repeated to the
+    query heads) compiled with mode="reduce-overhead" (CUDA graphs). Returns step(token (1, 1), pos (1,))."""
+    cfg = model.cfg
+    dev, dtype = model.embed.weight.device, model.embed.weight.dtype
+    hkv, d = cfg.n_kv_heads, cfg.head_dim
+    kc = [torch.zeros(1, hkv, max_len, d, device=dev, dtype=dtype) for _ in range(cfg.n_layers)]
+    vc = [torch.zeros_like(k) for k in kc]
+    eps, rep = cfg.norm_eps, cfg.n_heads // hkv
+    span = torch.arange(max_len, device=dev)
+
+    def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tok, model.embed.weight)
+        cos, sin = model.rope(pos[None], dtype)
+        mask = (span <= pos)[None, None, None, :]
+        for i, layer in enumerate(model.layers):
+            a = layer.attn
+            h = F.rms_norm(x, (cfg.d_model,), layer.attn_norm.weight, eps)
+            q, k, v = F.linear(h, a.wqkv.weight, a.wqkv.bias).split(a.split, dim=-1)
+            q, k, v = q.view(1, 1, -1, d), k.view(1, 1, hkv, d), v.view(1, 1, hkv, d)
+            if a.q_norm is not None:
+                q = F.rms_norm(q, (d,), a.q_norm.weight, eps)
+                k = F.rms_norm(k, (d,), a.k_norm.weight, eps)
+            q, k = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
+            kc[i].index_copy_(2, pos, k.transpose(1, 2))
+            vc[i].index_copy_(2, pos, v.transpose(1, 2))
+            keys, values = kc[i].repeat_interleave(rep, dim=1), vc[i].repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+            x = x + F.linear(o.transpose(1, 2).reshape(1, 1, -1), a.wo.weight, a.wo.bias)
+            h = F.rms_norm(x, (cfg.d_model,), layer.mlp_norm.weight, eps)
+            gate, up = F.linear(h, layer.mlp.w_in.weight, layer.mlp.w_in.bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.mlp.w_out.weight, layer.mlp.w_out.bias)
+        x = F.rms_norm(x, (cfg.d_model,), model.norm.weight, eps)
+        return F.linear(x[:, -1], model.lm_head.weight).argmax(dim=-1, keepdim=True)
+
+    if not compile_step:
+        return step
+    for t in kc + vc:  # as gpt-fast's cache buffers: static addresses the captured graph writes in place
+        torch._dynamo.mark_static_address(t)
+    return torch.compile(step, mode="reduce-overhead", fullgraph=True)
+
+
+@torch.no_grad()
+def decode_reference(model, prompt: list[int], tokens: int, compile_step: bool, deadline: float) -> dict:
+    dev = model.embed.weight.device
+    step = gptfast_decoder(model, len(prompt) + tokens + 8, compile_step)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    for _ in range(2):  # compile and capture (twice: reduce-overhead records on a later call), then the prompt
+        pos.zero_()
+        for t in prompt:
+            nxt = step(torch.tensor([[t]], device=dev), pos).clone()
+            pos.add_(1)
+    out = [int(nxt)]
+    sync(dev)
+    t0 = time.perf_counter()
+    while len(out) < tokens and time.perf_counter() < deadline:
+        nxt = step(nxt, pos).clone()
+        pos.add_(1)
+        out.append(nxt)  # a tensor: reading it would sync every step
+    sync(dev)
+    dt = time.perf_counter() - t0
+    out = [out[0]] + [int(t) for t in out[1:]]
+    from torch._dynamo.utils import counters  # a reference that fell back from CUDA graphs would flatter us
+
+    return {"tokens": out, "decode_tokens": len(out) - 1, "seconds": dt, "tok_s": (len(out) - 1) / dt,
+            "truncated": len(out) < tokens, "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+
+
+def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dict:
+    dev = model.embed.weight.device
+    engine = make_engine(model, max_num_seqs=1, max_len=len(prompt) + tokens + 8, tokens=max(256, len(prompt)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    try:
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # warm up
+        drain(engine)
+        rid = engine.add_request(prompt, greedy)
+        engine.step()  # the prefill and the first token
+        sync(dev)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        while engine.has_unfinished() and time.perf_counter() < deadline:
+            outs = engine.step()
+        sync(dev)
+        dt = time.perf_counter() - t0
+        got = next(o for o in outs if o.request_id == rid).outputs[0].token_ids
+        return {"tokens": got, "decode_tokens": len(got) - 1, "seconds": dt, "tok_s": (len(got) - 1) / dt,
+                "truncated": len(got) < tokens}
+    finally:
+        engine.close()
+
+
+def section_decode(c: dict, device, dtype, deadline: float) -> dict:
+    _, hbm = peaks(device)
+    result = {}
+    for i, name in enumerate(c["presets"]):
+        share = (deadline - time.perf_counter()) / (len(c["presets"]) - i)
+        model = build_model(name, device, dtype, c["prompt"] + c["tokens"] + 16)
+        prompt = [random.Random(1).randrange(min(10000, model.cfg.vocab_size)) for _ in range(c["prompt"])]
+        ours = decode_engine(model, prompt, c["tokens"], time.perf_counter() + share / 3)
+        ref = decode_reference(model, prompt, c["tokens"], c["compile"], time.perf_counter() + share / 2)
+        prof = StepProfiler(model, kv_bytes_per_block(model, 1, dtype))
+        ctx = c["prompt"] + c["tokens"] / 2  # the mean context a decode step reads
+        per_token = prof.weight_bytes + ctx * prof.kv_bytes_per_token
+        n = min(len(ours["tokens"]), len(ref["tokens"]))
+        same = next((j for j in range(n) if ours["tokens"][j] != ref["tokens"][j]), n)
+        r = result[name] = {"ours_tok_s": ours["tok_s"], "reference_tok_s": ref["tok_s"],
+                            "ratio": ours["tok_s"] / ref["tok_s"], "bytes_per_token": per_token,
+                            "ours_GB_s": per_token * ours["tok_s"] / 1e9, "reference_GB_s": per_token * ref["tok_s"] / 1e9,
+                            "ours_hbm_fraction": per_token * ours["tok_s"] / hbm,
+                            "reference_hbm_fraction": per_token * ref["tok_s"] / hbm,
+                            "greedy_tokens_identical": same, "compared": n,
+                            "reference_cudagraph_skips": ref["cudagraph_skips"],
+                            "truncated": ours["truncated"] or ref["truncated"],
+                            "ours_decode_tokens": ours["decode_tokens"], "reference_decode_tokens": ref["decode_tokens"]}
+        del model
+        free_memory(device)
+        print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s, gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
+              f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
+              f" greedy tokens identical for the first {same}/{n}"
+              + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else ""))
+    return result
+
+
+# --- (c) prefill --------------------------------------------------------------------------------------------
+
+def prefill_flops(model, lengths: list[int]) -> float:
+    """Forward FLOPs of prefilling these prompts, sampling one token each (the profiler's formula)."""
+    prof = StepProfiler(model, 0)
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return 2 * prof.body_params * sum(lengths) + 2 * prof.vocab_params * len(lengths) + prof.attn_flops_per_pair * pairs
+
+
+@torch.no_grad()
+def prefill_hf(model, prompts: list[list[int]], batch: int, deadline: float) -> dict:
+    import transformers
+
+    from nanoforge.model.hf import save_model
+
+    dev, dtype = model.embed.weight.device, model.embed.weight.dtype
+    with tempfile.TemporaryDirectory() as d:
+        save_model(model, d)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa")
+    hf = hf.to(dev).eval()
+    ids = torch.tensor(prompts, device=dev)
+    keep = "logits_to_keep" if "logits_to_keep" in inspect.signature(hf.forward).parameters else "num_logits_to_keep"
+    first = hf(input_ids=ids[:batch], **{keep: 1}).logits[:, -1].argmax(-1).tolist()  # warm up
+    sync(dev)
+    t0, done = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        hf(input_ids=ids[i:i + batch], **{keep: 1})
+        done += len(ids[i:i + batch])
+        if time.perf_counter() > deadline:
+            break
+    sync(dev)
+    dt = time.perf_counter() - t0
+    del hf
+    return {"prompts": done, "seconds": dt, "first_tokens": first}
+
+
+def section_prefill(c: dict, device, dtype, deadline: float) -> dict:
+    flops_peak, _ = peaks(device)
+    n, length = c["prompts"], c["length"]
+    model = build_model(c["preset"], device, dtype, length + 16)
+    rng = random.Random(2)
+    vocab = min(10000, model.cfg.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+    warm = [[rng.randrange(vocab) for _ in range(length)] for _ in range(c["hf_batch"])]
+    engine = make_engine(model, max_num_seqs=n, max_len=length + 8, prefix_caching=False)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    try:
+        for p in warm:
+            engine.add_request(p, one)
+        drain(engine)
+        rids = [engine.add_request(p, one) for p in prompts]
+        sync(device)
+        t0 = time.perf_counter()
+        done = drain(engine, time.perf_counter() + (deadline - time.perf_counter()) / 2)
+        sync(device)
+        ours_s = time.perf_counter() - t0
+    finally:
+        engine.close()
+    ours_n = len(done)
+    hf = prefill_hf(model, prompts, c["hf_batch"], deadline)
+    flops = prefill_flops(model, [length])
+    ours_tok_s, hf_tok_s = ours_n * length / ours_s, hf["prompts"] * length / hf["seconds"]
+    ours_first = [done[r].outputs[0].token_ids[0] for r in rids[:c["hf_batch"]] if r in done]
+    r = {"prompts": n, "length": length, "ours_tok_s": ours_tok_s, "hf_sdpa_tok_s": hf_tok_s,
+         "ratio": ours_tok_s / hf_tok_s, "ours_mfu": ours_n * flops / ours_s / flops_peak,
+         "hf_mfu": hf["prompts"] * flops / hf["seconds"] / flops_peak, "flops_per_prompt": flops,
+         "ours_prompts_timed": ours_n, "hf_prompts_timed": hf["prompts"],
+         "truncated": ours_n < n or hf["prompts"] < n,
+         "first_tokens_identical": sum(a == b for a, b in zip(ours_first, hf["first_tokens"]))}
+    del model
+    free_memory(device)
+    print(f"\n(c) prefill {c['preset']}, {n} x {length} tokens: ours {ours_tok_s:,.0f} tok/s (MFU "
+          f"{100 * r['ours_mfu']:.1f}%), HF SDPA {hf_tok_s:,.0f} tok/s (MFU {100 * r['hf_mfu']:.1f}%): {r['ratio']:.2f}x")
+    return r
+
+
+# --- (d) prefix hits -----------------------------------------------------------------------------------
+
+def section_prefix(c: dict, device, dtype, deadline: float) -> dict:
+    length = c["prefix"] + c["suffix"]
+    model = build_model(c["preset"], device, dtype, length + 16)
+    rng = random.Random(3)
+    vocab = min(10000, model.cfg.vocab_size)
+    systems = [[rng.randrange(vocab) for _ in range(c["prefix"])] for _ in range(c["groups"])]
+    waves = [[s + [rng.randrange(vocab) for _ in range(c["suffix"])] for s in systems] for _ in range(c["waves"])]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    runs = {}
+    for cached in (False, True):
+        engine = make_engine(model, max_num_seqs=c["groups"], max_len=length + 8, prefix_caching=cached,
+                             seqs_blocks=c["groups"] * (c["waves"] + 1))
+        try:
+            engine.add_request([rng.randrange(vocab) for _ in range(length)], one)  # warm up
+            drain(engine)
+            sync(device)
+            t0, hit, total, firsts = time.perf_counter(), 0, 0, []
+            for wave in waves:
+                rids = [engine.add_request(p, one) for p in wave]
+                done = drain(engine)
+                hit += sum(done[r].num_cached_tokens for r in rids)
+                total += sum(map(len, wave))
+                firsts += [done[r].outputs[0].token_ids[0] for r in rids]
+            sync(device)
+            runs[cached] = {"seconds": time.perf_counter() - t0, "cached_tokens": hit, "prompt_tokens": total,
+                            "first_tokens": firsts}
+        finally:
+            engine.close()
+    hit_share = runs[True]["cached_tokens"] / runs[True]["prompt_tokens"]
+    saved = 1 - runs[True]["seconds"] / runs[False]["seconds"]
+    r = {"hit_share": hit_share, "saved_time_share": saved, "saved_over_hit": saved / hit_share if hit_share else 0,
+         "seconds_without_cache": runs[False]["seconds"], "seconds_with_cache": runs[True]["seconds"],
+         "first_tokens_identical": sum(a == b for a, b in zip(runs[False]["first_tokens"], runs[True]["first_tokens"])),
+         "requests": c["groups"] * c["waves"]}
+    del model
+    free_memory(device)
+    print(f"\n(d) prefix trace: {100 * hit_share:.1f}% of prompt tokens hit the cache, {100 * saved:.1f}% of prefill "
+          f"time saved: {r['saved_over_hit']:.2f} of the hit share (target >= 0.80)")
+    return r
+
+
+# --- the run -----------------------------------------------------------------------------------------------
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    prof = results.get("profile", {}).get("profile")
+    if not prof:
+        return
+    kinds = list(prof)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(kinds))
+    ax.bar([x - 0.2 for x in xs], [prof[k]["host_ms"] for k in kinds], 0.4, label="host ms / step")
+    ax.bar([x + 0.2 for x in xs], [prof[k]["device_ms"] for k in kinds], 0.4, label="device ms / step")
+    ax.set_xticks(list(xs), kinds)
+    ax.set_title("engine step: host vs device time by step kind")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU in fp32 (a dry run)")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
+    args = p.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    if any(s not in SECTIONS for s in only):
+        print(f"--only: sections are {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    if not args.smoke and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --smoke for the CPU dry run)", file=sys.stderr)
+        return 2
+    conf = SMOKE if args.smoke else GPU
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    start = time.perf_counter()
+    end = start + conf["total"]
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
+               "torch": torch.__version__, "smoke": args.smoke, "sections": {}}
+    runs = {"throughput": lambda c, dl: section_throughput(c, device, dtype, dl),
+            "decode": lambda c, dl: section_decode(c, device, dtype, dl),
+            "prefill": lambda c, dl: section_prefill(c, device, dtype, dl),
+            "prefix": lambda c, dl: section_prefix(c, device, dtype, dl),
+            "profile": lambda c, dl: section_throughput(c, device, dtype, dl, profile=True)}
+    for name in only:
+        c = conf[name]
+        left = end - time.perf_counter()
+        info = results["sections"][name] = {"budget_s": c["budget"]}
+        if left < c["budget"] / 2:
+            info["skipped"] = f"{left:.0f} s left of the run's {conf['total']} s"
+            print(f"\n({name}) skipped: {info['skipped']}")
+            continue
+        t0 = time.perf_counter()
+        try:
+            results[name] = runs[name](c, t0 + min(c["budget"], left))
+        except Exception as e:  # one section's failure is reported; the others still run
+            info["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        info["seconds"] = time.perf_counter() - t0
+        free_memory(device)
+    results["seconds"] = time.perf_counter() - start
+    summarize(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_engine.json").write_text(json.dumps(results, indent=2, default=str))
+    plot(results, args.out / "gpu_engine_profile.png")
+    print(f"wrote {args.out / 'gpu_engine.json'} ({results['seconds']:.0f} s)")
+    return 0
+
+
+def summarize(r: dict) -> None:
+    """One table: each measurement, its reference and the issue's target."""
+    rows = []
+    if "throughput" in r:
+        rows.append(("(a) nano-vllm workload, output tok/s", f"{r['throughput']['output_tok_s']:,.0f}", "-",
+                     ">= 20,000"))
+    for name, d in r.get("decode", {}).items():
+        rows.append((f"(b) batch-1 decode {name}, tok/s", f"{d['ours_tok_s']:,.0f}",
+                     f"{d['reference_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.3x"))
+        rows.append((f"(b) batch-1 decode {name}, HBM", f"{100 * d['ours_hbm_fraction']:.1f}%",
+                     f"{100 * d['reference_hbm_fraction']:.1f}%", ">= 55%"))
+    if "prefill" in r:
+        d = r["prefill"]
+        rows.append(("(c) prefill tok/s", f"{d['ours_tok_s']:,.0f}", f"{d['hf_sdpa_tok_s']:,.0f} ({d['ratio']:.2f}x)",
+                     ">= 1.5x"))
+        rows.append(("(c) prefill MFU", f"{100 * d['ours_mfu']:.1f}%", f"{100 * d['hf_mfu']:.1f}%", ">= 55%"))
+    if "prefix" in r:
+        d = r["prefix"]
+        rows.append(("(d) saved prefill time / hit share", f"{d['saved_over_hit']:.2f}",
+                     f"hit {100 * d['hit_share']:.0f}%, saved {100 * d['saved_time_share']:.0f}%", ">= 0.80"))
+    print(f"\n{'measurement':<42}{'ours':>12}{'reference':>28}{'target':>12}")
+    for row in rows:
+        print(f"{row[0]:<42}{row[1]:>12}{row[2]:>28}{row[3]:>12}")
+    for name, info in r["sections"].items():
+        if "error" in info or "skipped" in info:
+            print(f"({name}): {info.get('error') or 'skipped: ' + info['skipped']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Rotary position embeddings: rotate the pairs (i, i + D/2) of each head by the position's angles (HF layout).
+
+`apply_rope(x, cos, sin)`: x (B, T, H, D), cos and sin (B, T, 1, D) (the angles' halves duplicated, broadcast
+over heads). The reference is the textbook `x * cos + rotate_half(x) * sin`, rounded once to x's dtype; with x in
+bf16 and cos in fp32 (autocast) it computes in fp32.
+
+The Triton kernel does one token's every head in one program, reading x through its strides (q and k are
+views into the fused qkv projection), where the reference launches about six kernels: it matters when a decode
+step is a chain of small launches. It rounds each product and the sum to x's dtype as PyTorch's elementwise
+ops do, so its result is the reference's bit for bit (x, cos and sin of one dtype). It runs only outside
+autograd and torch.compile (serving); training and compiled code see the reference, which they fuse themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoforge.kernels.dispatch import use_fast
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope_ref(x, cos, sin):
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D) rotated by cos, sin (B, T, 1, D); the result has x's dtype (contiguous from the kernel)."""
+    if not _fast(x, cos, sin):
+        return apply_rope_ref(x, cos, sin)
+    B, T, H, D = x.shape
+    cos, sin = cos.expand(B, T, 1, D), sin.expand(B, T, 1, D)
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride() != sin.stride():
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty(B, T, H, D, device=x.device, dtype=x.dtype)
+    _rope_kernel[(B * T,)](x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+                           cos.stride(1), HALF=D // 2, BLOCK_H=triton.next_power_of_2(H),
+                           BLOCK_D=triton.next_power_of_2(D // 2))
+    return out
+
+
+def _fast(x, cos, sin) -> bool:
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad)):
+        return False
+    return (use_fast(x, cos, sin) and x.dim() == 4 and x.dtype in _DTYPES and cos.dtype == sin.dtype == x.dtype
+            and x.shape[-1] % 2 == 0 and cos.shape[2] == 1 and cos.shape[-1] == x.shape[-1] and x.numel() > 0)
+
+
+@triton.jit
+def _rope_kernel(X, COS, SIN, OUT, T, H, sxb, sxt, sxh, scb, sct, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Token pid = b * T + t, all its heads: out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2, each product and the sum
+    rounded to the output's dtype (as x * cos + rotate_half(x) * sin is in PyTorch)."""
+    pid = tl.program_id(0)
+    b = (pid // T).to(tl.int64)
+    t = (pid % T).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)[:, None]
+    ds = tl.arange(0, BLOCK_D)[None, :]
+    m = (hs < H) & (ds < HALF)
+    xp = X + b * sxb + t * sxt + hs * sxh + ds
+    x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
+    cp = b * scb + t * sct + ds
+    dm = ds < HALF
+    c1 = tl.load(COS + cp, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + cp + HALF, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + cp, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + cp + HALF, mask=dm, other=0.0).to(tl.float32)
+    ty = OUT.dtype.element_ty
+    o1 = ((x1 * c1).to(ty).to(tl.float32) - (x2 * s1).to(ty).to(tl.float32)).to(ty)
+    o2 = ((x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)).to(ty)
+    op = OUT + pid.to(tl.int64) * H * 2 * HALF + hs * (2 * HALF) + ds
+    tl.store(op, o1, mask=m)
+    tl.store(op + HALF, o2, mask=m)
+
+
+def apply_rope_and_write_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate k (N, Hkv, D) by cos, sin (N, 1, D) and store it and v at `slot_mapping` (N,) of the paged caches
+    (num_blocks, block_size, Hkv, D): `write_kv(apply_rope(k), v, ...)` in one launch where that takes about
+    eight (the engine's decode step)."""
+    from nanoforge.kernels.paged_attention import write_kv
+
+    N, H, D = k.shape
+    if not (_fast(k[None], cos[None], sin[None]) and v.shape == k.shape and k_cache.dtype == v_cache.dtype == k.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (H, D)
+            and k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
+            and cos.stride() == sin.stride() and slot_mapping.shape == (N,)):
+        return write_kv(apply_rope(k[None], cos[None], sin[None])[0], v, k_cache, v_cache, slot_mapping)
+    _rope_write_kv_kernel[(N,)](k, v, cos, sin, k_cache, v_cache, slot_mapping, H, k.stride(0), k.stride(1),
+                                v.stride(0), v.stride(1), cos.stride(0), HALF=D // 2,
+                                BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2))
+
+
+@triton.jit
+def _rope_write_kv_kernel(K, V, COS, SIN, KC, VC, SLOTS, H, skt, skh, svt, svh, sct, HALF: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t: its rotated K heads and its V heads into cache slot SLOTS[t] (rounded as `_rope_kernel`)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    hs = tl.arange(0, BLOCK_H)[:, None]
+    ds = tl.arange(0, BLOCK_D)[None, :]
+    m = (hs < H) & (ds < HALF)
+    kp = K + t * skt + hs * skh + ds
+    x1 = tl.load(kp, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(kp + HALF, mask=m, other=0.0).to(tl.float32)
+    dm = ds < HALF
+    c1 = tl.load(COS + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    ty = KC.dtype.element_ty
+    o1 = ((x1 * c1).to(ty).to(tl.float32) - (x2 * s1).to(ty).to(tl.float32)).to(ty)
+    o2 = ((x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)).to(ty)
+    base = slot * H * 2 * HALF + hs * (2 * HALF) + ds
+    tl.store(KC + base, o1, mask=m)
+    tl.store(KC + base + HALF, o2, mask=m)
+    vp = V + t * svt + hs * svh + ds
+    tl.store(VC + base, tl.load(vp, mask=m, other=0.0), mask=m)
+    tl.store(VC + base + HALF, tl.load(vp + HALF, mask=m, other=0.0), mask=m)

@@ -1,0 +1,36 @@
+"""benchmarks/gpu_engine.py --smoke: the H200 script runs end to end on the CPU at tiny sizes, and its references
+agree with the engine where fp32 says they must (so the script cannot rot before the GPU run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_engine.py"
+
+
+def test_smoke_run_measures_every_section_against_its_reference(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_engine", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--smoke", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "gpu_engine.json").read_text())
+    assert all("error" not in s and "skipped" not in s for s in r["sections"].values()), r["sections"]
+    assert r["throughput"]["output_tokens"] == r["throughput"]["workload"]["output_tokens"]
+    for name, d in r["decode"].items():  # the gpt-fast-style reference decodes the engine's tokens (fp32)
+        assert d["compared"] == 24 and d["greedy_tokens_identical"] == 24, name
+        assert d["ratio"] == pytest.approx(d["ours_tok_s"] / d["reference_tok_s"])
+    pre = r["prefill"]
+    assert pre["first_tokens_identical"] == 2 and not pre["truncated"]  # HF's forward picks the engine's token
+    fix = r["prefix"]
+    # 2 system prompts of 64 tokens then 32 unique ones, 3 waves: waves 2 and 3 hit 64 of 96 tokens
+    assert fix["hit_share"] == pytest.approx(2 * 2 * 64 / (6 * 96))
+    assert fix["first_tokens_identical"] == fix["requests"] == 6
+    assert {"prefill", "decode"} <= set(r["profile"]["profile"])
+    out = capsys.readouterr().out
+    assert "measurement" in out and "(d) saved prefill time / hit share" in out

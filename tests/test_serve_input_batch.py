@@ -1,0 +1,110 @@
+"""The persistent batch (serve/input_batch.py): after every step the device's per-slot block tables and
+sampling parameters equal what the scheduler holds for every scheduled sequence, under preemption (recompute
+and swap), prefix hits, forks with copy-on-write and aborts; a decode step sends only the new block-table
+entries; the packed layout round-trips."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from test_serve_engine import make_model, prompts  # noqa: E402  (tests/ is on sys.path under pytest)
+
+from nanoforge import SamplingParams
+from nanoforge.serve.input_batch import Layout
+from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
+from nanoforge.tokenizer import Tokenizer
+
+TEXT = "the quick brown fox jumps over the lazy dog. PACK MY BOX WITH FIVE DOZEN LIQUOR JUGS! 0123456789,;:?'\n"
+
+
+def test_layout_views_round_trip_on_host_and_device():
+    layout = Layout(7, 3)
+    buf = np.zeros(layout.size, dtype=np.int64)
+    v = layout.views(buf)
+    v["ids"][:] = np.arange(7)
+    v["draw"][:] = [5, 6, 7]
+    v["seq_lens"][:] = [10, 11, 12]
+    v["cu_seqlens"][:] = [0, 2, 5, 7]
+    t = layout.views(torch.from_numpy(buf.copy()))
+    assert t["ids"].tolist() == list(range(7)) and t["draw"].tolist() == [5, 6, 7]
+    assert t["seq_lens"].dtype == torch.int32 and t["seq_lens"].tolist() == [10, 11, 12]
+    assert t["cu_seqlens"].tolist() == [0, 2, 5, 7]
+    spans = sorted(layout.spans.values()) + sorted(layout.int32_spans.values())
+    ends = [a + (n if (a, n) in layout.spans.values() else (n + 1) // 2) for a, n in spans]
+    assert max(ends) <= layout.size  # no field runs past the buffer
+
+
+def check_device_batch(engine: LLMEngine) -> int:
+    """Every sequence holding a slot: the device's table row starts with its block table and its sampling
+    parameters are the request's. Returns how many were checked."""
+    runner, batch = engine.runner, engine.runner.batch
+    checked = 0
+    for seq_id, slot in batch._slot_of.items():
+        seq = batch._seq[slot]
+        if seq.status.name != "RUNNING":
+            continue  # leaves at the next prepare
+        table = seq.block_table
+        assert runner.table[slot, :len(table)].tolist() == table, (seq, slot)
+        p = seq.sampling_params
+        assert runner.slot_temperature[slot].item() == pytest.approx(p.temperature)
+        assert runner.slot_top_k[slot].item() == max(p.top_k, 0)
+        if p.seed is not None:
+            assert runner.slot_seed[slot].item() == p.seed + seq.index
+        checked += 1
+    # a slot is never shared, and the free list holds exactly the rest
+    assert len(set(batch._slot_of.values())) == len(batch._slot_of)
+    assert sorted(batch._free + list(batch._slot_of.values())) == list(range(len(batch._seq)))
+    return checked
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_device_tables_track_the_scheduler_through_preemption_forks_and_aborts(mode):
+    tok = Tokenizer.char_level(TEXT)
+    model = make_model(tok)
+    rng = random.Random(0)
+    shared = [rng.randrange(60) for _ in range(24)]
+    ps = prompts(5, rng) + [shared + p for p in prompts(4, rng, 1, 12)]
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16,
+                                                 max_num_seqs=6, preemption_mode=mode,
+                                                 swap_space=0 if mode == "recompute" else 1 << 20))
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, top_k=5, max_tokens=12, seed=3, ignore_eos=True)]
+    ids = [engine.add_request(p, params[i % 2]) for i, p in enumerate(ps)]
+    checked, steps = 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        checked += check_device_batch(engine)
+        if steps == 6:
+            engine.abort(ids[1])
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["blocks_copied"] > 0  # preemption and copy-on-write both happened
+    engine.runner.batch._release_departed()  # slots are given back lazily, at the next step's prepare
+    assert checked > steps and engine.runner.batch.num_active == 0  # every slot came back
+
+
+def test_a_decode_step_sends_only_new_block_table_entries():
+    tok = Tokenizer.char_level(TEXT)
+    model = make_model(tok)
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_gpu_blocks=200))
+    for p in prompts(6, random.Random(1), 5, 30):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    batch, seen = engine.runner.batch, []
+    prepare = batch.prepare
+
+    def spy(out, *a, **kw):
+        step, samples = prepare(out, *a, **kw)
+        if all(item.is_decode for item in out.scheduled):
+            crossing = sum(item.start % 4 == 0 for item in out.scheduled)  # a position that opens a new block
+            seen.append((step.num_table_updates, crossing, step.num_param_updates))
+        return step, samples
+
+    batch.prepare = spy
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seen) > 10
+    assert all(updates == crossing and params == 0 for updates, crossing, params in seen), seen
