@@ -190,6 +190,10 @@ def make_loss_fn(model: torch.nn.Module, attention: AttentionFor, compiled: bool
 
 # --- the layout of a run on one device ------------------------------------------------------------
 
+def device_peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 class SingleDevice:
     """A run on one device: every batch is this process's, and every number is already the total.
 
@@ -210,6 +214,10 @@ class SingleDevice:
     def on_main(self, fn: Callable[[], object]) -> object:
         """Run `fn` (files, printing) on the main process; every rank gets its result."""
         return fn()
+
+    def peak_memory_gib(self) -> float | None:
+        """The most memory torch allocated at once on this run's device (on a GPU; None elsewhere)."""
+        return device_peak_gib(self.device)
 
     def close(self) -> None:
         """The run is over (a parallel layout leaves its process group)."""
@@ -721,7 +729,7 @@ class Trainer:
         if self.average is not None:
             self.average.keep()
         final = self.evaluate(self.data.eval_batches(None))
-        return write_log({"final_val_loss_full_split": final})
+        return write_log({"final_val_loss_full_split": final, "peak_memory_gib": self.layout.peak_memory_gib()})
 
 
 def train(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, data: RunData, out_dir: str | Path, *,

@@ -45,8 +45,8 @@ from nanoforge.train.parallel.dims import MESH_DIMS, ParallelDims
 from nanoforge.train.parallel.fsdp import apply_fsdp
 from nanoforge.train.parallel.pp import Pipeline, Stage, bubble_fraction, prune, rank_stages
 from nanoforge.train.parallel.tp import apply_tp, split_fused_projections, vocab_parallel_logits
-from nanoforge.train.trainer import (AttentionFor, LossFn, batch_loss, compute_dtype, forward_backward, logits_loss,
-                                     trained_targets)
+from nanoforge.train.trainer import (AttentionFor, LossFn, batch_loss, compute_dtype, device_peak_gib,
+                                     forward_backward, logits_loss, trained_targets)
 
 
 class PeerFailure(RuntimeError):
@@ -266,6 +266,15 @@ class Parallel:
 
     def step_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.total(loss) / self.grad_scale  # undo the divisor's scaling for FSDP's averaging
+
+    def peak_memory_gib(self) -> float | None:
+        """The most memory torch allocated at once on any rank's device (on GPUs; None elsewhere)."""
+        peak = device_peak_gib(self.device)
+        if peak is None:
+            return None
+        t = torch.tensor(peak, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
 
     def count(self, n: int) -> int:
         t = torch.tensor(n, dtype=torch.int64, device=self.device)
