@@ -11,6 +11,9 @@ Policies (`--policy`):
                    where i computes what neither its own prefix cache nor the pool holds, and loads from the pool
                    what the pool holds beyond its own cache; the decode instance with the fewest requests
 
+With `colocated=True` (the cluster simulator's vLLM-style baseline, `sim/`), every instance both prefills and
+decodes: a request's decode instance is its prefill instance, and its TPOT is predicted there.
+
 The conductor knows each prefill instance's prefix cache approximately, as the
 block keys of the prompts it sent there (as many as the instance has blocks,
 least recently used forgotten), and the pool's exactly, by asking it.
@@ -109,7 +112,7 @@ class Plan:
 class Router:
     def __init__(self, prefill: list[Instance], decode: list[Instance], policy: str = "cache-aware", *,
                  ttft_slo: float | None = None, tpot_slo: float | None = None, seed: int = 0,
-                 pool_bandwidth: float = POOL_BANDWIDTH):
+                 pool_bandwidth: float = POOL_BANDWIDTH, colocated: bool = False):
         if policy not in POLICIES:
             raise NanoforgeError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}", param="policy")
         self.prefill, self.decode, self.policy = prefill, decode, policy
@@ -119,6 +122,7 @@ class Router:
         self.prefill_fit, self.decode_fit = LinearFit(), LinearFit()
         self.pool_bandwidth = pool_bandwidth
         self.rejected = {"ttft": 0, "tpot": 0}
+        self.colocated = colocated
 
     # --- choosing ---------------------------------------------------------------------------------
 
@@ -126,7 +130,7 @@ class Router:
         """Instances for a prompt of `prompt_len` tokens whose first `pool_blocks` blocks the pool holds;
         NanoforgeError 503 if no instance is up, 429 (with Retry-After) if an SLO cannot be met."""
         prefill = self.choose_prefill(prompt_len, hashes, pool_blocks)
-        decode = self.choose_decode()
+        decode = prefill if self.colocated else self.choose_decode()
         cached = max(prefill.cached_prefix(hashes), pool_blocks)
         uncached = prompt_len - cached * prefill.info.get("block_size", 16)
         plan = Plan(prefill, decode, hashes, cached, uncached,
