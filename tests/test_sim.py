@@ -90,6 +90,10 @@ def test_one_request_colocated_and_disaggregated():
     r = run(rows, profile(request_s=0.002, handover_s=0.001), prefill=1, decode=1).results[0]
     assert (r.ttft_ms, r.e2e_ms) == (ms(0.002 + 0.001 + ttft), ms(0.002 + 0.001 + ttft + 0.001 + decode))
 
+    # the server's work per streamed token lengthens every step that samples: 0.5 ms per sampled token
+    r = run(rows, profile(per_token_s=0.0005), colocated=1).results[0]
+    assert (r.ttft_ms, r.tpot_ms) == (ms(0.1105), ms(0.0065))
+
 
 def test_two_requests_queue_behind_each_other():
     # two 512-token prompts at once; the step budget is 512 tokens

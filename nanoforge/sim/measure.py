@@ -249,7 +249,6 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
         transfer=transfer_section,
         engine={"num_gpu_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens},
-        frontend={"request_s": 0.0, "handover_s": 0.0},
         meta={"source": f"nanoforge simulate profile on {device_name}: {model}, {str(dtype).removeprefix('torch.')}, "
                         f"CUDA graphs {'on' if getattr(engine.runner, 'graphs', None) else 'off'}; frontend latencies "
                         f"are not measured here (0)",

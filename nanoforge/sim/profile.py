@@ -11,9 +11,14 @@ A profile is a JSON file (`profiles/NAME.json`, or any path) holding small fitte
     KV transfer    latency + per_block * n                 (one batched pool call moving n blocks)
 
 A step that holds any chunk other than a plain decode (`ScheduledSeq.is_decode`) is a prefill step: the engine
-runs those eagerly, while plain decode batches replay CUDA graphs. `frontend` holds fixed latencies outside
-the engine: `request_s` between the client and the server (HTTP, SSE), `handover_s` per conductor hop in a
-disaggregated cluster.
+runs those eagerly, while plain decode batches replay CUDA graphs.
+
+`frontend` holds what serving adds around the engine: `request_s`, the latency between the client and the
+server (HTTP, queueing into the engine thread, the first SSE chunk); `handover_s`, one conductor hop in a
+disaggregated cluster; and `per_token_s`, the server's own work per streamed token (the output, the
+detokenizer, the event loop, SSE or NDJSON), which runs in the engine's process, under the same GIL, and so
+lengthens every step by `per_token_s` for each chunk that samples a token. A small model on a fast GPU spends
+more of its step there than in the forward pass.
 
 `nanoforge simulate profile` measures a profile on the real engine (`measure.py`). A profile whose `status` is
 "derived" was computed from other measurements, not measured: it says how in `source`.
@@ -38,8 +43,9 @@ _FIELDS = {
     "decode": ("a_s", "per_seq_s", "per_context_s"),
     "transfer": ("latency_s", "per_block_s", "block_bytes"),
     "engine": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
-    "frontend": ("request_s", "handover_s"),
+    "frontend": ("request_s", "handover_s", "per_token_s"),
 }
+_NO_FRONTEND = {"request_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0}
 
 
 @dataclass
@@ -50,21 +56,24 @@ class Profile:
     decode: dict
     transfer: dict
     engine: dict
-    frontend: dict = field(default_factory=lambda: {"request_s": 0.0, "handover_s": 0.0})
+    frontend: dict = field(default_factory=lambda: dict(_NO_FRONTEND))
     meta: dict = field(default_factory=dict)  # model, device, source, samples and fit residuals: kept as read
 
     def __post_init__(self):
         # the step-time coefficients as plain floats, for the hot path
+        self.frontend = {**_NO_FRONTEND, **self.frontend}  # every field optional
         p, d, t = self.prefill, self.decode, self.transfer
         self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"])
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
         self._t = (t["latency_s"], t["per_block_s"])
+        self._per_output = self.frontend["per_token_s"]
 
     # --- the models ------------------------------------------------------------------------------------
 
     def step_time(self, out: SchedulerOutput) -> float:
-        """Seconds the engine takes to run `out` (block copies and swaps are not modelled)."""
-        tokens = pairs = batch = context = 0
+        """Seconds the serving engine takes to run `out`: the model, plus the server's work per sampled token
+        (block copies and swaps are not modelled)."""
+        tokens = pairs = batch = context = samples = 0
         prefill = False
         for s in out.scheduled:
             n = s.num_tokens
@@ -75,21 +84,23 @@ class Profile:
                 prefill = True
                 tokens += n
                 pairs += n * s.start + n * (n + 1) // 2
+                samples += s.num_samples
+        served = self._per_output * (batch + samples)
         if prefill:
             a, per_token, per_pair = self._p
-            return a + per_token * (tokens + batch) + per_pair * pairs + self._d[2] * context
+            return a + per_token * (tokens + batch) + per_pair * pairs + self._d[2] * context + served
         a, per_seq, per_context = self._d
-        return a + per_seq * batch + per_context * context
+        return a + per_seq * batch + per_context * context + served
 
     def prefill_time(self, tokens: int, cached: int = 0) -> float:
-        """One prompt chunk of `tokens` tokens after `cached` ones, alone in its step."""
+        """One prompt chunk of `tokens` tokens after `cached` ones, alone in its step (and sampling at its end)."""
         a, per_token, per_pair = self._p
-        return a + per_token * tokens + per_pair * (tokens * cached + tokens * (tokens + 1) // 2)
+        return a + per_token * tokens + per_pair * (tokens * cached + tokens * (tokens + 1) // 2) + self._per_output
 
     def decode_time(self, batch: int, context: int) -> float:
-        """One step of `batch` decodes over `context` tokens in all."""
+        """One step of `batch` decodes over `context` tokens in all (with the server's work per token)."""
         a, per_seq, per_context = self._d
-        return a + per_seq * batch + per_context * context
+        return a + (per_seq + self._per_output) * batch + per_context * context
 
     def transfer_time(self, blocks: int) -> float:
         """One pool call moving `blocks` KV blocks (to or from the pool)."""
@@ -111,7 +122,9 @@ class Profile:
         if not isinstance(d, dict):
             raise NanoforgeError(f"{where}: a profile is a JSON object", param="profile")
         for section, names in _FIELDS.items():
-            values = d.get(section, {"request_s": 0.0, "handover_s": 0.0} if section == "frontend" else None)
+            values = d.get(section)
+            if section == "frontend" and (values is None or isinstance(values, dict)):  # optional, field by field
+                values = {**_NO_FRONTEND, **(values or {})}
             if not isinstance(values, dict):
                 raise NanoforgeError(f"{where}: needs a {section!r} object with {', '.join(names)}", param="profile")
             for name in names:
@@ -127,7 +140,7 @@ class Profile:
         meta = {k: v for k, v in d.items() if k not in (*_FIELDS, "name", "status")}
         return cls(name=str(d.get("name", where)), status=status, prefill=dict(d["prefill"]),
                    decode=dict(d["decode"]), transfer=dict(d["transfer"]), engine=dict(d["engine"]),
-                   frontend=dict(d.get("frontend", {"request_s": 0.0, "handover_s": 0.0})), meta=meta)
+                   frontend=dict(d.get("frontend") or {}), meta=meta)
 
     @classmethod
     def load(cls, name_or_path: str | Path | None = None) -> Profile:
