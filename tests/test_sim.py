@@ -17,8 +17,8 @@ from nanoforge.cli import main
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.bench_serve import TraceReplay
 from nanoforge.serve.block_manager import prefix_block_hashes
-from nanoforge.serve.scheduler import ScheduledSeq, SchedulerOutput
 from nanoforge.serve.sampling_params import SamplingParams
+from nanoforge.serve.scheduler import ScheduledSeq, SchedulerOutput
 from nanoforge.serve.sequence import Sequence
 from nanoforge.sim.capacity import find_capacity, parse_spec
 from nanoforge.sim.cluster import ClusterConfig, Simulation
@@ -238,8 +238,8 @@ def test_cli_capacity_and_sweep(tmp_path, capsys):
     assert main(["simulate", "capacity", *base, "--configs", "2", "1+1:pool=1", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "capacity.json").read_text())["results"]
     for r in results:  # the bracket: the capacity met the target, the next probe up did not
-        ok = [p for p in r["probes"] if p["speedup"] == r["capacity_speedup"]][0]
-        bad = [p for p in r["probes"] if p["speedup"] == r["first_failing_speedup"]][0]
+        ok = next(p for p in r["probes"] if p["speedup"] == r["capacity_speedup"])
+        bad = next(p for p in r["probes"] if p["speedup"] == r["first_failing_speedup"])
         assert ok["ok"] and ok["slo_attainment"] >= 0.9 and not bad["ok"]
         assert r["first_failing_speedup"] / r["capacity_speedup"] <= 1.25
     assert (tmp_path / "capacity.png").stat().st_size > 0
@@ -275,12 +275,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
 
 def test_bad_input_from_the_shell(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nanoforge", "simulate", "--trace", "missing.jsonl", "--colocated",
-                           "1"], capture_output=True, text=True, cwd=tmp_path)
+                           "1"], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr == "nanoforge simulate: error: trace file not found: missing.jsonl\n"
 
 
 def test_profile_measured_on_the_cpu_engine(tmp_path):
-    from test_serve_api import one_torch_thread  # noqa: E402  (tests/ is on sys.path under pytest)
+    from test_serve_api import one_torch_thread
 
     out = tmp_path / "tiny.json"
     with one_torch_thread():

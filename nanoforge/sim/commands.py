@@ -13,11 +13,15 @@ import time
 from pathlib import Path
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.serve.bench_serve import MOONCAKE_BLOCK_TOKENS, TraceReplay, Vocab, read_trace
+from nanoforge.serve.bench_serve import (
+    MOONCAKE_BLOCK_TOKENS,
+    TraceReplay,
+    Vocab,
+    read_trace,
+)
 from nanoforge.serve.disagg.router import POLICIES
 from nanoforge.sim.cluster import ClusterConfig, Simulation
 from nanoforge.sim.profile import DEFAULT_PROFILE, Profile, profiles
-
 
 
 class ByteVocab(Vocab):
@@ -180,7 +184,8 @@ def add_verbs(verbs) -> None:
     p.set_defaults(func=run_sweep)
 
     p = verbs.add_parser("profile", help="measure a time-model profile on the real engine (random weights)")
-    from nanoforge.sim.measure import add_cli_arguments, run_cli as run_profile
+    from nanoforge.sim.measure import add_cli_arguments
+    from nanoforge.sim.measure import run_cli as run_profile
 
     add_cli_arguments(p)
     p.set_defaults(func=run_profile)
@@ -225,7 +230,13 @@ def _workload(args, rate_at_1: float, profile: Profile) -> dict:
 
 
 def run_capacity(args) -> int:
-    from nanoforge.sim.capacity import capacity_table, find_capacity, parse_spec, plot_capacity, write_json
+    from nanoforge.sim.capacity import (
+        capacity_table,
+        find_capacity,
+        parse_spec,
+        plot_capacity,
+        write_json,
+    )
 
     base = config_from_args(args) if args.configs is None else None
     profile, probe, rate_at_1 = _search_setup(args)
@@ -253,7 +264,12 @@ def run_capacity(args) -> int:
 def run_sweep(args) -> int:
     import dataclasses
 
-    from nanoforge.sim.capacity import capacity_table, find_capacity, plot_sweep, write_json
+    from nanoforge.sim.capacity import (
+        capacity_table,
+        find_capacity,
+        plot_sweep,
+        write_json,
+    )
 
     if args.gpus < 2:
         raise NanoforgeError(f"--gpus must be >= 2 (at least one prefill and one decode instance), got {args.gpus}",

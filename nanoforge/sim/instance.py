@@ -82,8 +82,7 @@ class SimInstance:
         self.busy_s += seconds
         self.steps += 1
         used = self.scheduler.block_manager.num_used_blocks
-        if used > self.peak_blocks:
-            self.peak_blocks = used
+        self.peak_blocks = max(self.peak_blocks, used)
         self.sim.clock.at(start + seconds, self._end_step, out)
 
     def _end_step(self, now: float, out: SchedulerOutput) -> None:

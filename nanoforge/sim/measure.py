@@ -38,6 +38,7 @@ PREFILL_CACHED = (0, 1024, 4096, 16384, 32768)
 DECODE_BATCH = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXT = (128, 1024, 4096, 16384)
 DECODE_STEPS = 4
+DECODE_MAX_TOKENS = 1 << 20  # a decode point prefills batch x context tokens first: at most this many
 TRANSFER_BLOCKS = (1, 4, 16, 64, 256)
 
 
@@ -71,6 +72,7 @@ class _Timer:
     def __init__(self, engine):
         self.engine = engine
         self.last = None
+        self.cuda = engine.model.embed.weight.device.type == "cuda"
         schedule = engine.scheduler.schedule
 
         def recording():
@@ -80,8 +82,12 @@ class _Timer:
         engine.scheduler.schedule = recording  # this measuring engine only
 
     def step(self) -> tuple[dict, float]:
+        if self.cuda:
+            torch.cuda.synchronize()  # nothing of an earlier step runs into this one
         start = time.perf_counter()
-        self.engine.step()  # returns after the sampled tokens reached the host: the step is over
+        self.engine.step()  # returns after the sampled tokens reached the host
+        if self.cuda:
+            torch.cuda.synchronize()  # and anything the step left queued (e.g. block copies) is done too
         seconds = time.perf_counter() - start
         tokens = pairs = batch = context = 0
         for s in self.last.scheduled:
@@ -99,24 +105,61 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
+class Budget:
+    """Wall-clock seconds a section of the measurement may take (None: no limit). Points run cheapest first,
+    so what a tight budget leaves out is the most expensive end of the grid; the profile lists what it skipped."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.perf_counter() + seconds
+
+    def over(self) -> bool:
+        return self.end is not None and time.perf_counter() > self.end
+
+
+def prefill_points(cfg, tokens=PREFILL_TOKENS, cached=PREFILL_CACHED) -> list[tuple[int, int]]:
+    """(new tokens, cached tokens) that fit the engine's step budget, context and cache, cheapest first."""
+    bs = cfg.block_size
+    points = [(n, c) for c in cached for n in tokens
+              if n <= cfg.max_num_batched_tokens and c + n + 1 <= cfg.max_model_len and c % bs == 0
+              and -(-(c + n + 1) // bs) <= cfg.num_gpu_blocks]
+    return sorted(points, key=lambda p: (p[0] + 2 * p[1], p))
+
+
+def decode_points(cfg, batches=DECODE_BATCH, contexts=DECODE_CONTEXT,
+                  max_tokens: int = DECODE_MAX_TOKENS) -> list[tuple[int, int]]:
+    """(batch, prompt tokens per sequence) that fit the engine, at most `max_tokens` prompt tokens in all (each
+    point prefills all of them first), cheapest first."""
+    bs, need = cfg.block_size, DECODE_STEPS + 2
+    points = [(b, c) for c in contexts for b in batches
+              if b <= cfg.max_num_seqs and c + need <= cfg.max_model_len and b * c <= max_tokens
+              and b * -(-(c + need) // bs) <= cfg.num_gpu_blocks]
+    return sorted(points, key=lambda p: (p[0] * p[1], p))
+
+
 def measure_steps(engine, *, prefill_tokens=PREFILL_TOKENS, prefill_cached=PREFILL_CACHED, decode_batch=DECODE_BATCH,
-                  decode_context=DECODE_CONTEXT, repeats: int = 3, progress=None) -> tuple[list[dict], list[dict]]:
-    """Timed prefill steps and decode steps of `engine` over the grid that fits its context and cache."""
+                  decode_context=DECODE_CONTEXT, repeats: int = 3, budget_s: float | None = None,
+                  progress=None) -> tuple[list[dict], list[dict], dict]:
+    """Timed prefill steps and decode steps of `engine` over the grid that fits its context and cache, and the
+    points a budget left out. Half of `budget_s` goes to each kind of step (what prefill leaves, decode gets)."""
     from nanoforge.serve.sampling_params import SamplingParams
 
     cfg = engine.scheduler.config
     vocab = engine.model.cfg.vocab_size
     rng = random.Random(0)
     timer = _Timer(engine)
-    bs = cfg.block_size
-    prefill, decode = [], []
+    prefill, decode, skipped = [], [], {"prefill": [], "decode": []}
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    points = [(n, c) for c in prefill_cached for n in prefill_tokens
-              if n <= cfg.max_num_batched_tokens and c + n + 1 <= cfg.max_model_len and c % bs == 0
-              and -(-(c + n + 1) // bs) <= cfg.num_gpu_blocks]
-    for n, cached in points:
+    start = time.perf_counter()
+    budget = Budget(None if budget_s is None else budget_s / 2)
+    warm = set()
+    for n, cached in prefill_points(cfg, prefill_tokens, prefill_cached):
+        if budget.over():
+            skipped["prefill"].append([n, cached])
+            continue
         times = []
-        for rep in range(repeats + 1):  # the first run warms up
+        first = n not in warm  # a new chunk shape runs once more first (compilation, autotuning)
+        warm.add(n)
+        for rep in range(repeats + first):
             prefix = _prompt(rng, cached, vocab)
             if cached:
                 engine.add_request(prefix, one)
@@ -126,35 +169,42 @@ def measure_steps(engine, *, prefill_tokens=PREFILL_TOKENS, prefill_cached=PREFI
             features, seconds = timer.step()
             while engine.has_unfinished():
                 engine.step()
-            if rep:
+            if rep >= first:
                 times.append(seconds)
         prefill.append({**features, "cached": cached, "seconds": statistics.median(times)})
         if progress:
             progress(f"prefill {n} tokens after {cached} cached: {1000 * prefill[-1]['seconds']:.2f} ms")
-    for context in decode_context:
-        for batch in decode_batch:
-            if batch > cfg.max_num_seqs or context + DECODE_STEPS + 2 > cfg.max_model_len or \
-                    batch * -(-(context + DECODE_STEPS + 2) // bs) > cfg.num_gpu_blocks:
-                continue
-            steps = []
-            for rep in range(repeats + 1):
-                params = SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True)
-                rids = [engine.add_request(_prompt(rng, context, vocab), params) for _ in range(batch)]
-                while any(engine.scheduler.get_group(r) and engine.scheduler.get_group(r).seqs[0].num_output_tokens
-                          == 0 for r in rids):
-                    engine.step()  # the prompts, and each one's first token
-                timed = [timer.step() for _ in range(DECODE_STEPS)]
-                while engine.has_unfinished():
-                    engine.step()
-                if rep:
-                    steps += [(f, t) for f, t in timed if f["batch"] == batch and not f["prefill"]]
-            if not steps:
-                continue
-            decode.append({"batch": batch, "context": int(statistics.median(f["context"] for f, _ in steps)),
-                           "prompt": context, "seconds": statistics.median(t for _, t in steps)})
-            if progress:
-                progress(f"decode batch {batch} at {context} tokens: {1000 * decode[-1]['seconds']:.2f} ms")
-    return prefill, decode
+    if budget_s is not None:
+        budget = Budget(budget_s - (time.perf_counter() - start))
+    warmed = False
+    for batch, context in decode_points(cfg, decode_batch, decode_context):
+        if budget.over():
+            skipped["decode"].append([batch, context])
+            continue
+        steps = []
+        # decode batches replay CUDA graphs captured when the engine started: one warm-up run, for the first point
+        for rep in range(repeats + (not warmed)):
+            params = SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True)
+            rids = [engine.add_request(_prompt(rng, context, vocab), params) for _ in range(batch)]
+            while any(engine.scheduler.get_group(r) and engine.scheduler.get_group(r).seqs[0].num_output_tokens
+                      == 0 for r in rids):
+                engine.step()  # the prompts, and each one's first token
+            timed = [timer.step() for _ in range(DECODE_STEPS)]
+            while engine.has_unfinished():
+                engine.step()
+            if warmed or rep:
+                steps += [(f, t) for f, t in timed if f["batch"] == batch and not f["prefill"]]
+        warmed = True
+        if not steps:
+            continue
+        decode.append({"batch": batch, "context": int(statistics.median(f["context"] for f, _ in steps)),
+                       "prompt": context, "seconds": statistics.median(t for _, t in steps)})
+        if progress:
+            progress(f"decode batch {batch} at {context} tokens: {1000 * decode[-1]['seconds']:.2f} ms")
+    if progress and (skipped["prefill"] or skipped["decode"]):
+        progress(f"the budget left out {len(skipped['prefill'])} prefill and {len(skipped['decode'])} decode points "
+                 f"(the most expensive ones)")
+    return prefill, decode, skipped
 
 
 # --- the KV pool's link --------------------------------------------------------------------------------------
@@ -175,9 +225,10 @@ def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int =
     from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore
 
     need = max(blocks) * block_bytes
+    written = 2 * (repeats + 1) * sum(blocks) * block_bytes  # every key is fresh: the pool holds all of them
     samples = []
     with MooncakeMaster() as master:
-        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address, str(4 * need + (64 << 20))],
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address, str(written + (64 << 20))],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             if holder.stdout.readline().strip() != "ready":
@@ -216,7 +267,8 @@ def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int =
 # --- the profile -------------------------------------------------------------------------------------------------
 
 def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_gbs: float = 1.0,
-                    repeats: int = 3, grid: dict | None = None, progress=print) -> Profile:
+                    repeats: int = 3, grid: dict | None = None, budget_s: float | None = None,
+                    progress=print) -> Profile:
     """Measure `engine` (an LLMEngine without a KV pool) and fit a profile."""
     from nanoforge.serve.model_runner import kv_bytes_per_block
 
@@ -224,7 +276,8 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
     dtype = engine.model.embed.weight.dtype
     kv_block = kv_bytes_per_block(engine.model, cfg.block_size, dtype)
     slot = pool_block_bytes(kv_block, cfg.block_size)
-    prefill, decode = measure_steps(engine, repeats=repeats, progress=progress, **(grid or {}))
+    prefill, decode, skipped = measure_steps(engine, repeats=repeats, budget_s=budget_s, progress=progress,
+                                             **(grid or {}))
     if len(prefill) < 3 or len(decode) < 3:
         raise NanoforgeError(f"the engine's context ({cfg.max_model_len} tokens) or cache ({cfg.num_gpu_blocks} "
                              f"blocks) is too small to measure a profile: give --max-model-len or --num-gpu-blocks",
@@ -254,7 +307,8 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
                         f"are not measured here (0)",
               "model": model, "device": device_name, "max_model_len": cfg.max_model_len,
               "fit": {"prefill": prefill_fit, "decode": decode_fit, "transfer": transfer_fit},
-              "samples": {"prefill": prefill, "decode": decode, "transfer": transfer}})
+              "samples": {"prefill": prefill, "decode": decode, "transfer": transfer},
+              "skipped_by_budget": skipped, "budget_s": budget_s})
 
 
 # --- the command line ----------------------------------------------------------------------------------------------
@@ -278,12 +332,15 @@ def add_cli_arguments(p) -> None:
     p.add_argument("--link-gbs", type=float, default=1.0, help="without --pool: the link's assumed GB/s")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (after one to warm up)")
     p.add_argument("--quick", action="store_true", help="a coarse grid (a CPU test)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="seconds the engine's steps may take in all (half prefill, half decode); points run cheapest "
+                        "first and those past the budget are left out (listed in the profile). Default: no limit")
     p.add_argument("--name", default=None, help="the profile's name (default: the --out file's stem)")
     p.add_argument("--out", required=True, metavar="PROFILE.json")
 
 
-QUICK_GRID = {"prefill_tokens": (16, 64, 256), "prefill_cached": (0, 128), "decode_batch": (1, 4, 16),
-              "decode_context": (32, 128)}
+QUICK_GRID = {"prefill_tokens": (16, 32, 64), "prefill_cached": (0, 32), "decode_batch": (1, 4, 16),
+              "decode_context": (32, 64)}  # fits a 128-token context
 
 
 def run_cli(args) -> int:
@@ -300,6 +357,8 @@ def run_cli(args) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise NanoforgeError(f"--{name.replace('_', '-')} must be >= 1, got {v}", param=name)
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise NanoforgeError(f"--budget-s must be > 0, got {args.budget_s}", param="budget_s")
     if not args.link_gbs > 0:
         raise NanoforgeError(f"--link-gbs must be > 0, got {args.link_gbs}", param="link_gbs")
     device = pick_device(args.device)
@@ -325,7 +384,7 @@ def run_cli(args) -> int:
     print(f"measuring {what} on {device} ({engine.scheduler.config.num_gpu_blocks} KV blocks, context {max_len})",
           flush=True)
     profile = measure_profile(engine, name=args.name or out.stem, model=what, pool=args.pool, link_gbs=args.link_gbs,
-                              repeats=args.repeats, grid=QUICK_GRID if args.quick else None,
+                              repeats=args.repeats, grid=QUICK_GRID if args.quick else None, budget_s=args.budget_s,
                               progress=lambda line: print("  " + line, flush=True))
     profile.save(out)
     fits = profile.meta["fit"]
