@@ -4,6 +4,7 @@
     nanoforge simulate capacity --trace FILE [--configs SPEC...] [...]              capacity per configuration
     nanoforge simulate sweep --trace FILE --gpus K [...]                            choose N:M for K GPUs
     nanoforge simulate profile --model-preset NAME --out PROFILE.json               measure a profile
+    nanoforge simulate validate RUN_DIR --profile PROFILE.json                      vs a gpu_disagg.sh run
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def run_cli(args) -> int:
 
 
 def add_verbs(verbs) -> None:
-    """`simulate profile | capacity | sweep`."""
+    """`simulate profile | capacity | sweep | validate`."""
     p = verbs.add_parser("capacity", help="the highest arrival-rate scale at which >= 90%% of requests meet both "
                                           "SLOs, per configuration (bisection); table, JSON, plot")
     add_workload_arguments(p)
@@ -189,6 +190,14 @@ def add_verbs(verbs) -> None:
 
     add_cli_arguments(p)
     p.set_defaults(func=run_profile)
+
+    p = verbs.add_parser("validate", help="predictions vs a real run of benchmarks/gpu_disagg.sh (TTFT p50/p90, "
+                                          "TPOT p50, throughput; pass within 15%%)")
+    from nanoforge.sim.validate import add_cli_arguments as add_validate_arguments
+    from nanoforge.sim.validate import run_cli as run_validate
+
+    add_validate_arguments(p)
+    p.set_defaults(func=run_validate)
 
 
 def _add_search_arguments(p: argparse.ArgumentParser) -> None:
