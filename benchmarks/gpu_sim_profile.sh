@@ -39,7 +39,7 @@ for preset in $PRESETS; do
     rm -rf "${MODEL_DIR:?}"/*
     $PY benchmarks/random_model.py "$MODEL_DIR" "$preset" "$DEVICE"
     start=$(date +%s)
-    $PY -m nanoforge.cli simulate profile --model "$MODEL_DIR" --device "$DEVICE" --pool --budget-s "$BUDGET_S" \
+    $PY -m nanoforge.cli simulate profile --model "$MODEL_DIR" --device "$DEVICE" --pool --frontend --budget-s "$BUDGET_S" \
         --repeats "$REPEATS" --name "$GPU_NAME-$preset" --out "$OUT/$GPU_NAME-$preset.json" "${extra[@]}" 2>&1 |
         grep -v -e '^WARNING: Logging before InitGoogleLogging' -e 'transfer_metadata.cpp' | tee "$OUT/$GPU_NAME-$preset.log"
     echo "== $preset: $(( $(date +%s) - start )) s"

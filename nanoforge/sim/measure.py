@@ -264,6 +264,119 @@ def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int =
     return samples
 
 
+# --- what serving adds: the front door, the server's work per token, the conductor's hop --------------------------
+
+class _Server:
+    """`nanoforge serve ARGS` in a child process on loopback, until `close()`; `url` once it answers."""
+
+    def __init__(self, args: list[str], banner: str, timeout: float = 900.0):
+        import threading
+        import urllib.request
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoforge.cli", "serve", "--port", "0", "--log-level",
+                                      "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.url, self.lines = None, []
+        found = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if self.url is None and line.startswith(banner) and " at http://" in line:
+                    self.url = line.split(" at ", 1)[1].split()[0].removesuffix("/v1")
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.proc.poll() is None:
+            if found.wait(1.0) and self.url:
+                try:
+                    urllib.request.urlopen(self.url + "/health", timeout=5).read()
+                    return
+                except OSError:
+                    time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"`nanoforge serve {' '.join(args)}` did not come up:\n{''.join(self.lines[-20:])}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _latencies(url: str, vocab: int, prompt_len: int, output_len: int, k: int, rng: random.Random) -> list:
+    """k requests sent at once (random prompts, nothing cached); their bench serve results."""
+    import asyncio
+
+    from nanoforge.serve.bench_serve import Request, run_requests
+
+    reqs = [Request(0.0, _prompt(rng, prompt_len, vocab), prompt_len, output_len) for _ in range(k)]
+    results, _ = asyncio.run(run_requests(url, "m", reqs, ignore_eos=True))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"a request to {url} failed: {bad[0]}")
+    return results
+
+
+def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args: list[str], disagg: bool = True,
+                     prompt_len: int = 512, output_len: int = 32, concurrency=(1, 4, 16), repeats: int = 3,
+                     progress=None) -> tuple[dict, dict]:
+    """The frontend section of `profile` (whose engine sections are measured), from the real server on loopback:
+
+    - request_s: a lone request's TTFT through `nanoforge serve` less the engine's prefill step for its prompt;
+    - per_token_s: k requests sent at once decode in lock-step, so each one's TPOT is a decode step of batch k plus
+      the server's work for the k tokens it streams: fitted (through 0) to TPOT - decode_time(k, context) over k;
+    - handover_s (`disagg`): a lone request's TTFT through `nanoforge serve --disagg --prefill 1 --decode 1` less
+      request_s, the prefill step, the sampled token and saving the prompt's blocks to the pool.
+
+    Returns the section and the samples."""
+    rng = random.Random(1)
+    common = ["--model", model_dir, "--served-model-name", "m", *serve_args]
+    samples: dict = {"prompt_len": prompt_len, "output_len": output_len}
+    server = _Server(common, "nanoforge serve:")
+    try:
+        _latencies(server.url, vocab, prompt_len, output_len, max(concurrency), rng)  # warm up
+        ttft, tpot = [], {}
+        for k in concurrency:
+            got = [r for _ in range(repeats) for r in _latencies(server.url, vocab, prompt_len, output_len, k, rng)]
+            tpot[k] = statistics.median(r.tpot_ms / 1000 for r in got)
+            if k == 1:
+                ttft = [r.ttft_ms / 1000 for r in got]
+            if progress:
+                progress(f"through the server, {k} at once: TPOT {1000 * tpot[k]:.2f} ms"
+                         + (f", TTFT {1000 * statistics.median(ttft):.2f} ms" if k == 1 else ""))
+    finally:
+        server.close()
+    prefill = profile.prefill_time(prompt_len)
+    request_s = max(0.0, statistics.median(ttft) - prefill)
+    context = prompt_len + output_len // 2  # per sequence, mid-way through its output
+    num = sum(k * (tpot[k] - profile.decode_time(k, k * context)) for k in tpot)
+    per_token_s = max(0.0, num / sum(k * k for k in tpot))
+    samples.update(ttft_s=statistics.median(ttft), engine_prefill_s=prefill,
+                   tpot_s={str(k): v for k, v in tpot.items()},
+                   engine_decode_s={str(k): profile.decode_time(k, k * context) for k in tpot})
+    handover_s = 0.0
+    if disagg:
+        server = _Server([*common, "--disagg", "--prefill", "1", "--decode", "1", "--policy", "round-robin"],
+                         "nanoforge conductor:")
+        try:
+            _latencies(server.url, vocab, prompt_len, output_len, 1, rng)
+            got = [r for _ in range(repeats + 2) for r in _latencies(server.url, vocab, prompt_len, output_len, 1, rng)]
+        finally:
+            server.close()
+        ttft_d = statistics.median(r.ttft_ms / 1000 for r in got)
+        blocks = prompt_len // profile.engine["block_size"]
+        handover_s = max(0.0, ttft_d - request_s - prefill - per_token_s - profile.transfer_time(blocks))
+        samples.update(disagg_ttft_s=ttft_d, disagg_save_s=profile.transfer_time(blocks))
+        if progress:
+            progress(f"through the conductor (1 prefill + 1 decode): TTFT {1000 * ttft_d:.2f} ms")
+    return {"request_s": request_s, "handover_s": handover_s, "per_token_s": per_token_s}, samples
+
+
 # --- the profile -------------------------------------------------------------------------------------------------
 
 def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_gbs: float = 1.0,
@@ -329,6 +442,10 @@ def add_cli_arguments(p) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--pool", action="store_true",
                    help="measure the KV transfer through Mooncake Store (starts a mooncake_master on loopback)")
+    p.add_argument("--frontend", action="store_true",
+                   help="also measure what serving adds (needs --model DIR): the front door's latency and the "
+                        "server's work per streamed token through `nanoforge serve`, and with --pool the conductor's "
+                        "hop through `nanoforge serve --disagg` (1 prefill + 1 decode)")
     p.add_argument("--link-gbs", type=float, default=1.0, help="without --pool: the link's assumed GB/s")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (after one to warm up)")
     p.add_argument("--quick", action="store_true", help="a coarse grid (a CPU test)")
@@ -357,6 +474,8 @@ def run_cli(args) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise NanoforgeError(f"--{name.replace('_', '-')} must be >= 1, got {v}", param=name)
+    if args.frontend and not args.model:
+        raise NanoforgeError("--frontend starts `nanoforge serve --model DIR`: give --model DIR", param="frontend")
     if args.budget_s is not None and not args.budget_s > 0:
         raise NanoforgeError(f"--budget-s must be > 0, got {args.budget_s}", param="budget_s")
     if not args.link_gbs > 0:
@@ -386,6 +505,28 @@ def run_cli(args) -> int:
     profile = measure_profile(engine, name=args.name or out.stem, model=what, pool=args.pool, link_gbs=args.link_gbs,
                               repeats=args.repeats, grid=QUICK_GRID if args.quick else None, budget_s=args.budget_s,
                               progress=lambda line: print("  " + line, flush=True))
+    if args.frontend:
+        import gc
+
+        vocab = model.cfg.vocab_size
+        del engine, model  # the server gets the device's memory
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        serve_args = ["--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--max-model-len",
+                      str(min(max_len, 4096)), "--block-size", str(args.block_size), "--max-num-seqs",
+                      str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        output_len = min(32, max_len // 4)  # a 512-token prompt and 32 tokens, or what the context holds
+        prompt_len = min(512, (max_len - output_len - 1) // args.block_size * args.block_size)
+        frontend, samples = measure_frontend(args.model, profile, vocab=vocab, serve_args=serve_args,
+                                             disagg=args.pool, repeats=args.repeats, prompt_len=prompt_len,
+                                             output_len=output_len,
+                                             progress=lambda line: print("  " + line, flush=True))
+        profile.frontend = frontend
+        profile.meta["samples"]["frontend"] = samples
+        profile.meta["source"] = profile.meta["source"].replace("frontend latencies are not measured here (0)",
+                                                                "frontend latencies measured through nanoforge serve")
+        profile = Profile.from_dict(profile.to_dict(), profile.name)  # the time models with the frontend in them
     profile.save(out)
     fits = profile.meta["fit"]
     print(f"prefill step = {1000 * profile.prefill['a_s']:.3f} ms + {1e6 * profile.prefill['per_token_s']:.3f} us/token "
@@ -396,5 +537,9 @@ def run_cli(args) -> int:
           f"{100 * fits['decode']['mean_rel_error']:.1f}%)")
     print(f"KV transfer = {1000 * profile.transfer['latency_s']:.3f} ms + {1000 * profile.transfer['per_block_s']:.3f} "
           f"ms/block ({'measured' if profile.transfer['measured'] else 'assumed'})")
+    f = profile.frontend
+    print(f"frontend: request {1000 * f['request_s']:.2f} ms, conductor hop {1000 * f['handover_s']:.2f} ms, "
+          f"{1e6 * f['per_token_s']:.1f} us per streamed token"
+          + ("" if args.frontend else " (not measured: --frontend)"))
     print(f"wrote {out}")
     return 0
