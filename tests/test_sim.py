@@ -75,9 +75,11 @@ def test_step_time_of_prefill_decode_and_mixed_steps():
 
 def test_one_request_colocated_and_disaggregated():
     rows = [row(0, 100, 5, [0, 1])]
-    r = run(rows, colocated=1).results[0]
+    sim = run(rows, colocated=1)
+    r = sim.results[0]
     # TTFT: one prefill step of 100 tokens; then 4 decode steps of one sequence
     assert (r.ttft_ms, r.tpot_ms, r.e2e_ms) == (ms(0.110), ms(0.006), ms(0.110 + 4 * 0.006))
+    assert [v.routed for v in sim.views.values()] == [1]  # one request, counted once
 
     r = run(rows, prefill=1, decode=1).results[0]
     # prefill 0.110, then the prompt's 6 full blocks to the pool (2 + 6 ms) before the first token is answered;
@@ -294,3 +296,68 @@ def test_profile_measured_on_the_cpu_engine(tmp_path):
     for s in samples["decode"]:
         assert p.decode_time(s["batch"], s["context"]) == pytest.approx(s["seconds"], rel=0.6)
     assert math.isfinite(p.step_time(SchedulerOutput()))
+
+
+def test_profile_budget_leaves_out_the_most_expensive_points():
+    from nanoforge.model.config import preset
+    from nanoforge.model.transformer import Transformer
+    from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
+    from nanoforge.sim.measure import decode_points, measure_steps, prefill_points
+
+    engine = LLMEngine(Transformer(preset("tiny-qwen3")).eval(), None,
+                       EngineConfig(num_gpu_blocks=64, max_model_len=128, device="cpu", dtype="float32"))
+    cfg = engine.scheduler.config
+    points = prefill_points(cfg, (16, 64, 256), (0, 32, 100))
+    # 256 tokens and 100 cached (not a block multiple) never fit; the rest cheapest first
+    assert points == [(16, 0), (64, 0), (16, 32), (64, 32)]
+    # 16 sequences of 64 + 6 tokens need 80 blocks of the 64
+    assert decode_points(cfg, (1, 4, 16), (32, 64)) == [(1, 32), (1, 64), (4, 32), (4, 64), (16, 32)]
+    prefill, decode, skipped = measure_steps(engine, prefill_tokens=(16,), prefill_cached=(0,), decode_batch=(1,),
+                                             decode_context=(32,), budget_s=1e-9)
+    assert (prefill, decode, skipped) == ([], [], {"prefill": [[16, 0]], "decode": [[1, 32]]})
+
+
+def test_validate_replays_the_runs_requests(tmp_path):
+    """A run directory laid out as gpu_disagg.sh writes it, whose 'measurements' are a simulation of the same
+    cluster on the workload bench serve's recorded settings describe: validation predicts them exactly (a setting
+    read wrongly, e.g. the time scale, would not)."""
+    import dataclasses
+
+    from nanoforge.serve.bench_serve import summarize
+    from nanoforge.sim.validate import cluster_of, table, validate
+
+    trace = write_trace(tmp_path / "trace.jsonl", n=30)
+    settings = {"trace": str(trace), "length_scale": 0.5, "time_scale": 0.3, "max_input_len": 400,
+                "max_output_len": 12, "trace_block_tokens": 128, "vocab_size": 1000, "seed": 5, "tokenizer": None,
+                "num_requests": None, "slo_ttft_ms": 500.0, "slo_tpot_ms": 30.0}
+    replay = TraceReplay(json_rows(trace), ByteVocab(), length_scale=0.5, time_scale=0.3, max_input_len=400,
+                         max_output_len=12, block_tokens=128, seed=5)
+    for name, n in (("colocated", 1), ("2p1d-ca-slo", 3)):
+        log = "".join("nanoforge serve: m at http://127.0.0.1:1 (context 512 tokens, 300 KV blocks)\n"
+                      for _ in range(n))
+        config = cluster_of(name, {"config": settings}, log, pool_memory=0.01, device="cpu")
+        assert (config.max_model_len, config.num_gpu_blocks, config.shared_gpu) == (512, 300, True)
+        sim = Simulation(replay, dataclasses.replace(config), profile())
+        sim.run()
+        slo = {"ttft": 500.0, "tpot": 30.0}
+        d = tmp_path / "run" / name
+        d.mkdir(parents=True)
+        (d / "server.log").write_text(log)
+        (d / "serve.json").write_text(json.dumps({"config": settings, "summary": summarize(sim.results, sim.makespan,
+                                                                                            slo)}))
+    report = validate(tmp_path / "run", profile(), pool_memory=0.01, device="cpu", progress=False)
+    assert [r["config"] for r in report["rows"]] == ["colocated", "2p1d-ca-slo"] and report["ok"]
+    for r in report["rows"]:
+        for v in r["metrics"].values():
+            assert v["rel_error"] == pytest.approx(0, abs=1e-9)
+    assert "8 of 8 within 15%" in table(report)
+    # a different time scale is a different workload: the check would see it
+    settings["time_scale"] = 0.1
+    for name in ("colocated", "2p1d-ca-slo"):
+        path = tmp_path / "run" / name / "serve.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "config": settings}))
+    assert not validate(tmp_path / "run", profile(), pool_memory=0.01, device="cpu", progress=False)["ok"]
+
+
+def json_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]

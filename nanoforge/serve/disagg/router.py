@@ -225,7 +225,8 @@ class Router:
 
     def decode_started(self, inst: Instance) -> int:
         inst.running += 1
-        inst.routed += 1
+        if not self.colocated:  # colocated: the request was counted once, when its prefill went there
+            inst.routed += 1
         return inst.running
 
     def decode_done(self, inst: Instance, batch: int, tpot_s: float | None) -> None:
