@@ -7,7 +7,7 @@
 #   bash benchmarks/sim_cluster.sh [PROFILE]          # default: the shipped h200-qwen3-0.6b; OUT=docs/results/sim
 #
 # LINK_GBS: the pool link per call (default 25 GB/s, one 200 Gb/s RDMA NIC, Mooncake's transport; "" uses the
-# profile's measured link). POOL: the pool's GiB per GPU (64). NUM_REQUESTS: rows of the trace (2,000).
+# profile's measured link). POOL: the pool's GiB per GPU (64). NUM_REQUESTS: rows of the trace (1,000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
@@ -15,12 +15,12 @@ PY=${PYTHON:-python3}
 PROFILE=${1:-h200-qwen3-0.6b}
 OUT=${OUT:-docs/results/sim}
 TRACE=${TRACE:-/work/shared/data/mooncake/synthetic_trace.jsonl}
-NUM_REQUESTS=${NUM_REQUESTS:-2000}
+NUM_REQUESTS=${NUM_REQUESTS:-1000}
 LINK_GBS=${LINK_GBS-25}
 POOL=${POOL:-64}
 mkdir -p "$OUT"
 common=(--trace "$TRACE" --num-requests "$NUM_REQUESTS" --profile "$PROFILE" --ttft-slo 2 --tpot-slo 0.05
-        --precision 0.15 --quiet ${LINK_GBS:+--link-gbs "$LINK_GBS"})
+        --precision 0.2 --min-speedup 0.125 --quiet ${LINK_GBS:+--link-gbs "$LINK_GBS"})
 p8=$((8 * POOL)) p16=$((16 * POOL))
 $PY -m nanoforge.cli simulate capacity "${common[@]}" --out "$OUT" --configs \
     8 8:reject 4+4 4+4:reject "4+4:pool=$p8" "4+4:pool=$p8,reject" \

@@ -134,19 +134,22 @@ def find_capacity(probe: Probe, config: ClusterConfig, *, precision: float = 0.0
             "probes": sorted(probes, key=lambda p: p["speedup"])}
 
 
-def capacity_table(results: list[dict], rate_at_1: float) -> None:
-    print(f"\n{'configuration':<52}{'GPUs':>5}{'capacity':>10}{'req/s':>8}{'goodput':>9}{'TTFT p90':>10}"
-          f"{'TPOT p90':>10}{'cache hit':>10}{'rejected':>9}")
+def capacity_table(results: list[dict], rate_at_1: float) -> str:
+    """One line per configuration: its capacity (speedup and requests/s) and the run at capacity."""
+    lines = [(f"{'configuration':<52}{'GPUs':>5}{'capacity':>10}{'req/s':>8}{'goodput':>9}{'TTFT p90':>10}"
+             f"{'TPOT p90':>10}{'cache hit':>10}{'rejected':>9}")]
     for r in results:
         a = r["at_capacity"]
-        cap = r["capacity_speedup"]
         if a is None:
-            print(f"{r['label']:<52}{r['gpus']:>5}{'< x' + format(1 / 64, '.3g'):>10}")
+            lowest = min(p["speedup"] for p in r["probes"])
+            lines.append(f"{r['label']:<52}{r['gpus']:>5}{'< x' + format(lowest, '.3g'):>10}"
+                         f"{'< ' + format(rate_at_1 * lowest, '.2f'):>8}")
             continue
-        s, c = a["summary"], a["cluster"]
-        print(f"{r['label']:<52}{r['gpus']:>5}{'x' + format(cap, '.3g'):>10}{rate_at_1 * cap:>8.2f}{s['goodput']:>9.2f}"
-              f"{s['ttft_ms']['p90'] / 1000:>9.2f}s{s['tpot_ms']['p90']:>8.0f}ms{100 * c['prefix_hit_rate']:>9.1f}%"
-              f"{c['rejected']:>9}")
+        s, c, cap = a["summary"], a["cluster"], r["capacity_speedup"]
+        lines.append(f"{r['label']:<52}{r['gpus']:>5}{'x' + format(cap, '.3g'):>10}{rate_at_1 * cap:>8.2f}"
+                     f"{s['goodput']:>9.2f}{s['ttft_ms']['p90'] / 1000:>9.2f}s{s['tpot_ms']['p90']:>8.0f}ms"
+                     f"{100 * c['prefix_hit_rate']:>9.1f}%{c['rejected']:>9}")
+    return "\n".join(lines)
 
 
 def plot_capacity(results: list[dict], rate_at_1: float, path: Path, title: str) -> None:

@@ -204,6 +204,8 @@ def _add_search_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("capacity search")
     g.add_argument("--target", type=float, default=0.9, help="the share of requests that must meet both SLOs")
     g.add_argument("--precision", type=float, default=0.05, help="stop bisecting when the bracket is this tight")
+    g.add_argument("--min-speedup", type=float, default=1 / 64,
+                   help="give up below this speedup (the capacity is then reported as below it)")
     g.add_argument("--quiet", action="store_true", help="no progress bars (one line per probe still)")
 
 
@@ -211,6 +213,8 @@ def _search_setup(args):
     if args.ttft_slo is None or args.tpot_slo is None:
         raise NanoforgeError("capacity is measured against both SLOs: give --ttft-slo and --tpot-slo",
                              param="ttft_slo")
+    if not 0 < args.min_speedup <= 1:
+        raise NanoforgeError(f"--min-speedup must be in (0, 1], got {args.min_speedup}", param="min_speedup")
     if not 0 < args.target <= 1 or not args.precision > 0:
         raise NanoforgeError(f"--target must be in (0, 1] and --precision > 0, got {args.target}, {args.precision}",
                              param="target")
@@ -258,9 +262,12 @@ def run_capacity(args) -> int:
     results = []
     for config in configs:
         print(f"{config.label()}:", flush=True)
-        results.append(find_capacity(probe, config, precision=args.precision))
-    capacity_table(results, rate_at_1)
+        results.append(find_capacity(probe, config, precision=args.precision, lowest=args.min_speedup))
+    table = capacity_table(results, rate_at_1)
+    print("\n" + table)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity_table.txt").write_text(table + "\n")
     write_json(out / "capacity.json", {"workload": _workload(args, rate_at_1, profile), "results": results})
     title = (f"capacity under TTFT <= {args.ttft_slo:g} s and TPOT <= {args.tpot_slo:g} s for "
              f"{100 * args.target:.0f}% of requests ({profile.name}{'' if profile.status == 'measured' else ', derived'})")
@@ -290,17 +297,22 @@ def run_sweep(args) -> int:
     for n in range(1, args.gpus):
         config = dataclasses.replace(template, prefill=n, decode=args.gpus - n)
         print(f"{config.label()}:", flush=True)
-        results.append(find_capacity(probe, config, precision=args.precision))
+        results.append(find_capacity(probe, config, precision=args.precision, lowest=args.min_speedup))
     colocated = dataclasses.replace(template, prefill=0, decode=0, colocated=args.gpus)
     print(f"{colocated.label()}:", flush=True)
-    baseline = find_capacity(probe, colocated, precision=args.precision)
-    capacity_table([*results, baseline], rate_at_1)
+    baseline = find_capacity(probe, colocated, precision=args.precision, lowest=args.min_speedup)
+    table = capacity_table([*results, baseline], rate_at_1)
+    print("\n" + table)
     best = max(results, key=lambda r: r["capacity_speedup"])
     n, m = best["config"]["prefill"], best["config"]["decode"]
     ratio = best["capacity_speedup"] / baseline["capacity_speedup"] if baseline["capacity_speedup"] else float("inf")
     print(f"\nbest split for {args.gpus} GPUs: {n} prefill + {m} decode, {rate_at_1 * best['capacity_speedup']:.2f} "
           f"req/s ({ratio:.2f}x the {args.gpus} colocated instances)")
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep_table.txt").write_text(f"{table}\n\nbest split for {args.gpus} GPUs: {n} prefill + {m} decode, "
+                                         f"{rate_at_1 * best['capacity_speedup']:.2f} req/s ({ratio:.2f}x the "
+                                         f"{args.gpus} colocated instances)\n")
     write_json(out / "sweep.json", {"workload": _workload(args, rate_at_1, profile), "gpus": args.gpus,
                                     "best": {"prefill": n, "decode": m, "capacity_speedup": best["capacity_speedup"],
                                              "vs_colocated": ratio},
