@@ -515,7 +515,8 @@ def run_cli(args) -> int:
             torch.cuda.empty_cache()
         serve_args = ["--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--max-model-len",
                       str(min(max_len, 4096)), "--block-size", str(args.block_size), "--max-num-seqs",
-                      str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+                      str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                      "--gpu-memory-utilization", "0.5"]  # a few requests: any KV cache does; leave this process room
         output_len = min(32, max_len // 4)  # a 512-token prompt and 32 tokens, or what the context holds
         prompt_len = min(512, (max_len - output_len - 1) // args.block_size * args.block_size)
         frontend, samples = measure_frontend(args.model, profile, vocab=vocab, serve_args=serve_args,
