@@ -361,3 +361,15 @@ def test_validate_replays_the_runs_requests(tmp_path):
 
 def json_rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_early_rejection_on_tpot_never_locks_an_idle_cluster_out():
+    # long prompts with 2-4 output tokens first: their TPOT is mostly the KV load from the pool, so the conductor's
+    # cost model predicts a TPOT over the objective for everything after them; an idle decode instance still takes
+    # requests, and the model learns from them (it used to reject all of them, for good)
+    rows = [row(i * 1000, 2000, 2, list(range(100 * i, 100 * i + 32))) for i in range(3)]
+    rows += [row(10_000 + i * 1000, 100, 20, [1000 + i, 2000 + i]) for i in range(10)]
+    sim = run(rows, profile(), prefill=1, decode=1, tpot_slo=0.01, early_reject=True)
+    assert sim.router.decode_fit.predict(1) > 0.01  # what it predicts for a lone request: over the objective
+    assert all(r.error is None for r in sim.results) and sim.router.rejected["tpot"] == 0
+    assert sim.router.decode_fit.n == 13  # and it kept learning from every request

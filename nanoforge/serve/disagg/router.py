@@ -25,7 +25,11 @@ per output token of decode instances against their requests in flight. A
 cost model that has seen fewer than `MIN_OBSERVATIONS` requests predicts
 nothing, so **early rejection** (`--ttft-slo`, `--tpot-slo`: answer 429 at
 once when the predicted TTFT or TPOT of the best choice exceeds its
-objective) starts once the model has data.
+objective) starts once the model has data. TPOT is predicted from the decode
+instance's load, so a request whose decode instance is idle is never rejected
+for TPOT (a cost model misled by a few slow requests would otherwise reject
+everything after them, and, seeing nothing more, never recover: the cluster
+simulator found this).
 """
 
 from __future__ import annotations
@@ -140,7 +144,10 @@ class Router:
             raise NanoforgeError(f"the cluster is busy: the predicted time to first token, {plan.ttft_s:.3g} s, is "
                                  f"over the objective of {self.ttft_slo:g} s (--ttft-slo); retry later",
                                  status=429, retry_after=max(1, math.ceil(plan.ttft_s - self.ttft_slo)))
-        if self.tpot_slo is not None and plan.tpot_s is not None and plan.tpot_s > self.tpot_slo:
+        # TPOT is a matter of load: an idle decode instance is not turned away (and what it serves keeps the cost
+        # model learning; otherwise a few slow early requests could lock every later one out)
+        if self.tpot_slo is not None and plan.tpot_s is not None and plan.tpot_s > self.tpot_slo \
+                and plan.decode.running > 0:
             self.rejected["tpot"] += 1
             raise NanoforgeError(f"the cluster is busy: the predicted time per output token, {plan.tpot_s:.3g} s, "
                                  f"is over the objective of {self.tpot_slo:g} s (--tpot-slo); retry later",
