@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The cluster simulator's profile of the real engine on this GPU (`nanoforge simulate profile`), for each model shape
 # in PRESETS: prefill step time against tokens and cached prefix, decode step time against batch and context (CUDA
-# graphs, as served), and the KV transfer through the real Mooncake Store on loopback (--pool). ~2 minutes a preset.
+# graphs, as served), the KV transfer through the real Mooncake Store on loopback (--pool), and what the server and
+# the conductor add (--frontend, through nanoforge serve and serve --disagg on loopback). ~4 minutes a preset.
 #
-#   bash benchmarks/gpu_sim_profile.sh                    # $OUT/h200-qwen3-0.6b.json, $OUT/h200-llama3-1b.json
-#   PRESETS=tiny-qwen3 DEVICE=cpu QUICK=1 OUT=out/profile-cpu bash benchmarks/gpu_sim_profile.sh   # CPU dry run, ~15 s
+#   bash benchmarks/gpu_sim_profile.sh                    # $OUT/h200-qwen3-0.6b.json (+ .log)
+#   PRESETS="qwen3-0.6b llama3-1b" bash benchmarks/gpu_sim_profile.sh   # both shapes, ~8 minutes
+#   PRESETS=tiny-qwen3 DEVICE=cpu QUICK=1 OUT=out/profile-cpu bash benchmarks/gpu_sim_profile.sh   # CPU dry run, ~1 min
 #
 # The model is built as benchmarks/gpu_disagg.sh builds it (benchmarks/random_model.py: the preset's shape, random
 # weights, its 8,192-token BPE vocabulary), so the profile times the same model that gpu_disagg.sh serves and
@@ -19,7 +21,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 PY=${PYTHON:-python3}
 OUT=${OUT:-out}
-PRESETS=${PRESETS:-"qwen3-0.6b llama3-1b"}
+PRESETS=${PRESETS:-qwen3-0.6b}
 DEVICE=${DEVICE:-cuda}
 BUDGET_S=${BUDGET_S:-75}
 REPEATS=${REPEATS:-3}
