@@ -10,7 +10,7 @@
 #
 # The model is built as benchmarks/gpu_disagg.sh builds it (benchmarks/random_model.py: the preset's shape, random
 # weights, its 8,192-token BPE vocabulary), so the profile times the same model that gpu_disagg.sh serves and
-# benchmarks/sim_validate.py can compare the two. BUDGET_S bounds the engine's timed steps per preset (the most
+# `nanoforge simulate validate` can compare the two. BUDGET_S bounds the engine's timed steps per preset (the most
 # expensive grid points are left out past it, and listed in the JSON). Mooncake Store comes from what is carried
 # (.whl, .deb; see benchmarks/mooncake_env.sh); all its traffic stays on 127.0.0.1.
 #
@@ -30,7 +30,7 @@ GPU_NAME=${GPU_NAME:-h200}
 QUICK=${QUICK:-0}
 mkdir -p "$OUT"
 
-source benchmarks/mooncake_env.sh
+SERVE_EXTRAS=1 source benchmarks/mooncake_env.sh  # the frontend runs nanoforge serve
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt" || true
 
 MODEL_DIR=$(mktemp -d)
