@@ -2,7 +2,7 @@
 # The cluster-scale results of the simulator (docs/results/sim/): on the Mooncake trace, the capacity (the highest
 # arrival rate at which >= 90% of requests meet TTFT <= 2 s and TPOT <= 50 ms) of colocated K vs disaggregated N+M
 # at K = 8 (4+4) and K = 16 (10+6), with and without the KV pool, with and without early rejection; and the N:M
-# sweep for 8 GPUs. CPU only, ~25 minutes on 2 cores (the two searches run side by side).
+# sweep for 8 GPUs. CPU only, ~15 minutes on 2 cores (the two searches run side by side).
 #
 #   bash benchmarks/sim_cluster.sh [PROFILE]          # default: the shipped h200-qwen3-0.6b; OUT=docs/results/sim
 #
@@ -14,7 +14,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 PY=${PYTHON:-python3}
 PROFILE=${1:-h200-qwen3-0.6b}
 OUT=${OUT:-docs/results/sim}
-TRACE=${TRACE:-/work/shared/data/mooncake/synthetic_trace.jsonl}
+TRACE=${TRACE:-}
+for candidate in "$TRACE" shared/data/mooncake/synthetic_trace.jsonl ../shared/data/mooncake/synthetic_trace.jsonl \
+                 /work/shared/data/mooncake/synthetic_trace.jsonl; do
+    if [[ -n "$candidate" && -f "$candidate" ]]; then TRACE=$candidate; break; fi
+done
+[[ -f "$TRACE" ]] || { echo "no Mooncake trace found: set TRACE=path/to/trace.jsonl" >&2; exit 2; }
 NUM_REQUESTS=${NUM_REQUESTS:-1000}
 LINK_GBS=${LINK_GBS-25}
 POOL=${POOL:-64}
@@ -24,9 +29,9 @@ common=(--trace "$TRACE" --num-requests "$NUM_REQUESTS" --profile "$PROFILE" --t
 p8=$((8 * POOL)) p16=$((16 * POOL))
 $PY -m nanoforge.cli simulate capacity "${common[@]}" --out "$OUT" --configs \
     8 8:reject 4+4 4+4:reject "4+4:pool=$p8" "4+4:pool=$p8,reject" \
-    16 16:reject 10+6 10+6:reject "10+6:pool=$p16" "10+6:pool=$p16,reject" >"$OUT/capacity.txt" 2>&1 &
+    16 16:reject 10+6 10+6:reject "10+6:pool=$p16" "10+6:pool=$p16,reject" >"$OUT/capacity.log" 2>&1 &
 capacity=$!
-$PY -m nanoforge.cli simulate sweep "${common[@]}" --gpus 8 --pool-gib "$p8" --out "$OUT" >"$OUT/sweep.txt" 2>&1 &
+$PY -m nanoforge.cli simulate sweep "${common[@]}" --gpus 8 --pool-gib "$p8" --out "$OUT" >"$OUT/sweep.log" 2>&1 &
 sweep=$!
 wait $capacity $sweep
-cat "$OUT/capacity.txt" "$OUT/sweep.txt"
+cat "$OUT/capacity_table.txt" "$OUT/sweep_table.txt"  # every probe: $OUT/*.log and the JSON
