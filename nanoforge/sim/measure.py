@@ -1,6 +1,7 @@
 """`nanoforge simulate profile`: measure a simulator profile on the real engine.
 
-    nanoforge simulate profile (--model DIR | --model-preset NAME) [--device D] [--pool] --out PROFILE.json
+    nanoforge simulate profile (--model DIR | --model-preset NAME) [--device D] [--pool] [--frontend]
+                               [--budget-s S] --out PROFILE.json
 
 The engine (`LLMEngine`, the model's real forward passes, CUDA graphs for decode batches on a GPU) runs
 prompts chosen to cover the grid the time model needs, and every `step()` is timed with the features of the
@@ -11,12 +12,15 @@ prompts chosen to cover the grid the time model needs, and every `step()` is tim
 - decode: `batch` requests with prompts of `context` tokens are prefilled, then a few steps where every one
   decodes are timed.
 
-Each point is run once to warm up (compilation, autotuning), then `repeats` times; the median counts. The
+Points run cheapest first (`--budget-s` leaves out the costliest, listed in the JSON). A new prefill chunk size
+runs once more first (compilation, autotuning), decode once before its first point (its CUDA graphs are captured
+when the engine starts); then each point runs `repeats` times, the median counts. The
 forms of `profile.py` are fitted by least squares with non-negative coefficients; the fit's relative errors
 and every sample are kept in the JSON. With `--pool`, the KV transfer is measured on the real Mooncake Store:
 a `mooncake_master` on loopback, a second process holding the pool's memory (as a peer instance does), and
 this one moving whole blocks (header + K and V of every layer, as the KV connector does) with one batched
 `put_from` / `get_into` per size; without it the transfer section is derived from `--link-gbs` and says so.
+With `--frontend`, what serving adds is measured through the real server (`measure_frontend`).
 """
 
 from __future__ import annotations
