@@ -55,20 +55,7 @@ done
 sed -n "$((TRACE_START + 1)),$((TRACE_START + NUM_REQUESTS))p" "$TRACE" >"$OUT/trace.jsonl"
 
 # --- what the machine may lack, from what was carried -----------------------------------------------------
-if ! $PY -c "import fastapi, uvicorn, prometheus_client, httpx" 2>/dev/null; then
-    $PY -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client httpx
-fi
-if ! $PY -c "import mooncake.store" 2>/dev/null; then
-    if compgen -G ".deb/*.deb" >/dev/null; then  # libibverbs1 and its libnl libraries
-        for f in .deb/*.deb; do dpkg -x "$f" /tmp/nf-ib; done
-        export LD_LIBRARY_PATH="/tmp/nf-ib/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    fi
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/nf-mooncake \
-        .whl/mooncake_transfer_engine_non_cuda-*.whl
-    export PYTHONPATH="$PYTHONPATH:/tmp/nf-mooncake" PATH="/tmp/nf-mooncake/bin:$PATH"
-    $PY -c "import mooncake.store" || { echo "Mooncake Store does not import (see above)" >&2; exit 2; }
-fi
-export MC_TCP_BIND_ADDRESS=127.0.0.1
+SERVE_EXTRAS=1 source benchmarks/mooncake_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt" || true
 get() { $PY -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" "$1"; }
 

@@ -289,6 +289,19 @@ def cmd_conductor(args) -> int:
     return run_conductor(args)
 
 
+# --- simulate -----------------------------------------------------------------------------------
+
+def _add_simulate(sub):
+    from nanoforge.sim import commands
+
+    p = sub.add_parser("simulate", help="simulate a disaggregated or colocated cluster on a trace (the real "
+                                        "scheduler and router on modelled time): goodput, latencies, capacity")
+    commands.add_run_arguments(p)
+    p.set_defaults(func=commands.run_cli)
+    commands.add_verbs(p.add_subparsers(dest="sim_verb", parser_class=_Parser,
+                                        title="verbs (none: one simulation run)"))
+
+
 # --- train, sft, bench train -------------------------------------------------------------------
 
 def _add_training_verbs(sub, bench_verbs):
@@ -372,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_verbs(sub, _add_bench(sub))
     _add_serve(sub)
     _add_conductor(sub)
+    _add_simulate(sub)
     _add_kernels(sub)
     return parser
 

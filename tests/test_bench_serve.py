@@ -21,7 +21,7 @@ from nanoforge.cli import main  # noqa: E402
 from nanoforge.errors import NanoforgeError  # noqa: E402
 from nanoforge.serve.api import build_app  # noqa: E402
 from nanoforge.serve.bench_serve import (  # noqa: E402
-    Result, _Vocab, bench_serve, poisson_workload, read_trace, summarize, trace_workload)
+    Result, Vocab, bench_serve, poisson_workload, read_trace, summarize, trace_workload)
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from nanoforge.tokenizer import Tokenizer  # noqa: E402
 
@@ -50,7 +50,7 @@ def write_trace(path, rows):
 
 def test_trace_prompts_share_prefixes_block_by_block(tmp_path):
     rows = read_trace(write_trace(tmp_path / "t.jsonl", list(reversed(ROWS))))  # sorted back by timestamp
-    reqs = trace_workload(rows, _Vocab(5000), length_scale=1 / 16, time_scale=0.5, max_input_len=90,
+    reqs = trace_workload(rows, Vocab(5000), length_scale=1 / 16, time_scale=0.5, max_input_len=90,
                           max_output_len=6)
     block = 32  # 512 / 16 tokens per hash id
     assert [r.input_len for r in reqs] == [90, 88, 44, 62, 90, 19]  # round(len / 16), capped at 90
@@ -65,19 +65,19 @@ def test_trace_prompts_share_prefixes_block_by_block(tmp_path):
             assert common_prefix(reqs[a].prompt, reqs[b].prompt) == want, (a, b)
     assert reqs[0].prompt == reqs[4].prompt  # the same hash ids and capped length: the same prompt
     # the same seed gives the same prompts; another seed other ones
-    again = trace_workload(rows, _Vocab(5000), length_scale=1 / 16, max_input_len=90)
+    again = trace_workload(rows, Vocab(5000), length_scale=1 / 16, max_input_len=90)
     assert [r.prompt for r in again] == [r.prompt for r in reqs]
-    other = trace_workload(rows, _Vocab(5000), length_scale=1 / 16, max_input_len=90, seed=1)
+    other = trace_workload(rows, Vocab(5000), length_scale=1 / 16, max_input_len=90, seed=1)
     assert other[0].prompt != reqs[0].prompt
 
 
 def test_trace_text_prompts_share_text_prefixes():
     tok = Tokenizer.train_bpe([TEXT * 20], vocab_size=300)
-    reqs = trace_workload(ROWS, _Vocab(None, tok), length_scale=1 / 16, max_input_len=90)
+    reqs = trace_workload(ROWS, Vocab(None, tok), length_scale=1 / 16, max_input_len=90)
     first, second = reqs[0].prompt, reqs[1].prompt
     assert isinstance(first, str)
     # the text of hash ids [0, 1] alone (2 blocks of 32 tokens) starts both prompts; what follows differs
-    shared = trace_workload(ROWS[:1], _Vocab(None, tok), length_scale=1 / 16, max_input_len=64)[0].prompt
+    shared = trace_workload(ROWS[:1], Vocab(None, tok), length_scale=1 / 16, max_input_len=64)[0].prompt
     assert first.startswith(shared) and second.startswith(shared) and first[len(shared):] != second[len(shared):]
     special = {tok.eos_id, tok.eot_id} | set(tok.stop_ids)
     assert not special & set(tok.encode(first, allow_special=True))
@@ -92,17 +92,17 @@ def test_bad_traces_are_named(tmp_path):
     with pytest.raises(NanoforgeError, match="not found"):
         read_trace(tmp_path / "missing.jsonl")
     with pytest.raises(NanoforgeError, match="vocab-size"):
-        _Vocab(None)
+        Vocab(None)
 
 
 def test_poisson_arrivals():
-    reqs = poisson_workload(4000, 50.0, 3, 2, _Vocab(100), seed=3)
+    reqs = poisson_workload(4000, 50.0, 3, 2, Vocab(100), seed=3)
     gaps = np.diff([r.arrival_s for r in reqs])
     assert reqs[0].arrival_s == 0 and (gaps > 0).all()
     assert gaps.mean() == pytest.approx(1 / 50, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.08)  # exponential gaps: std = mean
     assert all(len(r.prompt) == 3 and r.output_len == 2 for r in reqs)
-    assert {r.arrival_s for r in poisson_workload(5, math.inf, 3, 2, _Vocab(100))} == {0.0}
+    assert {r.arrival_s for r in poisson_workload(5, math.inf, 3, 2, Vocab(100))} == {0.0}
 
 
 def test_summary_percentiles_and_goodput():
@@ -138,7 +138,7 @@ def server_url():
 
 def test_replay_against_the_server(server_url, tmp_path):
     url, tok = server_url
-    requests = trace_workload(ROWS, _Vocab(tok.vocab_size - 3), length_scale=1 / 16, time_scale=0.1,
+    requests = trace_workload(ROWS, Vocab(tok.vocab_size - 3), length_scale=1 / 16, time_scale=0.1,
                               max_input_len=90, max_output_len=6)
     report = bench_serve(url + "/v1", MODEL, requests, out_dir=tmp_path, ignore_eos=True,
                          slo={"ttft": None, "tpot": None, "e2e": None})

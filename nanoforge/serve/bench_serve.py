@@ -37,6 +37,7 @@ import json
 import math
 import random
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,7 @@ class Result:
 
 # --- workloads ---------------------------------------------------------------------------------------
 
-class _Vocab:
+class Vocab:
     """Where prompts' token ids come from: [0, vocab_size), minus the tokenizer's special tokens if one is given."""
 
     def __init__(self, vocab_size: int | None, tokenizer=None):
@@ -103,7 +104,7 @@ class _Vocab:
         return text, len(self.tokenizer.encode_prompt(text))
 
 
-def poisson_workload(num_requests: int, rate: float, input_len: int, output_len: int, vocab: _Vocab,
+def poisson_workload(num_requests: int, rate: float, input_len: int, output_len: int, vocab: Vocab,
                      seed: int = 0) -> list[Request]:
     """Arrivals of a Poisson process (exponential gaps of mean 1/rate, the first at 0); rate=inf: all at 0."""
     if not rate > 0:
@@ -144,38 +145,77 @@ def read_trace(path: str | Path) -> list[dict]:
     return sorted(rows, key=lambda r: r["timestamp"])
 
 
-def trace_workload(rows: list[dict], vocab: _Vocab, *, length_scale: float = 1.0, time_scale: float = 1.0,
+class TraceReplay:
+    """The requests of a trace's rows, each built when asked for (`request(i)`), so that a long trace's prompts
+    need not all be in memory at once (the cluster simulator builds each at its arrival).
+
+    Block `h` is the same `round(block_tokens * length_scale)` random tokens wherever hash id `h` appears: drawn
+    from a generator seeded by (`seed`, h), so a block is rebuilt the same when it is not among the
+    `cache_blocks` most recently used ones kept (None: keep all). A prompt is its blocks, cut to its scaled
+    input length; a row with fewer hash ids than its length needs gets its own random tokens for the rest."""
+
+    def __init__(self, rows: list[dict], vocab: Vocab, *, length_scale: float = 1.0, time_scale: float = 1.0,
+                 max_input_len: int | None = None, max_output_len: int | None = None,
+                 num_requests: int | None = None, block_tokens: int = MOONCAKE_BLOCK_TOKENS, seed: int = 0,
+                 cache_blocks: int | None = None):
+        if not length_scale > 0 or not time_scale >= 0:
+            raise NanoforgeError(f"--length-scale must be > 0 and --time-scale >= 0, got {length_scale}, "
+                                 f"{time_scale}", param="length_scale")
+        self.rows = rows[:num_requests] if num_requests else rows
+        self.vocab, self.seed = vocab, seed
+        self.length_scale, self.time_scale = length_scale, time_scale
+        self.max_input_len, self.max_output_len = max_input_len, max_output_len
+        self.tokens_per_block = max(1, round(block_tokens * length_scale))
+        self.cache_blocks = cache_blocks
+        self._blocks: OrderedDict[int, list[int]] = OrderedDict()
+        self._t0 = self.rows[0]["timestamp"]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def arrival_s(self, i: int) -> float:
+        """When row i is sent, in seconds after the first row."""
+        return (self.rows[i]["timestamp"] - self._t0) / 1000 * self.time_scale
+
+    def input_len(self, i: int) -> int:
+        """Prompt tokens of row i as drawn (a tokenizer's count of their text may differ: `Request.input_len`)."""
+        n_in = max(1, round(self.rows[i]["input_length"] * self.length_scale))
+        return min(n_in, self.max_input_len) if self.max_input_len else n_in
+
+    def output_len(self, i: int) -> int:
+        n_out = self.rows[i]["output_length"]
+        return min(n_out, self.max_output_len) if self.max_output_len else n_out
+
+    def request(self, i: int) -> Request:
+        n_in = self.input_len(i)
+        hashes = self.rows[i]["hash_ids"][:math.ceil(n_in / self.tokens_per_block)]
+        parts = [self._block(h) for h in hashes]
+        missing = n_in - len(hashes) * self.tokens_per_block  # a trace row with fewer hash ids than its length needs
+        if missing > 0:
+            parts.append(self.vocab.draw(random.Random(f"{self.seed}/row{i}"), missing))
+        parts[-1] = parts[-1][:len(parts[-1]) - (sum(map(len, parts)) - n_in)]  # cut the last block to n_in
+        return Request(self.arrival_s(i), *self.vocab.prompt(parts), self.output_len(i), hashes)
+
+    def _block(self, h: int) -> list[int]:
+        block = self._blocks.get(h)
+        if block is None:
+            block = self._blocks[h] = self.vocab.draw(random.Random(f"{self.seed}/{h}"), self.tokens_per_block)
+            if self.cache_blocks is not None and len(self._blocks) > self.cache_blocks:
+                self._blocks.popitem(last=False)
+        elif self.cache_blocks is not None:
+            self._blocks.move_to_end(h)
+        return block
+
+
+def trace_workload(rows: list[dict], vocab: Vocab, *, length_scale: float = 1.0, time_scale: float = 1.0,
                    max_input_len: int | None = None, max_output_len: int | None = None,
                    num_requests: int | None = None, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                    seed: int = 0) -> list[Request]:
-    """Requests replaying a trace. Block `h` is the same `round(block_tokens * length_scale)` random
-    tokens wherever hash id `h` appears; a prompt is its blocks, cut to its scaled input length."""
-    if not length_scale > 0 or not time_scale >= 0:
-        raise NanoforgeError(f"--length-scale must be > 0 and --time-scale >= 0, got {length_scale}, {time_scale}",
-                             param="length_scale")
-    tokens_per_block = max(1, round(block_tokens * length_scale))
-    blocks: dict[int, list[int]] = {}
-
-    def block(h: int) -> list[int]:
-        if h not in blocks:
-            blocks[h] = vocab.draw(random.Random(f"{seed}/{h}"), tokens_per_block)
-        return blocks[h]
-
-    rows = rows[:num_requests] if num_requests else rows
-    t0 = rows[0]["timestamp"]
-    requests = []
-    for i, row in enumerate(rows):
-        n_in = max(1, round(row["input_length"] * length_scale))
-        n_in = min(n_in, max_input_len) if max_input_len else n_in
-        n_out = min(row["output_length"], max_output_len) if max_output_len else row["output_length"]
-        hashes = row["hash_ids"][:math.ceil(n_in / tokens_per_block)]
-        parts = [block(h) for h in hashes]
-        missing = n_in - len(hashes) * tokens_per_block  # a trace row with fewer hash ids than its length needs
-        if missing > 0:
-            parts.append(vocab.draw(random.Random(f"{seed}/row{i}"), missing))
-        parts[-1] = parts[-1][:len(parts[-1]) - (sum(map(len, parts)) - n_in)]  # cut the last block to n_in
-        requests.append(Request((row["timestamp"] - t0) / 1000 * time_scale, *vocab.prompt(parts), n_out, hashes))
-    return requests
+    """Every request of a trace replay (`TraceReplay`), built at once."""
+    replay = TraceReplay(rows, vocab, length_scale=length_scale, time_scale=time_scale, max_input_len=max_input_len,
+                         max_output_len=max_output_len, num_requests=num_requests, block_tokens=block_tokens,
+                         seed=seed)
+    return [replay.request(i) for i in range(len(replay))]
 
 
 # --- sending -----------------------------------------------------------------------------------------
@@ -418,7 +458,7 @@ def run_cli(args: argparse.Namespace) -> int:
         from nanoforge.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.load(args.tokenizer)
-    vocab = _Vocab(args.vocab_size, tokenizer)
+    vocab = Vocab(args.vocab_size, tokenizer)
     if args.trace:
         requests = trace_workload(read_trace(args.trace), vocab, length_scale=args.length_scale,
                                   time_scale=args.time_scale, max_input_len=args.max_input_len,

@@ -11,6 +11,9 @@ Policies (`--policy`):
                    where i computes what neither its own prefix cache nor the pool holds, and loads from the pool
                    what the pool holds beyond its own cache; the decode instance with the fewest requests
 
+With `colocated=True` (the cluster simulator's vLLM-style baseline, `sim/`), every instance both prefills and
+decodes: a request's decode instance is its prefill instance, and its TPOT is predicted there.
+
 The conductor knows each prefill instance's prefix cache approximately, as the
 block keys of the prompts it sent there (as many as the instance has blocks,
 least recently used forgotten), and the pool's exactly, by asking it.
@@ -22,7 +25,11 @@ per output token of decode instances against their requests in flight. A
 cost model that has seen fewer than `MIN_OBSERVATIONS` requests predicts
 nothing, so **early rejection** (`--ttft-slo`, `--tpot-slo`: answer 429 at
 once when the predicted TTFT or TPOT of the best choice exceeds its
-objective) starts once the model has data.
+objective) starts once the model has data. TPOT is predicted from the decode
+instance's load, so a request whose decode instance is idle is never rejected
+for TPOT (a cost model misled by a few slow requests would otherwise reject
+everything after them, and, seeing nothing more, never recover: the cluster
+simulator found this).
 """
 
 from __future__ import annotations
@@ -109,7 +116,7 @@ class Plan:
 class Router:
     def __init__(self, prefill: list[Instance], decode: list[Instance], policy: str = "cache-aware", *,
                  ttft_slo: float | None = None, tpot_slo: float | None = None, seed: int = 0,
-                 pool_bandwidth: float = POOL_BANDWIDTH):
+                 pool_bandwidth: float = POOL_BANDWIDTH, colocated: bool = False):
         if policy not in POLICIES:
             raise NanoforgeError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}", param="policy")
         self.prefill, self.decode, self.policy = prefill, decode, policy
@@ -119,6 +126,7 @@ class Router:
         self.prefill_fit, self.decode_fit = LinearFit(), LinearFit()
         self.pool_bandwidth = pool_bandwidth
         self.rejected = {"ttft": 0, "tpot": 0}
+        self.colocated = colocated
 
     # --- choosing ---------------------------------------------------------------------------------
 
@@ -126,7 +134,7 @@ class Router:
         """Instances for a prompt of `prompt_len` tokens whose first `pool_blocks` blocks the pool holds;
         NanoforgeError 503 if no instance is up, 429 (with Retry-After) if an SLO cannot be met."""
         prefill = self.choose_prefill(prompt_len, hashes, pool_blocks)
-        decode = self.choose_decode()
+        decode = prefill if self.colocated else self.choose_decode()
         cached = max(prefill.cached_prefix(hashes), pool_blocks)
         uncached = prompt_len - cached * prefill.info.get("block_size", 16)
         plan = Plan(prefill, decode, hashes, cached, uncached,
@@ -136,7 +144,10 @@ class Router:
             raise NanoforgeError(f"the cluster is busy: the predicted time to first token, {plan.ttft_s:.3g} s, is "
                                  f"over the objective of {self.ttft_slo:g} s (--ttft-slo); retry later",
                                  status=429, retry_after=max(1, math.ceil(plan.ttft_s - self.ttft_slo)))
-        if self.tpot_slo is not None and plan.tpot_s is not None and plan.tpot_s > self.tpot_slo:
+        # TPOT is a matter of load: an idle decode instance is not turned away (and what it serves keeps the cost
+        # model learning; otherwise a few slow early requests could lock every later one out)
+        if self.tpot_slo is not None and plan.tpot_s is not None and plan.tpot_s > self.tpot_slo \
+                and plan.decode.running > 0:
             self.rejected["tpot"] += 1
             raise NanoforgeError(f"the cluster is busy: the predicted time per output token, {plan.tpot_s:.3g} s, "
                                  f"is over the objective of {self.tpot_slo:g} s (--tpot-slo); retry later",
@@ -221,7 +232,8 @@ class Router:
 
     def decode_started(self, inst: Instance) -> int:
         inst.running += 1
-        inst.routed += 1
+        if not self.colocated:  # colocated: the request was counted once, when its prefill went there
+            inst.routed += 1
         return inst.running
 
     def decode_done(self, inst: Instance, batch: int, tpot_s: float | None) -> None:

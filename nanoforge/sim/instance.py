@@ -1,0 +1,114 @@
+"""One simulated instance: the engine's real `Scheduler` and `BlockManager`, stepped on modelled time.
+
+`LLMEngine.step()` without the model: take the requests whose pool loads are back (`SimConnector`), ask the
+scheduler for the step (continuous batching, chunked prefill, prefix caching, preemption: all the engine's own
+code), let the step take `Profile.step_time(out)` seconds, then save the prompts it finished to the pool and
+report one token per chunk that samples (`Scheduler.update`). The token is the request's own non-end id, so a
+request runs to its `max_tokens`.
+
+Instances that share a GPU (`gpu`, a `SharedGPU`) run their steps one at a time: a step starts when the GPU
+is free (two processes on one GPU time-slice it; no overlap is modelled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoforge.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoforge.serve.sequence import SequenceGroup
+from nanoforge.sim.pool import KVPool, SimConnector
+
+
+@dataclass
+class SharedGPU:
+    free_at: float = 0.0
+
+
+class SimInstance:
+    def __init__(self, sim, name: str, role: str, config: SchedulerConfig, pool: KVPool | None,
+                 staging_blocks: int | None, gpu: SharedGPU | None = None):
+        self.sim, self.name, self.role = sim, name, role
+        self.scheduler = Scheduler(config)
+        self.connector = None
+        if pool is not None:  # a decode instance loads and never saves; a prefill instance loads only from a cache
+            self.connector = SimConnector(sim, pool, self.scheduler.block_manager,
+                                          load=role == "decode" or pool.cache, save=role != "decode",
+                                          staging_blocks=staging_blocks, on_ready=self.kick)
+        self.gpu = gpu
+        self.busy = False
+        self.requests: dict[str, object] = {}  # request id -> the simulator's request state
+        self.busy_s = 0.0
+        self.steps = self.prefill_steps = self.prefill_tokens = self.decode_tokens = self.peak_blocks = 0
+
+    # --- requests ----------------------------------------------------------------------------------------
+
+    def add(self, now: float, group: SequenceGroup, req, hashes: list[int]) -> None:
+        """LLMEngine.add_request after its checks: look in the pool first, else queue."""
+        self.requests[group.request_id] = req
+        if self.connector is None or not self.connector.start_load(group, hashes):
+            self.scheduler.enqueue(group)
+        self.kick(now)
+
+    def kick(self, now: float) -> None:
+        """Start a step if idle and there is work (a new request, a load back)."""
+        if not self.busy:
+            self._step(now)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the step ------------------------------------------------------------------------------------------
+
+    def _step(self, now: float) -> None:
+        connector = self.connector
+        if connector is not None and connector.ready:  # KVConnector.ready_loads
+            for job in connector.ready:
+                connector.finish_load(job)
+                self.scheduler.enqueue(job.group)
+            connector.ready.clear()
+        out = self.scheduler.schedule()
+        for group in out.finished:  # can never fit: finished with reason "error"
+            self.sim.on_error(now, self, self.requests.pop(group.request_id), group.error)
+        if out.is_empty:
+            self.busy = False
+            return
+        seconds = self.sim.profile.step_time(out)
+        start = now
+        if self.gpu is not None:
+            start = max(now, self.gpu.free_at)
+            self.gpu.free_at = start + seconds
+        self.busy = True
+        self.busy_s += seconds
+        self.steps += 1
+        used = self.scheduler.block_manager.num_used_blocks
+        self.peak_blocks = max(self.peak_blocks, used)
+        self.sim.clock.at(start + seconds, self._end_step, out)
+
+    def _end_step(self, now: float, out: SchedulerOutput) -> None:
+        sampled = {}
+        prefill = False
+        for item in out.scheduled:
+            seq = item.seq
+            if item.num_tokens == 1 and item.num_samples == 1:
+                self.decode_tokens += 1
+            else:
+                prefill = True
+                self.prefill_tokens += item.num_tokens
+            if item.num_samples:
+                sampled[seq.seq_id] = self.requests[seq.request_id].token
+            if self.connector is not None and item.start < seq.num_prompt_tokens <= item.end:  # _save_prompts
+                job = self.connector.save_prompt(seq)
+                if job is not None:
+                    self.requests[seq.request_id].save_job = job
+        self.prefill_steps += prefill
+        finished = self.scheduler.update(out, sampled)
+        sim = self.sim
+        for item in out.scheduled:
+            if item.num_samples:
+                req = self.requests.get(item.seq.request_id)
+                if req is not None:
+                    sim.on_token(now, self, req, item.seq)
+        for group in finished:
+            sim.on_finished(now, self, self.requests.pop(group.request_id), group)
+        self._step(now)

@@ -1,0 +1,550 @@
+"""`nanoforge simulate profile`: measure a simulator profile on the real engine.
+
+    nanoforge simulate profile (--model DIR | --model-preset NAME) [--device D] [--pool] [--frontend]
+                               [--budget-s S] --out PROFILE.json
+
+The engine (`LLMEngine`, the model's real forward passes, CUDA graphs for decode batches on a GPU) runs
+prompts chosen to cover the grid the time model needs, and every `step()` is timed with the features of the
+`SchedulerOutput` it ran:
+
+- prefill: a prompt of `cached` tokens is run first (so its blocks are in the prefix cache), then the same
+  prefix followed by `tokens` new ones: the timed steps compute `tokens` tokens after `cached` cached ones;
+- decode: `batch` requests with prompts of `context` tokens are prefilled, then a few steps where every one
+  decodes are timed.
+
+Points run cheapest first (`--budget-s` leaves out the costliest, listed in the JSON). A new prefill chunk size
+runs once more first (compilation, autotuning), decode once before its first point (its CUDA graphs are captured
+when the engine starts); then each point runs `repeats` times, the median counts. The
+forms of `profile.py` are fitted by least squares with non-negative coefficients; the fit's relative errors
+and every sample are kept in the JSON. With `--pool`, the KV transfer is measured on the real Mooncake Store:
+a `mooncake_master` on loopback, a second process holding the pool's memory (as a peer instance does), and
+this one moving whole blocks (header + K and V of every layer, as the KV connector does) with one batched
+`put_from` / `get_into` per size; without it the transfer section is derived from `--link-gbs` and says so.
+With `--frontend`, what serving adds is measured through the real server (`measure_frontend`).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.sim.profile import Profile, pool_block_bytes
+
+PREFILL_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384)
+PREFILL_CACHED = (0, 1024, 4096, 16384, 32768)
+DECODE_BATCH = (1, 8, 32, 64, 128, 256)
+DECODE_CONTEXT = (128, 1024, 4096, 16384)
+DECODE_STEPS = 4
+DECODE_MAX_TOKENS = 1 << 20  # a decode point prefills batch x context tokens first: at most this many
+TRANSFER_BLOCKS = (1, 4, 16, 64, 256)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: drop the most negative one and solve again, until none is."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def fit(samples: list[dict], features: tuple[str, ...]) -> tuple[list[float], dict]:
+    """Coefficients of y = c0 + c1 * f1 + ... over `samples` ({features..., "seconds"}), relative errors."""
+    x = np.array([[1.0] + [s[f] for f in features] for s in samples], dtype=np.float64)
+    y = np.array([s["seconds"] for s in samples], dtype=np.float64)
+    w = 1 / y  # relative errors count: short steps matter as much as long ones
+    coef = _nnls(x * w[:, None], y * w)
+    rel = np.abs(x @ coef - y) / y
+    return [float(c) for c in coef], {"samples": len(samples), "mean_rel_error": float(rel.mean()),
+                                      "max_rel_error": float(rel.max())}
+
+
+class _Timer:
+    """Times `engine.step()` and records what the scheduler put into each step."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.last = None
+        self.cuda = engine.model.embed.weight.device.type == "cuda"
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            self.last = schedule()
+            return self.last
+
+        engine.scheduler.schedule = recording  # this measuring engine only
+
+    def step(self) -> tuple[dict, float]:
+        if self.cuda:
+            torch.cuda.synchronize()  # nothing of an earlier step runs into this one
+        start = time.perf_counter()
+        self.engine.step()  # returns after the sampled tokens reached the host
+        if self.cuda:
+            torch.cuda.synchronize()  # and anything the step left queued (e.g. block copies) is done too
+        seconds = time.perf_counter() - start
+        tokens = pairs = batch = context = 0
+        for s in self.last.scheduled:
+            if s.is_decode:
+                batch += 1
+                context += s.start + 1
+            else:
+                tokens += s.num_tokens
+                pairs += s.num_tokens * s.start + s.num_tokens * (s.num_tokens + 1) // 2
+        return {"tokens": tokens + batch, "pairs": pairs, "batch": batch, "context": context,
+                "prefill": tokens > 0}, seconds
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+class Budget:
+    """Wall-clock seconds a section of the measurement may take (None: no limit). Points run cheapest first,
+    so what a tight budget leaves out is the most expensive end of the grid; the profile lists what it skipped."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.perf_counter() + seconds
+
+    def over(self) -> bool:
+        return self.end is not None and time.perf_counter() > self.end
+
+
+def prefill_points(cfg, tokens=PREFILL_TOKENS, cached=PREFILL_CACHED) -> list[tuple[int, int]]:
+    """(new tokens, cached tokens) that fit the engine's step budget, context and cache, cheapest first."""
+    bs = cfg.block_size
+    points = [(n, c) for c in cached for n in tokens
+              if n <= cfg.max_num_batched_tokens and c + n + 1 <= cfg.max_model_len and c % bs == 0
+              and -(-(c + n + 1) // bs) <= cfg.num_gpu_blocks]
+    return sorted(points, key=lambda p: (p[0] + 2 * p[1], p))
+
+
+def decode_points(cfg, batches=DECODE_BATCH, contexts=DECODE_CONTEXT,
+                  max_tokens: int = DECODE_MAX_TOKENS) -> list[tuple[int, int]]:
+    """(batch, prompt tokens per sequence) that fit the engine, at most `max_tokens` prompt tokens in all (each
+    point prefills all of them first), cheapest first."""
+    bs, need = cfg.block_size, DECODE_STEPS + 2
+    points = [(b, c) for c in contexts for b in batches
+              if b <= cfg.max_num_seqs and c + need <= cfg.max_model_len and b * c <= max_tokens
+              and b * -(-(c + need) // bs) <= cfg.num_gpu_blocks]
+    return sorted(points, key=lambda p: (p[0] * p[1], p))
+
+
+def measure_steps(engine, *, prefill_tokens=PREFILL_TOKENS, prefill_cached=PREFILL_CACHED, decode_batch=DECODE_BATCH,
+                  decode_context=DECODE_CONTEXT, repeats: int = 3, budget_s: float | None = None,
+                  progress=None) -> tuple[list[dict], list[dict], dict]:
+    """Timed prefill steps and decode steps of `engine` over the grid that fits its context and cache, and the
+    points a budget left out. Half of `budget_s` goes to each kind of step (what prefill leaves, decode gets)."""
+    from nanoforge.serve.sampling_params import SamplingParams
+
+    cfg = engine.scheduler.config
+    vocab = engine.model.cfg.vocab_size
+    rng = random.Random(0)
+    timer = _Timer(engine)
+    prefill, decode, skipped = [], [], {"prefill": [], "decode": []}
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    budget = Budget(None if budget_s is None else budget_s / 2)
+    warm = set()
+    for n, cached in prefill_points(cfg, prefill_tokens, prefill_cached):
+        if budget.over():
+            skipped["prefill"].append([n, cached])
+            continue
+        times = []
+        first = n not in warm  # a new chunk shape runs once more first (compilation, autotuning)
+        warm.add(n)
+        for rep in range(repeats + first):
+            prefix = _prompt(rng, cached, vocab)
+            if cached:
+                engine.add_request(prefix, one)
+                while engine.has_unfinished():
+                    engine.step()
+            engine.add_request(prefix + _prompt(rng, n, vocab), one)
+            features, seconds = timer.step()
+            while engine.has_unfinished():
+                engine.step()
+            if rep >= first:
+                times.append(seconds)
+        prefill.append({**features, "cached": cached, "seconds": statistics.median(times)})
+        if progress:
+            progress(f"prefill {n} tokens after {cached} cached: {1000 * prefill[-1]['seconds']:.2f} ms")
+    if budget_s is not None:
+        budget = Budget(budget_s - (time.perf_counter() - start))
+    warmed = False
+    for batch, context in decode_points(cfg, decode_batch, decode_context):
+        if budget.over():
+            skipped["decode"].append([batch, context])
+            continue
+        steps = []
+        # decode batches replay CUDA graphs captured when the engine started: one warm-up run, for the first point
+        for rep in range(repeats + (not warmed)):
+            params = SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True)
+            rids = [engine.add_request(_prompt(rng, context, vocab), params) for _ in range(batch)]
+            while any(engine.scheduler.get_group(r) and engine.scheduler.get_group(r).seqs[0].num_output_tokens
+                      == 0 for r in rids):
+                engine.step()  # the prompts, and each one's first token
+            timed = [timer.step() for _ in range(DECODE_STEPS)]
+            while engine.has_unfinished():
+                engine.step()
+            if warmed or rep:
+                steps += [(f, t) for f, t in timed if f["batch"] == batch and not f["prefill"]]
+        warmed = True
+        if not steps:
+            continue
+        decode.append({"batch": batch, "context": int(statistics.median(f["context"] for f, _ in steps)),
+                       "prompt": context, "seconds": statistics.median(t for _, t in steps)})
+        if progress:
+            progress(f"decode batch {batch} at {context} tokens: {1000 * decode[-1]['seconds']:.2f} ms")
+    if progress and (skipped["prefill"] or skipped["decode"]):
+        progress(f"the budget left out {len(skipped['prefill'])} prefill and {len(skipped['decode'])} decode points "
+                 f"(the most expensive ones)")
+    return prefill, decode, skipped
+
+
+# --- the KV pool's link --------------------------------------------------------------------------------------
+
+_HOLDER = """
+import sys, time
+from nanoforge.serve.disagg.mooncake_store import MooncakeStore
+store = MooncakeStore(sys.argv[1], segment_bytes=int(sys.argv[2]))
+print("ready", flush=True)
+sys.stdin.read()
+store.close()
+"""
+
+
+def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int = 3, progress=None) -> list[dict]:
+    """Seconds of one batched put and one batched get of n whole blocks, through Mooncake Store on loopback,
+    the pool's memory in another process."""
+    from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore
+
+    need = max(blocks) * block_bytes
+    written = 2 * (repeats + 1) * sum(blocks) * block_bytes  # every key is fresh: the pool holds all of them
+    samples = []
+    with MooncakeMaster() as master:
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address, str(written + (64 << 20))],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            if holder.stdout.readline().strip() != "ready":
+                raise NanoforgeError("the process holding the pool's memory did not start", param="pool")
+            store = MooncakeStore(master.address, segment_bytes=0)
+            buf = torch.zeros(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            base = buf.data_ptr()
+            store.register_buffer(base, need)
+            try:
+                for n in blocks:
+                    ptrs = [base + i * block_bytes for i in range(n)]
+                    for kind in ("put", "get"):
+                        times = []
+                        for rep in range(repeats + 1):
+                            keys = [f"nanoforge-profile/{kind}/{n}/{rep}/{i}" for i in range(n)]  # fresh keys
+                            if kind == "get":
+                                store.put_from(keys, ptrs, block_bytes)
+                            start = time.perf_counter()
+                            ok = (store.put_from if kind == "put" else store.get_into)(keys, ptrs, block_bytes)
+                            seconds = time.perf_counter() - start
+                            if not all(ok):
+                                raise RuntimeError(f"a {kind} of {n} blocks came back {ok}")
+                            if rep:
+                                times.append(seconds)
+                        samples.append({"kind": kind, "blocks": n, "seconds": statistics.median(times)})
+                        if progress:
+                            progress(f"{kind} of {n} blocks: {1000 * samples[-1]['seconds']:.2f} ms")
+            finally:
+                store.unregister_buffer(base)
+                store.close()
+        finally:
+            holder.communicate("", timeout=60)
+    return samples
+
+
+# --- what serving adds: the front door, the server's work per token, the conductor's hop --------------------------
+
+class _Server:
+    """`nanoforge serve ARGS` in a child process on loopback, until `close()`; `url` once it answers."""
+
+    def __init__(self, args: list[str], banner: str, timeout: float = 900.0):
+        import threading
+        import urllib.request
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanoforge.cli", "serve", "--port", "0", "--log-level",
+                                      "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.url, self.lines = None, []
+        found = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if self.url is None and line.startswith(banner) and " at http://" in line:
+                    self.url = line.split(" at ", 1)[1].split()[0].removesuffix("/v1")
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.proc.poll() is None:
+            if found.wait(1.0) and self.url:
+                try:
+                    urllib.request.urlopen(self.url + "/health", timeout=5).read()
+                    return
+                except OSError:
+                    time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"`nanoforge serve {' '.join(args)}` did not come up:\n{''.join(self.lines[-20:])}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _latencies(url: str, vocab: int, prompt_len: int, output_len: int, k: int, rng: random.Random) -> list:
+    """k requests sent at once (random prompts, nothing cached); their bench serve results."""
+    import asyncio
+
+    from nanoforge.serve.bench_serve import Request, run_requests
+
+    reqs = [Request(0.0, _prompt(rng, prompt_len, vocab), prompt_len, output_len) for _ in range(k)]
+    results, _ = asyncio.run(run_requests(url, "m", reqs, ignore_eos=True))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"a request to {url} failed: {bad[0]}")
+    return results
+
+
+def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args: list[str], disagg: bool = True,
+                     prompt_len: int = 512, output_len: int = 32, concurrency=(1, 4, 16), repeats: int = 3,
+                     progress=None) -> tuple[dict, dict]:
+    """The frontend section of `profile` (whose engine sections are measured), from the real server on loopback:
+
+    - request_s: a lone request's TTFT through `nanoforge serve` less the engine's prefill step for its prompt;
+    - per_token_s: k requests sent at once decode in lock-step, so each one's TPOT is a decode step of batch k plus
+      the server's work for the k tokens it streams: fitted (through 0) to TPOT - decode_time(k, context) over k;
+    - handover_s (`disagg`): a lone request's TTFT through `nanoforge serve --disagg --prefill 1 --decode 1` less
+      request_s, the prefill step, the sampled token and saving the prompt's blocks to the pool.
+
+    Returns the section and the samples."""
+    rng = random.Random(1)
+    common = ["--model", model_dir, "--served-model-name", "m", *serve_args]
+    samples: dict = {"prompt_len": prompt_len, "output_len": output_len}
+    server = _Server(common, "nanoforge serve:")
+    try:
+        _latencies(server.url, vocab, prompt_len, output_len, max(concurrency), rng)  # warm up
+        ttft, tpot = [], {}
+        for k in concurrency:
+            got = [r for _ in range(repeats) for r in _latencies(server.url, vocab, prompt_len, output_len, k, rng)]
+            tpot[k] = statistics.median(r.tpot_ms / 1000 for r in got)
+            if k == 1:
+                ttft = [r.ttft_ms / 1000 for r in got]
+            if progress:
+                progress(f"through the server, {k} at once: TPOT {1000 * tpot[k]:.2f} ms"
+                         + (f", TTFT {1000 * statistics.median(ttft):.2f} ms" if k == 1 else ""))
+    finally:
+        server.close()
+    prefill = profile.prefill_time(prompt_len)
+    request_s = max(0.0, statistics.median(ttft) - prefill)
+    context = prompt_len + output_len // 2  # per sequence, mid-way through its output
+    num = sum(k * (tpot[k] - profile.decode_time(k, k * context)) for k in tpot)
+    per_token_s = max(0.0, num / sum(k * k for k in tpot))
+    samples.update(ttft_s=statistics.median(ttft), engine_prefill_s=prefill,
+                   tpot_s={str(k): v for k, v in tpot.items()},
+                   engine_decode_s={str(k): profile.decode_time(k, k * context) for k in tpot})
+    handover_s = 0.0
+    if disagg:
+        server = _Server([*common, "--disagg", "--prefill", "1", "--decode", "1", "--policy", "round-robin"],
+                         "nanoforge conductor:")
+        try:
+            _latencies(server.url, vocab, prompt_len, output_len, 1, rng)
+            got = [r for _ in range(repeats + 2) for r in _latencies(server.url, vocab, prompt_len, output_len, 1, rng)]
+        finally:
+            server.close()
+        ttft_d = statistics.median(r.ttft_ms / 1000 for r in got)
+        blocks = prompt_len // profile.engine["block_size"]
+        handover_s = max(0.0, ttft_d - request_s - prefill - per_token_s - profile.transfer_time(blocks))
+        samples.update(disagg_ttft_s=ttft_d, disagg_save_s=profile.transfer_time(blocks))
+        if progress:
+            progress(f"through the conductor (1 prefill + 1 decode): TTFT {1000 * ttft_d:.2f} ms")
+    return {"request_s": request_s, "handover_s": handover_s, "per_token_s": per_token_s}, samples
+
+
+# --- the profile -------------------------------------------------------------------------------------------------
+
+def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_gbs: float = 1.0,
+                    repeats: int = 3, grid: dict | None = None, budget_s: float | None = None,
+                    progress=print) -> Profile:
+    """Measure `engine` (an LLMEngine without a KV pool) and fit a profile."""
+    from nanoforge.serve.model_runner import kv_bytes_per_block
+
+    cfg = engine.scheduler.config
+    dtype = engine.model.embed.weight.dtype
+    kv_block = kv_bytes_per_block(engine.model, cfg.block_size, dtype)
+    slot = pool_block_bytes(kv_block, cfg.block_size)
+    prefill, decode, skipped = measure_steps(engine, repeats=repeats, budget_s=budget_s, progress=progress,
+                                             **(grid or {}))
+    if len(prefill) < 3 or len(decode) < 3:
+        raise NanoforgeError(f"the engine's context ({cfg.max_model_len} tokens) or cache ({cfg.num_gpu_blocks} "
+                             f"blocks) is too small to measure a profile: give --max-model-len or --num-gpu-blocks",
+                             param="max_model_len")
+    (pa, pt, pp), prefill_fit = fit(prefill, ("tokens", "pairs"))
+    (da, db, dc), decode_fit = fit(decode, ("batch", "context"))
+    if pool:
+        transfer = measure_transfer(slot, repeats=repeats, progress=progress)
+        (ta, tb), transfer_fit = fit(transfer, ("blocks",))
+        transfer_section = {"latency_s": ta, "per_block_s": tb, "block_bytes": kv_block, "measured": True,
+                            "link": "Mooncake Store over TCP on loopback, the pool's memory in another process"}
+    else:
+        transfer, transfer_fit = [], None
+        transfer_section = {"latency_s": 0.001, "per_block_s": slot / (link_gbs * 1e9), "block_bytes": kv_block,
+                            "measured": False, "link": f"assumed {link_gbs:g} GB/s per pool call (no --pool)"}
+    device = engine.model.embed.weight.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return Profile(
+        name=name, status="measured",
+        prefill={"a_s": pa, "per_token_s": pt, "per_pair_s": pp},
+        decode={"a_s": da, "per_seq_s": db, "per_context_s": dc},
+        transfer=transfer_section,
+        engine={"num_gpu_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens},
+        meta={"source": f"nanoforge simulate profile on {device_name}: {model}, {str(dtype).removeprefix('torch.')}, "
+                        f"CUDA graphs {'on' if getattr(engine.runner, 'graphs', None) else 'off'}; frontend latencies "
+                        f"are not measured here (0)",
+              "model": model, "device": device_name, "max_model_len": cfg.max_model_len,
+              "fit": {"prefill": prefill_fit, "decode": decode_fit, "transfer": transfer_fit},
+              "samples": {"prefill": prefill, "decode": decode, "transfer": transfer},
+              "skipped_by_budget": skipped, "budget_s": budget_s})
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+def add_cli_arguments(p) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", metavar="DIR", help="a model directory (its weights are used as they are)")
+    g.add_argument("--model-preset", metavar="NAME", help="a model preset's shape, random weights")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's context (default: the model's, at most 40,960 tokens)")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--pool", action="store_true",
+                   help="measure the KV transfer through Mooncake Store (starts a mooncake_master on loopback)")
+    p.add_argument("--frontend", action="store_true",
+                   help="also measure what serving adds (needs --model DIR): the front door's latency and the "
+                        "server's work per streamed token through `nanoforge serve`, and with --pool the conductor's "
+                        "hop through `nanoforge serve --disagg` (1 prefill + 1 decode)")
+    p.add_argument("--link-gbs", type=float, default=1.0, help="without --pool: the link's assumed GB/s")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (after one to warm up)")
+    p.add_argument("--quick", action="store_true", help="a coarse grid (a CPU test)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="seconds the engine's steps may take in all (half prefill, half decode); points run cheapest "
+                        "first and those past the budget are left out (listed in the profile). Default: no limit")
+    p.add_argument("--name", default=None, help="the profile's name (default: the --out file's stem)")
+    p.add_argument("--out", required=True, metavar="PROFILE.json")
+
+
+QUICK_GRID = {"prefill_tokens": (16, 32, 64), "prefill_cached": (0, 32), "decode_batch": (1, 4, 16),
+              "decode_context": (32, 64)}  # fits a 128-token context
+
+
+def run_cli(args) -> int:
+    from pathlib import Path
+
+    from nanoforge.model.config import preset
+    from nanoforge.model.hf import load_model
+    from nanoforge.model.transformer import Transformer
+    from nanoforge.runtime import pick_device, pick_dtype
+    from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
+
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_gpu_blocks",
+                 "repeats"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise NanoforgeError(f"--{name.replace('_', '-')} must be >= 1, got {v}", param=name)
+    if args.frontend and not args.model:
+        raise NanoforgeError("--frontend starts `nanoforge serve --model DIR`: give --model DIR", param="frontend")
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise NanoforgeError(f"--budget-s must be > 0, got {args.budget_s}", param="budget_s")
+    if not args.link_gbs > 0:
+        raise NanoforgeError(f"--link-gbs must be > 0, got {args.link_gbs}", param="link_gbs")
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    if args.model:
+        model = load_model(args.model, device=device, dtype=dtype)
+        what = f"{Path(args.model).name} ({args.model})"
+    else:
+        cfg = preset(args.model_preset)
+        if not cfg.learned_positions and args.max_model_len and args.max_model_len > cfg.max_seq_len:
+            cfg = cfg.replace(max_seq_len=args.max_model_len)  # RoPE: any length works
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Transformer(cfg).to(dtype).eval()
+        what = f"{args.model_preset} shape, random weights"
+    max_len = min(args.max_model_len or 40960, model.cfg.max_seq_len)
+    engine = LLMEngine(model, None, EngineConfig(
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_len, num_gpu_blocks=args.num_gpu_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, use_cuda_graphs=not args.no_cuda_graphs,
+        device=str(device), dtype=str(dtype).removeprefix("torch.")))
+    out = Path(args.out)
+    print(f"measuring {what} on {device} ({engine.scheduler.config.num_gpu_blocks} KV blocks, context {max_len})",
+          flush=True)
+    profile = measure_profile(engine, name=args.name or out.stem, model=what, pool=args.pool, link_gbs=args.link_gbs,
+                              repeats=args.repeats, grid=QUICK_GRID if args.quick else None, budget_s=args.budget_s,
+                              progress=lambda line: print("  " + line, flush=True))
+    if args.frontend:
+        import gc
+
+        vocab = model.cfg.vocab_size
+        del engine, model  # the server gets the device's memory
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        serve_args = ["--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--max-model-len",
+                      str(min(max_len, 4096)), "--block-size", str(args.block_size), "--max-num-seqs",
+                      str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                      "--gpu-memory-utilization", "0.5"]  # a few requests: any KV cache does; leave this process room
+        output_len = min(32, max_len // 4)  # a 512-token prompt and 32 tokens, or what the context holds
+        prompt_len = min(512, (max_len - output_len - 1) // args.block_size * args.block_size)
+        frontend, samples = measure_frontend(args.model, profile, vocab=vocab, serve_args=serve_args,
+                                             disagg=args.pool, repeats=args.repeats, prompt_len=prompt_len,
+                                             output_len=output_len,
+                                             progress=lambda line: print("  " + line, flush=True))
+        profile.frontend = frontend
+        profile.meta["samples"]["frontend"] = samples
+        profile.meta["source"] = profile.meta["source"].replace("frontend latencies are not measured here (0)",
+                                                                "frontend latencies measured through nanoforge serve")
+        profile = Profile.from_dict(profile.to_dict(), profile.name)  # the time models with the frontend in them
+    profile.save(out)
+    fits = profile.meta["fit"]
+    print(f"prefill step = {1000 * profile.prefill['a_s']:.3f} ms + {1e6 * profile.prefill['per_token_s']:.3f} us/token "
+          f"+ {1e9 * profile.prefill['per_pair_s']:.4f} ns/query-key pair (mean error "
+          f"{100 * fits['prefill']['mean_rel_error']:.1f}%)")
+    print(f"decode step = {1000 * profile.decode['a_s']:.3f} ms + {1e6 * profile.decode['per_seq_s']:.2f} us/seq "
+          f"+ {1e9 * profile.decode['per_context_s']:.3f} ns/context token (mean error "
+          f"{100 * fits['decode']['mean_rel_error']:.1f}%)")
+    print(f"KV transfer = {1000 * profile.transfer['latency_s']:.3f} ms + {1000 * profile.transfer['per_block_s']:.3f} "
+          f"ms/block ({'measured' if profile.transfer['measured'] else 'assumed'})")
+    f = profile.frontend
+    print(f"frontend: request {1000 * f['request_s']:.2f} ms, conductor hop {1000 * f['handover_s']:.2f} ms, "
+          f"{1e6 * f['per_token_s']:.1f} us per streamed token"
+          + ("" if args.frontend else " (not measured: --frontend)"))
+    print(f"wrote {out}")
+    return 0

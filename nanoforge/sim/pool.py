@@ -1,0 +1,219 @@
+"""The KV cache pool and each instance's KV connector, on modelled time.
+
+`KVPool` stands for Mooncake Store: whole KV blocks keyed by the block manager's chained prefix hashes, a
+capacity in blocks, least recently used evicted first when a write needs room (Mooncake evicts by LRU once
+its pool is full; its 10 s write leases are not modelled). With `cache=False` it is only the medium that
+carries a prompt's blocks from its prefill instance to its decode instance ("no pool" in a disaggregated
+cluster): nobody looks anything up, and a block is dropped once no request in flight still needs it.
+
+`SimConnector` mirrors the engine's `KVConnector` (`serve/kv_connector.py`) decision for decision, with
+the pool calls replaced by modelled transfers:
+
+- `start_load`: a new request whose prompt blocks after its local prefix hit the pool may hold asks for
+  them in one batched get (at most the free blocks, at most the staging buffer) and waits outside the
+  scheduler until it is back; `finish_load` then registers the leading blocks found in the block manager's
+  prefix cache (`BlockManager.add_cached_block`), so the scheduler finds them like any hit;
+- `save_prompt`: once a prompt is computed, its full blocks that the connector does not know the pool to
+  hold go to the pool in one batched put (at most the staging buffer);
+- one worker runs the calls one after another, as the engine's connector thread does: a call starts when
+  the one before it is done, and takes `Simulation.transfer_time(blocks moved)` (the profile's).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from nanoforge.serve.block_manager import BlockManager
+from nanoforge.serve.sequence import Sequence, SequenceGroup
+
+KNOWN_KEYS = 1 << 16  # keys a connector remembers as saved or loaded (KVConnector._remember)
+
+
+class KVPool:
+    def __init__(self, capacity_blocks: int | None, *, cache: bool = True):
+        self.capacity = capacity_blocks  # None: unbounded
+        self.cache = cache
+        self._blocks: OrderedDict[int, int] = OrderedDict()  # key -> requests holding it (transit mode only)
+        self.counters = dict.fromkeys(("lookups", "lookup_hit_blocks", "put_blocks", "get_blocks", "got_blocks",
+                                       "evictions"), 0)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def leading(self, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` the pool holds (the conductor's lookup; touches nothing)."""
+        if not self.cache:
+            return 0
+        self.counters["lookups"] += 1
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        self.counters["lookup_hit_blocks"] += n
+        return n
+
+    def get(self, hashes: list[int]) -> int:
+        """Read `hashes`: the number of leading ones found (those are now the most recently used)."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            n += 1
+        self.counters["get_blocks"] += len(hashes)
+        self.counters["got_blocks"] += n
+        return n
+
+    def put(self, hashes: list[int]) -> None:
+        """Write `hashes` (most recently used now); evict the least recently used beyond the capacity."""
+        blocks = self._blocks
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+                blocks[h] += 1
+            else:
+                blocks[h] = 1
+        self.counters["put_blocks"] += len(hashes)
+        if self.capacity is not None:
+            while len(blocks) > self.capacity:
+                blocks.popitem(last=False)
+                self.counters["evictions"] += 1
+
+    def release(self, hashes: list[int]) -> None:
+        """Transit mode: a request no longer needs the blocks it put; drop those nobody else needs."""
+        if self.cache:
+            return
+        for h in hashes:
+            left = self._blocks.get(h)
+            if left is None:
+                continue
+            if left <= 1:
+                del self._blocks[h]
+            else:
+                self._blocks[h] = left - 1
+
+
+@dataclass(eq=False)
+class Job:
+    """One batched pool call: a get for a waiting request, or a put of a computed prompt's blocks."""
+
+    kind: str  # "get" or "put"
+    hashes: list[int]
+    group: SequenceGroup | None = None  # get: the request waiting for it
+    first: int = 0  # get: index of the first block asked for
+    found: int = 0  # get: leading blocks found
+    done: bool = False
+    on_done: list = field(default_factory=list)  # callbacks(now) once it is done
+
+
+class SimConnector:
+    """An instance's KV connector (see the module's docstring); `link` runs its jobs one at a time."""
+
+    def __init__(self, sim, pool: KVPool, bm: BlockManager, *, load: bool, save: bool,
+                 staging_blocks: int | None, on_ready):
+        self.sim, self.pool, self.bm = sim, pool, bm
+        self.on_ready = on_ready  # on_ready(now): a get is back (the instance steps if it was idle)
+        self.load_enabled, self.save_enabled = load, save
+        self.staging = staging_blocks  # None: unbounded
+        self.known: OrderedDict[int, None] = OrderedDict()
+        self.queue: deque[Job] = deque()
+        self.busy = False
+        self.busy_s = 0.0
+        self.ready: list[Job] = []  # gets that are back: the instance takes them at its next step
+        self.counters = dict.fromkeys(("loads", "loaded_blocks", "load_misses", "saves", "saved_blocks"), 0)
+
+    # --- loading (engine thread) -----------------------------------------------------------------------
+
+    def start_load(self, group: SequenceGroup, hashes: list[int]) -> bool:
+        """KVConnector.start_load: True if `group` now waits for a get of the blocks after its local prefix."""
+        if not self.load_enabled or not self.bm.enable_prefix_caching:
+            return False
+        seq = group.seqs[0]
+        first = len(self.bm.match_prefix(seq))
+        last = (seq.num_tokens - 1) // self.bm.block_size  # the last token is always computed
+        want = min(last - first, self.bm.num_free_blocks)
+        if self.staging is not None:
+            want = min(want, self.staging)
+        if want <= 0:
+            return False
+        self.counters["loads"] += 1
+        self._submit(Job("get", hashes[first:first + want], group, first))
+        return True
+
+    def finish_load(self, job: Job) -> None:
+        """KVConnector._finish_load: register the leading blocks found, as long as blocks are free."""
+        seq, bs, bm = job.group.seqs[0], self.bm.block_size, self.bm
+        hashes = seq.block_hashes
+        added = 0
+        for i in range(job.found):
+            b = job.first + i
+            if bm.add_cached_block(hashes[b], hashes[b - 1] if b else None, seq.token_ids[b * bs:(b + 1) * bs]) \
+                    is None:
+                break  # cached here already, or no free block: the rest is computed
+            added += 1
+        self._remember(job.hashes[:added])
+        self.counters["loaded_blocks"] += added
+        self.counters["load_misses"] += not added
+
+    # --- saving ------------------------------------------------------------------------------------------
+
+    def save_prompt(self, seq: Sequence) -> Job | None:
+        """KVConnector.save_prompt: a put of the prompt's full blocks not known to be in the pool, or None."""
+        if not self.save_enabled:
+            return None
+        n_full = seq.num_prompt_tokens // self.bm.block_size
+        hashes = seq.block_hashes
+        known = self.known if self.pool.cache else {}  # a transit pool forgets: every block goes each time
+        todo = [hashes[i] for i in range(n_full) if hashes[i] not in known]
+        if self.staging is not None:
+            todo = todo[:self.staging]
+        if not todo:
+            return None
+        self.counters["saves"] += 1
+        job = Job("put", todo)
+        self._submit(job)
+        return job
+
+    # --- the worker ----------------------------------------------------------------------------------------
+
+    def _submit(self, job: Job) -> None:
+        self.queue.append(job)
+        if not self.busy:
+            self._next(self.sim.clock.now)
+
+    def _next(self, now: float) -> None:
+        if not self.queue:
+            self.busy = False
+            return
+        self.busy = True
+        job = self.queue.popleft()
+        if job.kind == "get":
+            job.found = self.pool.get(job.hashes)
+            seconds = self.sim.transfer_time(job.found)
+        else:
+            seconds = self.sim.transfer_time(len(job.hashes))
+        self.busy_s += seconds
+        self.sim.clock.at(now + seconds, self._done, job)
+
+    def _done(self, now: float, job: Job) -> None:
+        job.done = True
+        if job.kind == "put":
+            self.pool.put(job.hashes)
+            self._remember(job.hashes)
+            self.counters["saved_blocks"] += len(job.hashes)
+        else:
+            self.ready.append(job)
+            self.on_ready(now)
+        for callback in job.on_done:
+            callback(now)
+        self._next(now)
+
+    def _remember(self, hashes: list[int]) -> None:
+        known = self.known
+        for h in hashes:
+            known[h] = None
+            known.move_to_end(h)
+        while len(known) > KNOWN_KEYS:
+            known.popitem(last=False)

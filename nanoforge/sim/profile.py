@@ -1,0 +1,170 @@
+"""Time models: what one engine step and one KV transfer cost, read from a profile of the real engine.
+
+A profile is a JSON file (`profiles/NAME.json`, or any path) holding small fitted forms:
+
+    prefill step   a + per_token * T + per_pair * P + decode.per_context * C_d
+                   T: tokens computed in the step (every chunk, decodes included); P: the query-key pairs that
+                   the prompt chunks attend, sum of n * (start + (n + 1) / 2) over chunks of n tokens after `start`
+                   cached or computed ones (a cached prefix costs attention, not compute); C_d: the context of
+                   the decodes batched with them
+    decode step    a + per_seq * B + per_context * C      (a step of B one-token decodes over C context tokens)
+    KV transfer    latency + per_block * n                 (one batched pool call moving n blocks)
+
+A step that holds any chunk other than a plain decode (`ScheduledSeq.is_decode`) is a prefill step: the engine
+runs those eagerly, while plain decode batches replay CUDA graphs.
+
+`frontend` holds what serving adds around the engine: `request_s`, the latency between the client and the
+server (HTTP, queueing into the engine thread, the first SSE chunk); `handover_s`, one conductor hop in a
+disaggregated cluster; and `per_token_s`, the server's own work per streamed token (the output, the
+detokenizer, the event loop, SSE or NDJSON), which runs in the engine's process, under the same GIL, and so
+lengthens every step by `per_token_s` for each chunk that samples a token. A small model on a fast GPU spends
+more of its step there than in the forward pass.
+
+`nanoforge simulate profile` measures a profile on the real engine (`measure.py`). A profile whose `status` is
+"derived" was computed from other measurements, not measured: it says how in `source`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.serve.scheduler import SchedulerOutput
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "h200-qwen3-0.6b"
+
+# what each section must hold (seconds, or counts for `engine`)
+_FIELDS = {
+    "prefill": ("a_s", "per_token_s", "per_pair_s"),
+    "decode": ("a_s", "per_seq_s", "per_context_s"),
+    "transfer": ("latency_s", "per_block_s", "block_bytes"),
+    "engine": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
+    "frontend": ("request_s", "handover_s", "per_token_s"),
+}
+_NO_FRONTEND = {"request_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0}
+
+
+@dataclass
+class Profile:
+    name: str
+    status: str  # "measured" or "derived"
+    prefill: dict
+    decode: dict
+    transfer: dict
+    engine: dict
+    frontend: dict = field(default_factory=lambda: dict(_NO_FRONTEND))
+    meta: dict = field(default_factory=dict)  # model, device, source, samples and fit residuals: kept as read
+
+    def __post_init__(self):
+        # the step-time coefficients as plain floats, for the hot path
+        self.frontend = {**_NO_FRONTEND, **self.frontend}  # every field optional
+        p, d, t = self.prefill, self.decode, self.transfer
+        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"])
+        self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
+        self._t = (t["latency_s"], t["per_block_s"])
+        self._per_output = self.frontend["per_token_s"]
+
+    # --- the models ------------------------------------------------------------------------------------
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """Seconds the serving engine takes to run `out`: the model, plus the server's work per sampled token
+        (block copies and swaps are not modelled)."""
+        tokens = pairs = batch = context = samples = 0
+        prefill = False
+        for s in out.scheduled:
+            n = s.num_tokens
+            if n == 1 and s.num_samples == 1:  # ScheduledSeq.is_decode, inlined: this runs for every token
+                batch += 1
+                context += s.start + 1
+            else:
+                prefill = True
+                tokens += n
+                pairs += n * s.start + n * (n + 1) // 2
+                samples += s.num_samples
+        served = self._per_output * (batch + samples)
+        if prefill:
+            a, per_token, per_pair = self._p
+            return a + per_token * (tokens + batch) + per_pair * pairs + self._d[2] * context + served
+        a, per_seq, per_context = self._d
+        return a + per_seq * batch + per_context * context + served
+
+    def prefill_time(self, tokens: int, cached: int = 0) -> float:
+        """One prompt chunk of `tokens` tokens after `cached` ones, alone in its step (and sampling at its end)."""
+        a, per_token, per_pair = self._p
+        return a + per_token * tokens + per_pair * (tokens * cached + tokens * (tokens + 1) // 2) + self._per_output
+
+    def decode_time(self, batch: int, context: int) -> float:
+        """One step of `batch` decodes over `context` tokens in all (with the server's work per token)."""
+        a, per_seq, per_context = self._d
+        return a + (per_seq + self._per_output) * batch + per_context * context
+
+    def transfer_time(self, blocks: int) -> float:
+        """One pool call moving `blocks` KV blocks (to or from the pool)."""
+        return self._t[0] + self._t[1] * blocks
+
+    # --- files -------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "status": self.status, "prefill": self.prefill, "decode": self.decode,
+                "transfer": self.transfer, "engine": self.engine, "frontend": self.frontend, **self.meta}
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "profile") -> Profile:
+        if not isinstance(d, dict):
+            raise NanoforgeError(f"{where}: a profile is a JSON object", param="profile")
+        for section, names in _FIELDS.items():
+            values = d.get(section)
+            if section == "frontend" and (values is None or isinstance(values, dict)):  # optional, field by field
+                values = {**_NO_FRONTEND, **(values or {})}
+            if not isinstance(values, dict):
+                raise NanoforgeError(f"{where}: needs a {section!r} object with {', '.join(names)}", param="profile")
+            for name in names:
+                v = values.get(name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise NanoforgeError(f"{where}: {section}.{name} must be a number >= 0, got {v!r}",
+                                         param="profile")
+            if section == "engine" and min(values[n] for n in names) < 1:
+                raise NanoforgeError(f"{where}: engine.{', engine.'.join(names)} must be >= 1", param="profile")
+        status = d.get("status", "measured")
+        if status not in ("measured", "derived"):
+            raise NanoforgeError(f"{where}: status must be 'measured' or 'derived', got {status!r}", param="profile")
+        meta = {k: v for k, v in d.items() if k not in (*_FIELDS, "name", "status")}
+        return cls(name=str(d.get("name", where)), status=status, prefill=dict(d["prefill"]),
+                   decode=dict(d["decode"]), transfer=dict(d["transfer"]), engine=dict(d["engine"]),
+                   frontend=dict(d.get("frontend") or {}), meta=meta)
+
+    @classmethod
+    def load(cls, name_or_path: str | Path | None = None) -> Profile:
+        """A profile by name (a file under `profiles/`) or path; None: the default (`DEFAULT_PROFILE`)."""
+        ref = str(name_or_path or DEFAULT_PROFILE)
+        path = Path(ref)
+        if not path.is_file():
+            path = PROFILE_DIR / f"{ref}.json"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+            raise NanoforgeError(f"no profile {ref!r}: give a JSON file's path or one of {known}", param="profile")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise NanoforgeError(f"{path}: not JSON: {e}", param="profile") from None
+        return cls.from_dict(d, str(path))
+
+
+def pool_block_bytes(kv_bytes: int, block_size: int) -> int:
+    """Bytes of one block in the KV pool: its K and V, plus the KV connector's header (magic, parent key and the
+    block's token ids, 64-byte aligned), as `serve/kv_connector.py` lays a pool object out."""
+    return kv_bytes + -(-(24 + 8 * block_size) // 64) * 64
+
+
+def profiles() -> list[str]:
+    """The names of the profiles shipped with nanoforge."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))

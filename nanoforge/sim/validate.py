@@ -1,0 +1,170 @@
+"""`nanoforge simulate validate`: the simulator's predictions against a real run of `benchmarks/gpu_disagg.sh`.
+
+    nanoforge simulate validate RUN_DIR --profile PROFILE.json [--pool-memory GIB] [--device cuda|cpu]
+
+RUN_DIR is one preset's directory of that script's output ($OUT/PRESET): one directory per configuration
+(colocated, 1p1d, 2p1d-rr, 2p1d-ca, 2p1d-ca-slo), each with `serve.json` (bench serve's summary, its settings and
+every request) and `server.log`. Each configuration is simulated on the same requests: the trace slice
+($OUT/trace.jsonl) replayed with the settings bench serve recorded (length and time scales, caps, trace block
+tokens, vocabulary and seed, so every prompt is the same token for token and hits the same blocks), on the cluster
+the script started (one GPU shared by every instance, the instances' context and KV blocks read from the log,
+`--pool-memory` GiB of pool per instance, the connector's staging buffer of the device, the same policy and
+SLOs). Printed and written as `sim_validation.json` / `.txt`: measured vs predicted TTFT p50 / p90, TPOT p50 and
+request throughput, relative errors, and whether each is within `--tolerance` (15%).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.serve.bench_serve import (
+    MOONCAKE_BLOCK_TOKENS,
+    TraceReplay,
+    Vocab,
+    read_trace,
+    summarize,
+)
+from nanoforge.sim.cluster import ClusterConfig
+from nanoforge.sim.profile import Profile
+
+# gpu_disagg.sh's configurations: (prefill, decode) or colocated, and the conductor's policy
+CONFIGS = {
+    "colocated": {"colocated": 1},
+    "1p1d": {"prefill": 1, "decode": 1, "policy": "round-robin"},
+    "2p1d-rr": {"prefill": 2, "decode": 1, "policy": "round-robin"},
+    "2p1d-ca": {"prefill": 2, "decode": 1, "policy": "cache-aware"},
+    "2p1d-ca-slo": {"prefill": 2, "decode": 1, "policy": "cache-aware", "early_reject": True},
+}
+STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default staging buffer (EngineConfig)
+METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
+           ("throughput (req/s)", "request_throughput", None))
+_INSTANCE = re.compile(r"context (\d+) tokens, (\d+) KV blocks")
+
+
+def _value(summary: dict, key: str, sub: str | None) -> float | None:
+    v = summary.get(key)
+    return v.get(sub) if sub is not None and isinstance(v, dict) else v
+
+
+def replay_of(run: dict, trace: Path) -> TraceReplay:
+    """The requests bench serve sent, from the settings it recorded in serve.json."""
+    c = run["config"]
+    if not c.get("vocab_size") or c.get("tokenizer"):
+        raise NanoforgeError("the run sent text through a tokenizer: only --vocab-size runs (random token ids) can be "
+                             "replayed token for token", param="run")
+    return TraceReplay(read_trace(trace), Vocab(c["vocab_size"]), length_scale=c.get("length_scale") or 1.0,
+                       time_scale=c.get("time_scale") if c.get("time_scale") is not None else 1.0,
+                       max_input_len=c.get("max_input_len"), max_output_len=c.get("max_output_len"),
+                       num_requests=c.get("num_requests"),
+                       block_tokens=c.get("trace_block_tokens") or MOONCAKE_BLOCK_TOKENS, seed=c.get("seed") or 0)
+
+
+def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: str) -> ClusterConfig:
+    """The cluster gpu_disagg.sh started for configuration `name`."""
+    shape = CONFIGS[name]
+    instances = [(int(a), int(b)) for a, b in _INSTANCE.findall(log)]
+    if not instances:
+        raise NanoforgeError(f"{name}/server.log names no instance's context and KV blocks", param="run")
+    c = run["config"]
+    slo = {"ttft_slo": c["slo_ttft_ms"] / 1000 if c.get("slo_ttft_ms") else None,
+           "tpot_slo": c["slo_tpot_ms"] / 1000 if c.get("slo_tpot_ms") else None}
+    disagg = "prefill" in shape
+    return ClusterConfig(**shape, **slo, pool_gib=pool_memory * len(instances) if disagg else 0.0,
+                         staging_gib=STAGING_GIB[device] if disagg else None,
+                         max_model_len=min(n for n, _ in instances), num_gpu_blocks=min(b for _, b in instances),
+                         shared_gpu=True)
+
+
+def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str, tolerance: float = 0.15,
+             configs: list[str] | None = None, progress: bool = True) -> dict:
+    from nanoforge.sim.commands import simulate
+
+    trace = run_dir.parent / "trace.jsonl"
+    rows = []
+    for name in configs or list(CONFIGS):
+        d = run_dir / name
+        if not (d / "serve.json").is_file():
+            continue
+        run = json.loads((d / "serve.json").read_text())
+        path = trace if trace.is_file() else Path(run["config"]["trace"])
+        replay = replay_of(run, path)
+        log = (d / "server.log").read_text() if (d / "server.log").is_file() else ""
+        config = cluster_of(name, run, log, pool_memory=pool_memory, device=device)
+        sim, _ = simulate(replay, config, profile, progress=progress, desc=name)
+        predicted = summarize(sim.results, sim.makespan or 1e-9, run["summary"].get("slo_ms") or {})
+        measured = run["summary"]
+        metrics = {}
+        for label, key, sub in METRICS:
+            m, p = _value(measured, key, sub), _value(predicted, key, sub)
+            err = (p - m) / m if m and p is not None else None
+            metrics[label] = {"measured": m, "predicted": p, "rel_error": err,
+                              "ok": err is not None and abs(err) <= tolerance}
+        rows.append({"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
+                     "ok": all(v["ok"] for v in metrics.values()),
+                     "measured_summary": measured, "predicted_summary": predicted})
+    if not rows:
+        raise NanoforgeError(f"{run_dir}: no configuration directory with a serve.json ({', '.join(CONFIGS)})",
+                             param="run")
+    return {"run_dir": str(run_dir), "profile": {"name": profile.name, "status": profile.status},
+            "device": device, "pool_memory_gib": pool_memory, "tolerance": tolerance, "rows": rows,
+            "ok": all(r["ok"] for r in rows)}
+
+
+def table(report: dict) -> str:
+    tol = report["tolerance"]
+    lines = [(f"simulator vs measured, {report['run_dir']} (profile {report['profile']['name']}, "
+             f"{report['profile']['status']}; pass: within {100 * tol:.0f}%)"),
+             f"{'config':<13}{'metric':<20}{'measured':>10}{'predicted':>11}{'error':>9}  pass"]
+    for r in report["rows"]:
+        for label, v in r["metrics"].items():
+            fmt = (lambda x: "-" if x is None else f"{x:.2f}")
+            err = "-" if v["rel_error"] is None else f"{100 * v['rel_error']:+.1f}%"
+            lines.append(f"{r['config']:<13}{label:<20}{fmt(v['measured']):>10}{fmt(v['predicted']):>11}{err:>9}  "
+                         f"{'yes' if v['ok'] else 'NO'}")
+    passed = sum(v["ok"] for r in report["rows"] for v in r["metrics"].values())
+    total = sum(len(r["metrics"]) for r in report["rows"])
+    lines.append(f"{passed} of {total} within {100 * tol:.0f}%")
+    return "\n".join(lines)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+def add_cli_arguments(p) -> None:
+    from nanoforge.sim.profile import DEFAULT_PROFILE
+
+    p.add_argument("run_dir", metavar="RUN_DIR", help="one preset's output of benchmarks/gpu_disagg.sh ($OUT/PRESET)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help="the profile measured on the same model and device")
+    p.add_argument("--pool-memory", type=float, default=8.0, metavar="GIB",
+                   help="the run's POOL_MEMORY: pool GiB per instance (gpu_disagg.sh's default: 8)")
+    p.add_argument("--device", choices=sorted(STAGING_GIB), default=None,
+                   help="the run's device (default: cuda if $OUT/gpu.txt names a GPU, else cpu)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None)
+    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--out", default=None, help="directory for sim_validation.json/.txt (default: RUN_DIR)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run_cli(args) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise NanoforgeError(f"no run directory {run_dir}", param="run_dir")
+    if not args.pool_memory > 0 or not args.tolerance > 0:
+        raise NanoforgeError(f"--pool-memory and --tolerance must be > 0, got {args.pool_memory}, {args.tolerance}",
+                             param="pool_memory")
+    device = args.device
+    if device is None:
+        gpu = run_dir.parent / "gpu.txt"
+        device = "cuda" if gpu.is_file() and gpu.read_text().strip() else "cpu"
+    report = validate(run_dir, Profile.load(args.profile), pool_memory=args.pool_memory, device=device,
+                      tolerance=args.tolerance, configs=args.configs, progress=not args.quiet)
+    text = table(report)
+    print(text)
+    out = Path(args.out) if args.out else run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim_validation.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "sim_validation.txt").write_text(text + "\n")
+    print(f"wrote {out / 'sim_validation.json'} and {out / 'sim_validation.txt'}")
+    return 0

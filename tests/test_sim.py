@@ -1,0 +1,375 @@
+"""The cluster simulator (`nanoforge simulate`) against hand-computed timelines.
+
+The profile is simple enough to compute by hand: a prefill step costs 10 ms + 1 ms per token, a decode step
+5 ms + 1 ms per sequence, a pool call 2 ms + 1 ms per 16-token block; instances hold 1,000 blocks and batch at
+most 512 tokens. Trace blocks are 64 tokens (4 KV blocks each)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from nanoforge.cli import main
+from nanoforge.errors import NanoforgeError
+from nanoforge.serve.bench_serve import TraceReplay
+from nanoforge.serve.block_manager import prefix_block_hashes
+from nanoforge.serve.sampling_params import SamplingParams
+from nanoforge.serve.scheduler import ScheduledSeq, SchedulerOutput
+from nanoforge.serve.sequence import Sequence
+from nanoforge.sim.capacity import find_capacity, parse_spec
+from nanoforge.sim.cluster import ClusterConfig, Simulation
+from nanoforge.sim.commands import ByteVocab
+from nanoforge.sim.profile import Profile
+
+SIMPLE = {
+    "name": "simple", "status": "derived",
+    "prefill": {"a_s": 0.010, "per_token_s": 0.001, "per_pair_s": 0.0},
+    "decode": {"a_s": 0.005, "per_seq_s": 0.001, "per_context_s": 0.0},
+    "transfer": {"latency_s": 0.002, "per_block_s": 0.001, "block_bytes": 1024},
+    "engine": {"num_gpu_blocks": 1000, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512},
+    "frontend": {"request_s": 0.0, "handover_s": 0.0},
+}
+
+
+def profile(**frontend) -> Profile:
+    return Profile.from_dict({**SIMPLE, "frontend": {**SIMPLE["frontend"], **frontend}})
+
+
+def row(t_ms: int, n_in: int, n_out: int, hashes: list[int]) -> dict:
+    return {"timestamp": t_ms, "input_length": n_in, "output_length": n_out, "hash_ids": hashes}
+
+
+def run(rows: list[dict], prof: Profile | None = None, **config) -> Simulation:
+    sim = Simulation(TraceReplay(rows, ByteVocab(), block_tokens=64), ClusterConfig(**config), prof or profile())
+    assert sim.run()
+    return sim
+
+
+def ms(x: float) -> float:
+    return pytest.approx(1000 * x, abs=1e-6)
+
+
+# --- time models ---------------------------------------------------------------------------------------------
+
+def test_step_time_of_prefill_decode_and_mixed_steps():
+    p = Profile.from_dict({**SIMPLE, "prefill": {"a_s": 0.01, "per_token_s": 1e-3, "per_pair_s": 1e-6},
+                           "decode": {"a_s": 0.005, "per_seq_s": 1e-4, "per_context_s": 1e-5}})
+    params = SamplingParams()
+
+    def chunk(start, n, samples=1):
+        return ScheduledSeq(Sequence(list(range(start + n)), params), start, n, samples)
+
+    # two decodes at positions 99 and 199: context 100 + 200
+    assert p.step_time(SchedulerOutput([chunk(99, 1), chunk(199, 1)])) == pytest.approx(0.005 + 2e-4 + 300e-5)
+    # a chunk of 10 tokens after 30 cached: 10 * 30 + 55 query-key pairs; the decode rides along
+    mixed = SchedulerOutput([chunk(30, 10, samples=0), chunk(99, 1)])
+    assert p.step_time(mixed) == pytest.approx(0.01 + 11e-3 + 355e-6 + 100e-5)
+    assert p.prefill_time(10, cached=30) == pytest.approx(0.01 + 10e-3 + 355e-6)
+
+
+# --- hand-computed timelines ----------------------------------------------------------------------------------
+
+def test_one_request_colocated_and_disaggregated():
+    rows = [row(0, 100, 5, [0, 1])]
+    sim = run(rows, colocated=1)
+    r = sim.results[0]
+    # TTFT: one prefill step of 100 tokens; then 4 decode steps of one sequence
+    assert (r.ttft_ms, r.tpot_ms, r.e2e_ms) == (ms(0.110), ms(0.006), ms(0.110 + 4 * 0.006))
+    assert [v.routed for v in sim.views.values()] == [1]  # one request, counted once
+
+    r = run(rows, prefill=1, decode=1).results[0]
+    # prefill 0.110, then the prompt's 6 full blocks to the pool (2 + 6 ms) before the first token is answered;
+    # decode: load the 6 blocks (8 ms), compute the last 4 prompt tokens and the first token (a 5-token chunk:
+    # 15 ms), then 3 decodes of 6 ms
+    ttft, decode = 0.110 + 0.008, 0.008 + 0.015 + 3 * 0.006
+    assert (r.ttft_ms, r.tpot_ms, r.e2e_ms) == (ms(ttft), ms(decode / 4), ms(ttft + decode))
+
+    # the front door's latency and the conductor's two hops add up where they happen
+    r = run(rows, profile(request_s=0.002, handover_s=0.001), prefill=1, decode=1).results[0]
+    assert (r.ttft_ms, r.e2e_ms) == (ms(0.002 + 0.001 + ttft), ms(0.002 + 0.001 + ttft + 0.001 + decode))
+
+    # the server's work per streamed token lengthens every step that samples: 0.5 ms per sampled token
+    r = run(rows, profile(per_token_s=0.0005), colocated=1).results[0]
+    assert (r.ttft_ms, r.tpot_ms) == (ms(0.1105), ms(0.0065))
+
+
+def test_two_requests_queue_behind_each_other():
+    # two 512-token prompts at once; the step budget is 512 tokens
+    rows = [row(0, 512, 3, list(range(8))), row(0, 512, 1, list(range(8, 16)))]
+    a, b = run(rows, colocated=1).results
+    # step 1: A's prompt (0.522); step 2: A's decode + B's first 511 tokens (a 512-token prefill step, 0.522);
+    # step 3: A's decode + B's last token: two one-token chunks, a decode step of 2 (0.007)
+    assert (a.ttft_ms, a.e2e_ms, a.tpot_ms) == (ms(0.522), ms(1.051), ms((1.051 - 0.522) / 2))
+    assert (b.ttft_ms, b.e2e_ms, b.tpot_ms) == (ms(1.051), ms(1.051), None)
+
+    # disaggregated: B's prefill waits for A's on the prefill instance; each answer waits for its 32-block save
+    rows = [row(0, 512, 1, list(range(8))), row(0, 512, 1, list(range(8, 16)))]
+    a, b = run(rows, prefill=1, decode=1).results
+    assert (a.ttft_ms, b.ttft_ms) == (ms(0.522 + 0.034), ms(2 * 0.522 + 0.034))
+
+
+def test_a_pool_hit_computes_only_the_uncached_tokens_and_pays_the_transfer():
+    # B shares A's first 3 trace blocks (192 tokens = 12 KV blocks) and goes to the other prefill instance
+    rows = [row(0, 256, 2, [0, 1, 2, 3]), row(10_000, 256, 2, [0, 1, 2, 9])]
+    sim = run(rows, prefill=2, decode=1, policy="round-robin", pool_gib=1)
+    a, b = sim.results
+    assert sim.requests[0].prefill is not sim.requests[1].prefill
+    # A: a get that finds nothing (2 ms), 256 tokens (0.266), its 16 blocks to the pool (0.018)
+    assert a.ttft_ms == ms(0.002 + 0.266 + 0.018)
+    # B: a get of 15 blocks finds A's 12 (0.014), 64 tokens after 192 cached (0.074), saves the 4 new blocks
+    # (its connector knows the 12 it loaded are there: 0.006)
+    assert b.ttft_ms == ms(0.014 + 0.074 + 0.006)
+    assert sim.requests[1].cached_tokens == 192
+    # the decode instance loads A's 16 blocks (0.018) and computes the one token after them: a decode step
+    assert a.tpot_ms == ms(0.018 + 0.006)
+    assert sim.pool_stats()["pool_hit_rate"] == pytest.approx(192 / 512)
+
+    # without a pool, B computes all of its prompt and saves all of it for its decode instance
+    sim = run(rows, prefill=2, decode=1, policy="round-robin")
+    assert sim.results[1].ttft_ms == ms(0.266 + 0.018)
+    assert sim.requests[1].cached_tokens == 0
+
+
+def test_early_rejection_when_the_predicted_ttft_is_over_the_slo():
+    # three requests teach the conductor's cost model prefill = 10 ms + 1 ms/token (exactly: no queueing);
+    # then a 2,000-token prompt is predicted at 2.01 s, over the 1 s objective, and a 500-token one at 0.51 s
+    rows = [row(0, 100, 1, [0, 1]), row(10_000, 200, 1, [2, 3, 4, 5]), row(20_000, 300, 1, list(range(6, 11))),
+            row(30_000, 2000, 1, list(range(100, 132))), row(40_000, 500, 1, list(range(200, 208)))]
+    sim = run(rows, colocated=1, ttft_slo=1.0, early_reject=True)
+    big, small = sim.results[3:]
+    assert big.error.startswith("rejected") and "2.01 s" in big.error
+    assert small.error is None and small.ttft_ms == ms(0.510)
+    assert sim.router.rejected == {"ttft": 1, "tpot": 0}
+    # without early rejection it is served, late: 4 chunks of 512, 512, 512 and 464 tokens
+    sim = run(rows, colocated=1, ttft_slo=1.0)
+    assert sim.results[3].ttft_ms == ms(3 * 0.522 + 0.474)
+
+
+def test_the_real_scheduler_preempts_when_the_cache_is_small():
+    rows = [row(0, 200, 40, [i, 100 + i, 200 + i, 300 + i]) for i in range(6)]
+    sim = run(rows, colocated=1, num_gpu_blocks=40)
+    assert all(r.ok and r.output_len == 40 for r in sim.results)
+    assert sum(i["preemptions"] for i in sim.instance_stats()) > 0
+
+
+def test_block_keys_are_the_engines():
+    rows = [row(0, 300, 2, [0, 1, 2, 3, 4])]
+    sim = run(rows, colocated=1)
+    prompt = TraceReplay(rows, ByteVocab(), block_tokens=64).request(0).prompt
+    inst = sim.instances[0]
+    assert sim.views[inst.name].cache == dict.fromkeys(prefix_block_hashes(prompt, 16, 299 // 16))
+    # what the instance's prefix cache holds after the request are exactly those blocks, verified by content
+    assert len(inst.scheduler.block_manager.match_prefix(Sequence(prompt + [7], SamplingParams()))) == 300 // 16
+
+
+# --- capacity ----------------------------------------------------------------------------------------------------
+
+def test_capacity_search_brackets_the_threshold():
+    calls = []
+
+    def probe(config, speedup):
+        calls.append(speedup)
+        return {"speedup": speedup, "ok": speedup <= 3.3, "complete": True, "slo_attainment": None}
+
+    r = find_capacity(probe, ClusterConfig(colocated=1), precision=0.05)
+    assert 3.3 / 1.05 <= r["capacity_speedup"] <= 3.3 < r["first_failing_speedup"] <= 3.3 * 1.05
+    assert calls[:3] == [1, 2, 4]
+    r = find_capacity(lambda c, s: {"speedup": s, "ok": s <= 0.3, "complete": True}, ClusterConfig(colocated=1))
+    assert 0.3 / 1.05 <= r["capacity_speedup"] <= 0.3
+
+
+def test_configuration_specs():
+    base = ClusterConfig(colocated=1, ttft_slo=1, tpot_slo=0.1, pool_gib=0)
+    c = parse_spec("4+4:pool=800,reject,policy=round-robin", base)
+    assert (c.prefill, c.decode, c.colocated, c.pool_gib, c.early_reject, c.policy) == \
+        (4, 4, 0, 800, True, "round-robin")
+    assert parse_spec("8", base).colocated == 8
+    for bad in ("4+", "x", "8:pool", "8:fast", "0+4"):
+        with pytest.raises(NanoforgeError):
+            parse_spec(bad, base)
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+
+def write_trace(path, n=40, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    rows = [row(int(i * 150), rng.randint(100, 900), rng.randint(1, 30),
+                [rng.randrange(6) if j == 0 else rng.randrange(10**6) for j in range(14)]) for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_cli_runs_colocated_and_disaggregated_deterministically(tmp_path, capsys):
+    trace = write_trace(tmp_path / "t.jsonl")
+    prof = tmp_path / "simple.json"
+    prof.write_text(json.dumps(SIMPLE))
+    base = ["simulate", "--trace", str(trace), "--profile", str(prof), "--trace-block-tokens", "64",
+            "--ttft-slo", "1", "--tpot-slo", "0.05", "--quiet"]
+    runs = {}
+    for name, extra in (("colocated", ["--colocated", "2"]), ("disagg", ["--prefill", "1", "--decode", "1",
+                                                                           "--pool-gib", "1"]),
+                        ("again", ["--prefill", "1", "--decode", "1", "--pool-gib", "1"]),
+                        ("random", ["--prefill", "2", "--decode", "2", "--policy", "random", "--seed", "3"]),
+                        ("random-again", ["--prefill", "2", "--decode", "2", "--policy", "random", "--seed", "3"]),
+                        ("random-other", ["--prefill", "2", "--decode", "2", "--policy", "random", "--seed", "4"])):
+        assert main([*base, *extra, "--out", str(tmp_path / name)]) == 0
+        runs[name] = (tmp_path / name / "sim.json").read_text()
+        assert (tmp_path / name / "sim_cdf.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "colocated 2 (cache-aware, no pool)" in out and "1P+1D (cache-aware, pool 1 GiB)" in out
+    assert "goodput" in out and "prefill0" in out and "decode0" in out and "both1" in out
+    assert runs["disagg"] == runs["again"] and runs["random"] == runs["random-again"]
+    assert runs["random"] != runs["random-other"]
+    report = json.loads(runs["disagg"])
+    assert report["summary"]["completed"] == 40 and report["complete"]
+    assert len(report["requests"]) == 40 and report["profile"] == {"name": "simple", "status": "derived"}
+
+
+def test_cli_capacity_and_sweep(tmp_path, capsys):
+    trace = write_trace(tmp_path / "t.jsonl", n=20)
+    prof = tmp_path / "simple.json"
+    prof.write_text(json.dumps(SIMPLE))
+    base = ["--trace", str(trace), "--profile", str(prof), "--trace-block-tokens", "64", "--ttft-slo", "1",
+            "--tpot-slo", "0.05", "--quiet", "--precision", "0.25"]
+    assert main(["simulate", "capacity", *base, "--configs", "2", "1+1:pool=1", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "capacity.json").read_text())["results"]
+    for r in results:  # the bracket: the capacity met the target, the next probe up did not
+        ok = next(p for p in r["probes"] if p["speedup"] == r["capacity_speedup"])
+        bad = next(p for p in r["probes"] if p["speedup"] == r["first_failing_speedup"])
+        assert ok["ok"] and ok["slo_attainment"] >= 0.9 and not bad["ok"]
+        assert r["first_failing_speedup"] / r["capacity_speedup"] <= 1.25
+    assert (tmp_path / "capacity.png").stat().st_size > 0
+    assert main(["simulate", "sweep", *base, "--gpus", "3", "--out", str(tmp_path)]) == 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["label"].split()[0] for r in sweep["results"]] == ["1P+2D", "2P+1D"]
+    assert "best split for 3 GPUs" in capsys.readouterr().out and (tmp_path / "sweep.png").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--colocated", "1"], "give --trace FILE"),
+    (["simulate", "--trace", "missing.jsonl", "--colocated", "1"], "trace file not found"),
+    (["simulate", "--trace", "{trace}", "--prefill", "2"], "--prefill >= 1 and --decode >= 1"),
+    (["simulate", "--trace", "{trace}", "--colocated", "1", "--prefill", "1", "--decode", "1"], "either"),
+    (["simulate", "--trace", "{trace}", "--colocated", "1", "--profile", "nope"], "no profile 'nope'"),
+    (["simulate", "--trace", "{trace}", "--colocated", "1", "--profile", "{bad_profile}"], "decode.per_seq_s"),
+    (["simulate", "--trace", "{trace}", "--colocated", "1", "--speedup", "0"], "--speedup"),
+    (["simulate", "--trace", "{trace}", "--colocated", "1", "--early-reject"], "--early-reject needs"),
+    (["simulate", "capacity", "--trace", "{trace}", "--colocated", "1"], "both SLOs"),
+    (["simulate", "capacity", "--trace", "{trace}", "--ttft-slo", "1", "--tpot-slo", "1", "--configs", "4+"],
+     "a configuration is"),
+    (["simulate", "sweep", "--trace", "{trace}", "--ttft-slo", "1", "--tpot-slo", "1", "--gpus", "1"], "--gpus"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    trace = write_trace(tmp_path / "t.jsonl", n=3)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**SIMPLE, "decode": {**SIMPLE["decode"], "per_seq_s": -1}}))
+    argv = [a.format(trace=trace, bad_profile=bad) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nanoforge simulate: error:") and message in err, err
+
+
+def test_bad_input_from_the_shell(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "nanoforge", "simulate", "--trace", "missing.jsonl", "--colocated",
+                           "1"], capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr == "nanoforge simulate: error: trace file not found: missing.jsonl\n"
+
+
+def test_profile_measured_on_the_cpu_engine(tmp_path):
+    from test_serve_api import one_torch_thread
+
+    out = tmp_path / "tiny.json"
+    with one_torch_thread():
+        assert main(["simulate", "profile", "--model-preset", "tiny-qwen3", "--max-model-len", "512", "--quick",
+                     "--repeats", "1", "--out", str(out)]) == 0
+    p = Profile.load(out)
+    assert p.status == "measured" and p.engine["max_num_batched_tokens"] == 8192 and not p.transfer["measured"]
+    samples = p.meta["samples"]
+    assert len(samples["prefill"]) == 6 and len(samples["decode"]) == 6
+    # the fitted forms reproduce what they were fitted to (a CPU is noisy: loosely)
+    for s in samples["decode"]:
+        assert p.decode_time(s["batch"], s["context"]) == pytest.approx(s["seconds"], rel=0.6)
+    assert math.isfinite(p.step_time(SchedulerOutput()))
+
+
+def test_profile_budget_leaves_out_the_most_expensive_points():
+    from nanoforge.model.config import preset
+    from nanoforge.model.transformer import Transformer
+    from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
+    from nanoforge.sim.measure import decode_points, measure_steps, prefill_points
+
+    engine = LLMEngine(Transformer(preset("tiny-qwen3")).eval(), None,
+                       EngineConfig(num_gpu_blocks=64, max_model_len=128, device="cpu", dtype="float32"))
+    cfg = engine.scheduler.config
+    points = prefill_points(cfg, (16, 64, 256), (0, 32, 100))
+    # 256 tokens and 100 cached (not a block multiple) never fit; the rest cheapest first
+    assert points == [(16, 0), (64, 0), (16, 32), (64, 32)]
+    # 16 sequences of 64 + 6 tokens need 80 blocks of the 64
+    assert decode_points(cfg, (1, 4, 16), (32, 64)) == [(1, 32), (1, 64), (4, 32), (4, 64), (16, 32)]
+    prefill, decode, skipped = measure_steps(engine, prefill_tokens=(16,), prefill_cached=(0,), decode_batch=(1,),
+                                             decode_context=(32,), budget_s=1e-9)
+    assert (prefill, decode, skipped) == ([], [], {"prefill": [[16, 0]], "decode": [[1, 32]]})
+
+
+def test_validate_replays_the_runs_requests(tmp_path):
+    """A run directory laid out as gpu_disagg.sh writes it, whose 'measurements' are a simulation of the same
+    cluster on the workload bench serve's recorded settings describe: validation predicts them exactly (a setting
+    read wrongly, e.g. the time scale, would not)."""
+    import dataclasses
+
+    from nanoforge.serve.bench_serve import summarize
+    from nanoforge.sim.validate import cluster_of, table, validate
+
+    trace = write_trace(tmp_path / "trace.jsonl", n=30)
+    settings = {"trace": str(trace), "length_scale": 0.5, "time_scale": 0.3, "max_input_len": 400,
+                "max_output_len": 12, "trace_block_tokens": 128, "vocab_size": 1000, "seed": 5, "tokenizer": None,
+                "num_requests": None, "slo_ttft_ms": 500.0, "slo_tpot_ms": 30.0}
+    replay = TraceReplay(json_rows(trace), ByteVocab(), length_scale=0.5, time_scale=0.3, max_input_len=400,
+                         max_output_len=12, block_tokens=128, seed=5)
+    for name, n in (("colocated", 1), ("2p1d-ca-slo", 3)):
+        log = "".join("nanoforge serve: m at http://127.0.0.1:1 (context 512 tokens, 300 KV blocks)\n"
+                      for _ in range(n))
+        config = cluster_of(name, {"config": settings}, log, pool_memory=0.01, device="cpu")
+        assert (config.max_model_len, config.num_gpu_blocks, config.shared_gpu) == (512, 300, True)
+        sim = Simulation(replay, dataclasses.replace(config), profile())
+        sim.run()
+        slo = {"ttft": 500.0, "tpot": 30.0}
+        d = tmp_path / "run" / name
+        d.mkdir(parents=True)
+        (d / "server.log").write_text(log)
+        (d / "serve.json").write_text(json.dumps({"config": settings, "summary": summarize(sim.results, sim.makespan,
+                                                                                            slo)}))
+    report = validate(tmp_path / "run", profile(), pool_memory=0.01, device="cpu", progress=False)
+    assert [r["config"] for r in report["rows"]] == ["colocated", "2p1d-ca-slo"] and report["ok"]
+    for r in report["rows"]:
+        for v in r["metrics"].values():
+            assert v["rel_error"] == pytest.approx(0, abs=1e-9)
+    assert "8 of 8 within 15%" in table(report)
+    # a different time scale is a different workload: the check would see it
+    settings["time_scale"] = 0.1
+    for name in ("colocated", "2p1d-ca-slo"):
+        path = tmp_path / "run" / name / "serve.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "config": settings}))
+    assert not validate(tmp_path / "run", profile(), pool_memory=0.01, device="cpu", progress=False)["ok"]
+
+
+def json_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_early_rejection_on_tpot_never_locks_an_idle_cluster_out():
+    # long prompts with 2-4 output tokens first: their TPOT is mostly the KV load from the pool, so the conductor's
+    # cost model predicts a TPOT over the objective for everything after them; an idle decode instance still takes
+    # requests, and the model learns from them (it used to reject all of them, for good)
+    rows = [row(i * 1000, 2000, 2, list(range(100 * i, 100 * i + 32))) for i in range(3)]
+    rows += [row(10_000 + i * 1000, 100, 20, [1000 + i, 2000 + i]) for i in range(10)]
+    sim = run(rows, profile(), prefill=1, decode=1, tpot_slo=0.01, early_reject=True)
+    assert sim.router.decode_fit.predict(1) > 0.01  # what it predicts for a lone request: over the objective
+    assert all(r.error is None for r in sim.results) and sim.router.rejected["tpot"] == 0
+    assert sim.router.decode_fit.n == 13  # and it kept learning from every request
