@@ -58,7 +58,7 @@ class FakeRunner:
         for item in out.scheduled:
             seq, table = item.seq, item.block_table
             assert seq.status is SequenceStatus.RUNNING
-            assert item.start == seq.num_computed_tokens and 1 <= item.num_tokens
+            assert item.end == seq.num_computed_tokens and 1 <= item.num_tokens  # schedule() counts it computed
             assert item.end <= seq.num_tokens <= self.s.config.max_model_len
             # sample exactly when the chunk reaches the last known token
             assert (item.num_samples >= 1) == (item.end == seq.num_tokens)
@@ -70,7 +70,9 @@ class FakeRunner:
             for p, slot in zip(range(item.start, item.end), slots):
                 block = table[p // bs]
                 assert slot == block * bs + p % bs
-                assert bm.ref_counts[block] == 1, "write into a shared block: copy-on-write missing"
+                # (the chunk that forks n > 1 completions writes the prompt they share: forks happen at schedule())
+                shared_ok = item.num_samples > 1 and bm.ref_counts[block] <= item.num_samples
+                assert bm.ref_counts[block] == 1 or shared_ok, "write into a shared block: copy-on-write missing"
                 assert slot not in written
                 written.add(slot)
                 self.kv.setdefault(block, [None] * bs)[p % bs] = seq.token_ids[p]

@@ -145,8 +145,9 @@ class ScheduledSeq:
     num_tokens: int
     # 0: a prefill chunk that does not end the prompt, nothing to sample;
     # 1: sample the next token from the last position's logits;
-    # n > 1: the prefill of an n-completion request ends here: sample n tokens (update() forks)
+    # n > 1: the prefill of an n-completion request ends here: sample n tokens (schedule() forks)
     num_samples: int
+    targets: list[Sequence] = field(default_factory=list)  # the sequences the samples go to: seq, then its forks
 
     @property
     def end(self) -> int:
@@ -297,10 +298,10 @@ class Scheduler:
         finished = []
         for item in output.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted, or stopped by the engine, after schedule()
-            seq.num_computed_tokens += item.num_tokens
-            bm.cache_computed_blocks(seq)
+            if seq.is_finished:
+                continue  # aborted, or stopped by the engine or by its previous token, after schedule()
+            if seq.status is SequenceStatus.RUNNING:  # (not preempted by a later schedule())
+                bm.cache_computed_blocks(seq, item.end)
             self._counters["computed_tokens"] += item.num_tokens
             scored = seq.prompt_logprobs
             if scored is not None and len(scored) < seq.num_prompt_tokens and item.start > len(scored) - 1:
@@ -313,7 +314,7 @@ class Scheduler:
                                        f"{item.scored_positions}, got {entries!r:.200}")
                 seq.prompt_logprobs.extend(entries)
             if not item.num_samples:
-                if seq.num_computed_tokens == seq.num_tokens:  # max_tokens=0: the prompt is all it asked for
+                if item.end == seq.num_tokens:  # max_tokens=0: the prompt is all it asked for
                     self._finish_seq(seq, "length")
                     finished.append(self._retire(self._groups[seq.request_id]))
                 continue
@@ -323,14 +324,11 @@ class Scheduler:
                 raise RuntimeError(f"update(): sequence {seq.seq_id} needs {item.num_samples} sampled token(s), "
                                    f"got {tokens!r}")
             group = self._groups[seq.request_id]
-            targets = [seq]
-            for _ in range(item.num_samples - 1):  # n > 1: fork at the end of the prefill
-                child = seq.fork(index=len(group.seqs))
-                bm.fork(seq, child)
-                group.seqs.append(child)
-                targets.append(child)
             seq_logprobs = logprobs.get(seq.seq_id) if logprobs else None
-            for i, (target, token) in enumerate(zip(targets, tokens)):
+            for i, (target, token) in enumerate(zip(item.targets, tokens)):
+                if target.is_finished:
+                    continue
+                target.num_pending -= 1
                 target.append_token(token, seq_logprobs[i] if seq_logprobs else None)
                 reason = check_stop(target, self.config.eos_token_ids, self.config.max_model_len)
                 if reason:
@@ -434,12 +432,18 @@ class Scheduler:
         for seq in group.seqs:
             if seq.is_finished:
                 continue
+            if seq.num_pending:  # its last token is still on the device
+                if self._ends_by_length(seq):
+                    continue  # that token is its last one: nothing more to compute
+                if seq.num_computed_tokens != seq.num_tokens:  # preempted meanwhile: recompute once it is known
+                    complete = False
+                    continue
             fresh = seq.num_computed_tokens == 0
             if fresh and sibling_prefilling and bm.enable_prefix_caching:
                 continue  # prefill after the sibling, reusing its cached prompt blocks
             prefix = self._cached_prefix(seq) if fresh else []
             start = len(prefix) * bs if fresh else seq.num_computed_tokens
-            remaining = seq.num_tokens - start
+            remaining = seq.num_tokens + seq.num_pending - start
             sibling_prefilling |= remaining > 1
             n = min(remaining, tokens_available)
             if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
@@ -448,6 +452,12 @@ class Scheduler:
             plan.append(_Chunk(seq, prefix, n))
             tokens_available -= n
         return plan, complete
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token still on the device ends `seq` by its length (max_tokens or the context)."""
+        total = seq.num_tokens + seq.num_pending
+        return seq.num_output_tokens + seq.num_pending >= seq.sampling_params.max_tokens or \
+            total >= self.config.max_model_len
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The prefix-cache blocks a sequence that holds no KV starts from. Prompt logprobs come from the logits
@@ -477,11 +487,28 @@ class Scheduler:
         for c in plan:
             seq = c.seq
             out.blocks_to_copy.extend(bm.append_slots(seq, c.num_tokens))
-            ends_prompt = seq.num_computed_tokens + c.num_tokens == seq.num_tokens
+            ends_prompt = seq.num_computed_tokens + c.num_tokens == seq.num_tokens + seq.num_pending
             samples = (group.sampling_params.n if group.fork_pending else 1) if group.sampling_params.max_tokens else 0
-            num_samples = samples if ends_prompt else 0
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, c.num_tokens, num_samples))
+            item = ScheduledSeq(seq, seq.num_computed_tokens, c.num_tokens, samples if ends_prompt else 0)
+            out.scheduled.append(item)
+            self._advance(group, item)
         return sum(c.num_tokens for c in plan)
+
+    def _advance(self, group: SequenceGroup, item: ScheduledSeq) -> None:
+        """Count a scheduled chunk as computed and its samples as pending (the next schedule() may run before
+        update() reads them): forks an n > 1 request's children here, each waiting for its own sample."""
+        seq = item.seq
+        seq.num_computed_tokens = item.end
+        if not item.num_samples:
+            return
+        item.targets.append(seq)
+        for _ in range(item.num_samples - 1):  # n > 1: fork at the end of the prefill
+            child = seq.fork(index=len(group.seqs))
+            self.block_manager.fork(seq, child)
+            group.seqs.append(child)
+            item.targets.append(child)
+        for target in item.targets:
+            target.num_pending += 1
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -521,6 +548,7 @@ class Scheduler:
             self.block_manager.free_swapped(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending = 0  # a token still on the device is dropped
 
     def _retire(self, group: SequenceGroup) -> SequenceGroup:
         """Take a finished group out of its queue and out of the scheduler."""
