@@ -224,6 +224,7 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished group, by request id
         self._arrival_order = itertools.count()
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
+        self._decoding: list[Sequence] = []  # the last full pass's decodes, when it decoded every running sequence
         self._counters = dict.fromkeys(
             ("steps", "computed_tokens", "prompt_tokens", "cached_prompt_tokens", "preemptions", "swap_outs",
              "swap_ins", "blocks_swapped_out", "blocks_swapped_in", "blocks_copied"), 0)
@@ -269,14 +270,17 @@ class Scheduler:
     # ---- one step -------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        tokens_left = self.config.max_num_batched_tokens
-        tokens_left, blocked = self._schedule_running(out, tokens_left)
-        if not blocked:
-            seqs_left = self.config.max_num_seqs - sum(g.num_reserved_seqs for g in self.running)
-            tokens_left, seqs_left, blocked = self._schedule_swapped(out, tokens_left, seqs_left)
+        out = self._repeat_decodes()
+        if out is None:
+            out = SchedulerOutput()
+            tokens_left = self.config.max_num_batched_tokens
+            tokens_left, blocked = self._schedule_running(out, tokens_left)
             if not blocked:
-                self._schedule_waiting(out, tokens_left, seqs_left)
+                seqs_left = self.config.max_num_seqs - sum(g.num_reserved_seqs for g in self.running)
+                tokens_left, seqs_left, blocked = self._schedule_swapped(out, tokens_left, seqs_left)
+                if not blocked:
+                    self._schedule_waiting(out, tokens_left, seqs_left)
+            self._decoding = self._decodes_of_all_running(out)
         self._counters["blocks_copied"] += len(out.blocks_to_copy)
         self._counters["blocks_swapped_out"] += len(out.blocks_to_swap_out)
         self._counters["blocks_swapped_in"] += len(out.blocks_to_swap_in)
@@ -338,6 +342,47 @@ class Scheduler:
         if output.scheduled:
             self._counters["steps"] += 1
         return finished
+
+    # ---- the decode fast path --------------------------------------------
+
+    def _decodes_of_all_running(self, out: SchedulerOutput) -> list[Sequence]:
+        """The sequences of `out` if it is one plain decode of every running sequence and nothing else."""
+        if out.finished or out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out or \
+                not all(item.is_decode for item in out.scheduled):
+            return []
+        if len(out.scheduled) != sum(len(g.unfinished_seqs()) for g in self.running):
+            return []
+        return [item.seq for item in out.scheduled]
+
+    def _repeat_decodes(self) -> SchedulerOutput | None:
+        """The last step's decodes again, or None: the full pass is needed. Valid, and what the full pass would
+        build, when the last step decoded every running sequence, nobody has joined (nothing waits or is
+        swapped out) or left since, no write needs a copy-on-write, and the new blocks (one for each sequence
+        whose next token starts a block) are free."""
+        seqs = self._decoding
+        if not seqs or self.waiting or self.swapped:
+            return None
+        bm, bs = self.block_manager, self.config.block_size
+        new_blocks = 0
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens + seq.num_pending - start != 1 or \
+                    (seq.num_pending and self._ends_by_length(seq)):
+                return None
+            if not start % bs:
+                new_blocks += 1
+            elif bm.ref_counts[seq.block_table[start // bs]] != 1:
+                return None
+        if new_blocks > bm.num_free_blocks:
+            return None
+        out = SchedulerOutput()
+        for seq in seqs:
+            if not seq.num_computed_tokens % bs:
+                bm.append_slots(seq, 1)
+            item = ScheduledSeq(seq, seq.num_computed_tokens, 1, 1)
+            out.scheduled.append(item)
+            self._advance(item)
+        return out
 
     # ---- the three queues ------------------------------------------------
 
@@ -491,10 +536,10 @@ class Scheduler:
             samples = (group.sampling_params.n if group.fork_pending else 1) if group.sampling_params.max_tokens else 0
             item = ScheduledSeq(seq, seq.num_computed_tokens, c.num_tokens, samples if ends_prompt else 0)
             out.scheduled.append(item)
-            self._advance(group, item)
+            self._advance(item)
         return sum(c.num_tokens for c in plan)
 
-    def _advance(self, group: SequenceGroup, item: ScheduledSeq) -> None:
+    def _advance(self, item: ScheduledSeq) -> None:
         """Count a scheduled chunk as computed and its samples as pending (the next schedule() may run before
         update() reads them): forks an n > 1 request's children here, each waiting for its own sample."""
         seq = item.seq
@@ -502,6 +547,7 @@ class Scheduler:
         if not item.num_samples:
             return
         item.targets.append(seq)
+        group = self._groups[seq.request_id]
         for _ in range(item.num_samples - 1):  # n > 1: fork at the end of the prefill
             child = seq.fork(index=len(group.seqs))
             self.block_manager.fork(seq, child)
