@@ -3,10 +3,14 @@
     add_request() -> Scheduler.add()          validate, queue (with a KV connector: look in the pool first)
     step():  KVConnector.ready_loads()        requests whose pool blocks are now in the prefix cache: queue them
              Scheduler.schedule()             which chunks run now (continuous batching)
-             ModelRunner.execute()            block ops, one forward over all chunks, sampling, logprobs
-             KVConnector.save_prompt()        prompts computed in this step: their blocks to the pool
+             ModelRunner.launch()             block ops, one forward over all chunks, sampling (not waited for)
+             ModelRunner.collect()            this step's tokens, or with async scheduling the step before's
+             KVConnector.save_prompt()        prompts computed in that step: their blocks to the pool
              Scheduler.update()               append tokens, check stops, free finished blocks
              detokenize, check stop strings   build RequestOutputs
+
+With asynchronous scheduling (`EngineConfig.async_scheduling`, default on a GPU) one step stays in flight:
+the host schedules and launches step n + 1 while the device runs step n, then reads step n's tokens back.
     abort()  -> Scheduler.abort()             free blocks at once
 
 The HTTP server drives the same object from a background loop; `LLM`

@@ -11,7 +11,8 @@ For each step it
    and attends through the block tables (`nanoforge.kernels.paged_attention`: Triton on a GPU, the PyTorch
    reference on the CPU);
 4. computes logits only at the positions that sample, and samples each with its own request's settings
-   (`nanoforge.model.sampling`);
+   (`nanoforge.model.sampling`), into a device buffer that the next step reads a still-pending token from
+   and that is copied to pinned memory as the step ends (`launch` returns then; `collect` waits for it);
 5. where a request asked for them, turns logits into logprobs (fp32 log-softmax, top k; one routine,
    `logprob_entries`): of each sampled token, and of each prompt token at the chunk's `scored_positions`
    (prompt logprobs, projected onto the vocabulary a slice of rows at a time).

@@ -1,7 +1,12 @@
 """Continuous batching: which sequences compute which tokens in the next step.
 
 Each step the engine calls `schedule()`, runs the model on the chunks it
-returns, and reports the sampled tokens with `update()`. Sequences join and
+returns, and reports the sampled tokens with `update()`. `schedule()` counts
+the chunks as computed and their samples as pending (`Sequence.num_pending`)
+at once, so with asynchronous scheduling the next `schedule()` may run before
+this step's `update()`: it plans a one-token decode over each pending token,
+whose id the runner takes from the device. A sequence that stops at step n
+after being scheduled in step n + 1 simply has that chunk ignored by `update()`. Sequences join and
 leave the batch at every step (continuous batching), within two budgets: at
 most `max_num_batched_tokens` tokens and `max_num_seqs` sequences.
 
@@ -42,8 +47,13 @@ appends them to the sequence. A `max_tokens=0` request samples nothing: it
 finishes ("length") in the step that computes the end of its prompt.
 
 Parallel sampling (n > 1): the group's one sequence prefills; its last chunk
-is scheduled with `num_samples = n`; `update()` forks n - 1 children sharing
-its blocks and appends one of the n sampled tokens to each.
+is scheduled with `num_samples = n`, and `schedule()` forks n - 1 children
+sharing its blocks (`ScheduledSeq.targets`); `update()` appends one of the n
+sampled tokens to each.
+
+Decode fast path: when the last full pass decoded every running sequence and
+nobody has joined or left since, `schedule()` repeats those decodes without
+planning (`_repeat_decodes`), which is what the full pass would build.
 
 The runner executes a `SchedulerOutput` as: swap-outs, swap-ins, copies (all
 before the forward pass, in that order), then the forward pass over
