@@ -8,10 +8,10 @@
              KVConnector.save_prompt()        prompts computed in that step: their blocks to the pool
              Scheduler.update()               append tokens, check stops, free finished blocks
              detokenize, check stop strings   build RequestOutputs
+    abort()  -> Scheduler.abort()             free blocks at once
 
 With asynchronous scheduling (`EngineConfig.async_scheduling`, default on a GPU) one step stays in flight:
 the host schedules and launches step n + 1 while the device runs step n, then reads step n's tokens back.
-    abort()  -> Scheduler.abort()             free blocks at once
 
 The HTTP server drives the same object from a background loop; `LLM`
 (serve/llm.py) drives it to completion for offline batches. Given a KV pool

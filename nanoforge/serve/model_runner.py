@@ -288,10 +288,6 @@ class ModelRunner:
             self.profiler.waited(time.perf_counter() - t0)
         return *self._outputs(done.samples, tokens, done.logits), prompt_logprobs
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, list], dict[int, list]]:
-        """Run one step and wait for it: `collect(launch(out))`."""
-        return self.collect(self.launch(out))
-
     @torch.inference_mode()
     def run(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The device's part of a step: upload, block operations, the forward pass and, on the first rank,
