@@ -188,3 +188,19 @@ def test_default_and_unsupported_combinations():
     assert check_async_scheduling(EngineConfig(), torch.device("cuda"), object()) is False
     with pytest.raises(Exception, match="tensor parallelism"):
         check_async_scheduling(EngineConfig(async_scheduling=True, tensor_parallel_size=2), torch.device("cuda"), None)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprobs_of_scattered_rows_are_each_requests_own(tok, model, async_scheduling):
+    """Rows 1 and 3 of 4 ask for logprobs (the runner keeps the span of rows 1-3 past the step): each gets
+    the entries it gets alone."""
+    ps = prompts(4, random.Random(3))
+    lp = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    batch = LLM(model, tok, num_gpu_blocks=100, async_scheduling=async_scheduling).generate(ps, [plain, lp, plain, lp])
+    for i in (1, 3):
+        alone = LLM(model, tok, num_gpu_blocks=100).generate([ps[i]], lp)[0].outputs[0].logprobs
+        got = batch[i].outputs[0].logprobs
+        assert [e["token_id"] for e in got] == [e["token_id"] for e in alone]
+        assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in alone], abs=1e-5)
+    assert batch[0].outputs[0].logprobs is None

@@ -91,7 +91,8 @@ class Launched:
     num_samples: int
     hidden: torch.Tensor | None  # kept for the prompt logprobs
     tokens: torch.Tensor | None = None  # host copy of the sampled tokens, complete once `event` has passed
-    logits: torch.Tensor | None = None  # the logits of the rows that asked for logprobs
+    logits: torch.Tensor | None = None  # the logits of the sampled rows from the first to the last that asked
+    # for logprobs (a slice, no index tensor to upload: that would wait for the device)
     event: torch.cuda.Event | None = None
 
 
@@ -262,8 +263,8 @@ class ModelRunner:
             self._turn ^= 1
             done.tokens = self._host_tokens[self._turn][:n]
             done.tokens.copy_(self.sampled[:n], non_blocking=True)  # before the next step samples over them
-            if samples.logprob_rows:  # (a graph's logits buffer is the next step's too)
-                done.logits = logits[torch.tensor(samples.logprob_rows, device=self.device)]
+            if samples.logprob_rows:  # a copy of the rows' span: a graph's logits buffer is the next step's too
+                done.logits = logits[samples.logprob_rows[0]:samples.logprob_rows[-1] + 1].clone()
             if self.device.type == "cuda":
                 done.event = torch.cuda.Event()
                 done.event.record()
@@ -336,7 +337,7 @@ class ModelRunner:
             sampled.setdefault(seq.seq_id, []).append(tok)
         if samples.logprob_rows:
             rows = samples.logprob_rows
-            entries = logprob_entries(logits, [tokens[i] for i in rows],
+            entries = logprob_entries(logits[[i - rows[0] for i in rows]], [tokens[i] for i in rows],
                                       [samples.seqs[i][0].sampling_params.logprobs for i in rows])
             for i, entry in zip(rows, entries):
                 logprobs.setdefault(samples.seqs[i][0].seq_id, []).append(entry)
