@@ -46,11 +46,19 @@ def summary(outs) -> list:
 
 
 def run(model, tok, ps, params, async_scheduling: bool, **kw):
-    """Generate with one engine; check every block came back; return the outputs and the number of tokens
-    that were sampled for a sequence already finished (discarded: the lag's extra step)."""
+    """Generate with one engine; check every block came back; return the outputs, the number of tokens
+    that were sampled for a sequence already finished (discarded: the lag's extra step) and the LLM, whose
+    `pending_preemptions` counts the groups preempted while a token of theirs was still on the device."""
     llm = LLM(model, tok, async_scheduling=async_scheduling, **kw)
     discarded = []
-    update = llm.engine.scheduler.update
+    update, preempt = llm.engine.scheduler.update, llm.engine.scheduler._preempt
+    llm.pending_preemptions = 0
+
+    def counting_preempt(group, out):
+        llm.pending_preemptions += any(q.num_pending for q in group.unfinished_seqs())
+        return preempt(group, out)
+
+    llm.engine.scheduler._preempt = counting_preempt
 
     def counting_update(out, *a, **k):
         discarded.append(sum(i.num_samples for i in out.scheduled if i.seq.is_finished))
@@ -90,6 +98,7 @@ def test_exact_under_preemption_chunked_prefill_and_prefix_cache(tok, model, mod
     assert [o.outputs[0].token_ids for o in out] == reference(model, ps, 24)
     stats = llm.engine.stats()
     assert stats["preemptions"] > 0 and stats["cached_prompt_tokens"] > 0
+    assert llm.pending_preemptions > 0  # preempted with its last token still to come from the device
     if mode == "swap":
         assert stats["blocks_swapped_out"] > 0
 
