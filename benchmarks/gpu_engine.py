@@ -210,7 +210,8 @@ def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dic
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # warm up
         drain(engine)
         rid = engine.add_request(prompt, greedy)
-        engine.step()  # the prefill and the first token
+        while not engine.step():  # the prefill and the first token (async scheduling reads it a step later)
+            pass
         sync(dev)
         t0 = time.perf_counter()
         outs = engine.step()

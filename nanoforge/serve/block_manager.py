@@ -207,12 +207,13 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the full blocks of `seq` that the runner has now computed, unless their key is already cached."""
+    def cache_computed_blocks(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register the full blocks of `seq` that the runner has now computed (its first `upto` tokens, when a
+        later step is already scheduled), unless their key is already cached."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        num_full = min(seq.num_computed_tokens, seq.num_tokens if upto is None else upto) // bs
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self._block_hashes(seq, num_full)

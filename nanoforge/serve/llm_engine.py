@@ -3,11 +3,15 @@
     add_request() -> Scheduler.add()          validate, queue (with a KV connector: look in the pool first)
     step():  KVConnector.ready_loads()        requests whose pool blocks are now in the prefix cache: queue them
              Scheduler.schedule()             which chunks run now (continuous batching)
-             ModelRunner.execute()            block ops, one forward over all chunks, sampling, logprobs
-             KVConnector.save_prompt()        prompts computed in this step: their blocks to the pool
+             ModelRunner.launch()             block ops, one forward over all chunks, sampling (not waited for)
+             ModelRunner.collect()            this step's tokens, or with async scheduling the step before's
+             KVConnector.save_prompt()        prompts computed in that step: their blocks to the pool
              Scheduler.update()               append tokens, check stops, free finished blocks
              detokenize, check stop strings   build RequestOutputs
     abort()  -> Scheduler.abort()             free blocks at once
+
+With asynchronous scheduling (`EngineConfig.async_scheduling`, default on a GPU) one step stays in flight:
+the host schedules and launches step n + 1 while the device runs step n, then reads step n's tokens back.
 
 The HTTP server drives the same object from a background loop; `LLM`
 (serve/llm.py) drives it to completion for offline batches. Given a KV pool
@@ -19,6 +23,7 @@ whose first tokens another engine generated (a decode instance).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import functools
@@ -34,7 +39,7 @@ from nanoforge.model.transformer import Transformer
 from nanoforge.runtime import pick_device, pick_dtype
 from nanoforge.serve.kv_connector import KVConnector, KVPool, cache_layout, model_fingerprint
 from nanoforge.serve import tensor_parallel
-from nanoforge.serve.model_runner import ModelRunner, kv_bytes_per_block
+from nanoforge.serve.model_runner import Launched, ModelRunner, kv_bytes_per_block
 from nanoforge.serve.sampling_params import SamplingParams
 from nanoforge.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, check_request
 from nanoforge.serve.sequence import Sequence, SequenceGroup
@@ -56,6 +61,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     use_cuda_graphs: bool = True
+    # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
+    # default: on a GPU, without tensor parallelism or a KV pool (which need the tokens first)
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # processes (one per GPU) the model is split over
     device: str = "auto"
     dtype: str = "auto"
@@ -129,6 +137,8 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             eos_token_ids=tuple(sorted(eos)), vocab_size=cfg.vocab_size))
         self.runner = make_runner(model, config, self.max_model_len, num_gpu_blocks, num_cpu_blocks, self.tp)
+        self.async_scheduling = check_async_scheduling(config, self.runner.device, kv_pool)
+        self._in_flight: collections.deque[tuple[SchedulerOutput, Launched]] = collections.deque()
         self.connector: KVConnector | None = None
         if kv_pool is not None:
             dtype = model.embed.weight.dtype
@@ -211,7 +221,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.connector and self.connector.num_pending)
+        return self.scheduler.has_unfinished() or bool(self._in_flight) or \
+            bool(self.connector and self.connector.num_pending)
 
     def num_waiting(self) -> int:
         """Requests queued for a batch slot (new, or preempted by recomputation, or looking in the KV pool)."""
@@ -235,12 +246,19 @@ class LLMEngine:
     # --- the step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return an output for every request that progressed or finished."""
+        """Schedule and launch one step, then read back a step's tokens: this one's, or with asynchronous
+        scheduling the one before (launched last time; this one runs meanwhile). Returns an output for every
+        request that progressed or finished in the step read back."""
         if self.connector is not None:  # idle but for loads: wait a little for one instead of spinning
             for group in self.connector.ready_loads(wait=0.0 if self.scheduler.has_unfinished() else 0.01):
                 self.scheduler.enqueue(group)
         out = self.scheduler.schedule()
-        sampled, logprobs, prompt_logprobs = self.runner.execute(out)
+        if not out.is_empty or out.finished:
+            self._in_flight.append((out, self.runner.launch(out)))
+        if not self._in_flight or (len(self._in_flight) <= self.async_scheduling and not out.is_empty):
+            return []  # nothing launched before this step: nothing to read back yet
+        out, launched = self._in_flight.popleft()
+        sampled, logprobs, prompt_logprobs = self.runner.collect(launched)
         if self.connector is not None:
             self._save_prompts(out)
         finished = {g.request_id: g for g in self.scheduler.update(out, sampled, logprobs, prompt_logprobs)}
@@ -321,6 +339,19 @@ class LLMEngine:
 
 
 # --- construction shared by every rank -------------------------------------------------------------------
+
+def check_async_scheduling(c: EngineConfig, device: torch.device, kv_pool) -> bool:
+    """Whether the engine schedules a step ahead: `c.async_scheduling`, by default on a GPU. Tensor parallelism
+    (the other ranks do not hold the sampled tokens) and a KV pool (prompt blocks are saved from a step's
+    results) need each step's tokens before the next one is scheduled."""
+    blocker = "tensor parallelism" if c.tensor_parallel_size != 1 else "a KV pool" if kv_pool is not None else None
+    if c.async_scheduling is None:
+        return device.type == "cuda" and blocker is None
+    if c.async_scheduling and blocker:
+        raise NanoforgeError(f"async scheduling does not work with {blocker} yet; drop --async-scheduling",
+                             param="async_scheduling")
+    return c.async_scheduling
+
 
 def kv_cache_blocks(model: Transformer, c: EngineConfig, max_model_len: int) -> tuple[int, int]:
     """KV-cache blocks on the device and in swap space for this rank's model: `num_gpu_blocks` if given, else

@@ -11,7 +11,8 @@ For each step it
    and attends through the block tables (`nanoforge.kernels.paged_attention`: Triton on a GPU, the PyTorch
    reference on the CPU);
 4. computes logits only at the positions that sample, and samples each with its own request's settings
-   (`nanoforge.model.sampling`);
+   (`nanoforge.model.sampling`), into a device buffer that the next step reads a still-pending token from
+   and that is copied to pinned memory as the step ends (`launch` returns then; `collect` waits for it);
 5. where a request asked for them, turns logits into logprobs (fp32 log-softmax, top k; one routine,
    `logprob_entries`): of each sampled token, and of each prompt token at the chunk's `scored_positions`
    (prompt logprobs, projected onto the vocabulary a slice of rows at a time).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -79,6 +81,19 @@ class PagedAttention(AttentionBackend):
         o = paged_attention(q[0], kc, vc, self.block_tables, self.seq_lens, self.cu_seqlens_q,
                             max_q_len=self.max_q_len)
         return o[None]
+
+
+@dataclass
+class Launched:
+    """A step handed to the device: what `ModelRunner.collect` needs to read its results back."""
+
+    samples: StepSamples
+    num_samples: int
+    hidden: torch.Tensor | None  # kept for the prompt logprobs
+    tokens: torch.Tensor | None = None  # host copy of the sampled tokens, complete once `event` has passed
+    logits: torch.Tensor | None = None  # the logits of the sampled rows from the first to the last that asked
+    # for logprobs (a slice, no index tensor to upload: that would wait for the device)
+    event: torch.cuda.Event | None = None
 
 
 def local_kv_heads(model: Transformer) -> int:
@@ -155,6 +170,13 @@ class ModelRunner:
         self.inputs = torch.zeros(Layout(b.max_num_tokens, b.max_num_seqs).size + UPDATE_RESERVE, dtype=torch.int64,
                                   device=dev)
         self.sampled = torch.zeros(b.max_num_seqs, dtype=torch.int64, device=dev)
+        # where each launched step's tokens come back to (pinned: the copy is asynchronous); two, as a step is
+        # launched before the one before it is collected
+        self._host_tokens = [torch.zeros(b.max_num_seqs, dtype=torch.int64, pin_memory=dev.type == "cuda")
+                             for _ in range(2)]
+        self._turn = 0
+        self._pending: dict[int, int] = {}  # seq_id -> row of self.sampled, for the launched step not collected
+        self._last: Launched | None = None
 
     # --- block operations ------------------------------------------------------------------------------
 
@@ -223,10 +245,10 @@ class ModelRunner:
         return self.model(self._input_ids(v, n)[None], v["positions"][:n][None], attn, return_hidden=True)[0]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, list], dict[int, list]]:
-        """Run one step; returns the sampled tokens, their logprobs (where asked) and the prompt logprobs of
-        the chunks' `scored_positions`, each keyed by seq_id."""
-        step, samples = self.batch.prepare(out)
+    def launch(self, out: SchedulerOutput) -> Launched:
+        """Start one step on the device and return without waiting for it. Chunks that end in a token the
+        step before samples (one not yet collected: asynchronous scheduling) read it from the device."""
+        step, samples = self.batch.prepare(out, self._pending)
         if self.tp is not None:
             self.tp.send(step)
         prof = self.profiler
@@ -235,14 +257,37 @@ class ModelRunner:
         hidden, logits = self.run(step)
         if prof is not None:
             prof.device_end()
-        prompt_logprobs = self._score_prompts(samples, hidden) if samples.scored else {}
-        if not step.num_samples:  # only prompt chunks that sample nothing (max_tokens=0, or not their last chunk)
+        n = step.num_samples
+        done = Launched(samples, n, hidden if samples.scored else None)
+        if n:
+            self._turn ^= 1
+            done.tokens = self._host_tokens[self._turn][:n]
+            done.tokens.copy_(self.sampled[:n], non_blocking=True)  # before the next step samples over them
+            if samples.logprob_rows:  # a copy of the rows' span: a graph's logits buffer is the next step's too
+                done.logits = logits[samples.logprob_rows[0]:samples.logprob_rows[-1] + 1].clone()
+            if self.device.type == "cuda":
+                done.event = torch.cuda.Event()
+                done.event.record()
+        self._pending = {t.seq_id: row for row, t in enumerate(t for item in out.scheduled for t in item.targets)}
+        self._last = done
+        return done
+
+    @torch.inference_mode()
+    def collect(self, done: Launched) -> tuple[dict[int, list[int]], dict[int, list], dict[int, list]]:
+        """Wait for a launched step (the step's one sync); return its sampled tokens, their logprobs (where
+        asked) and the prompt logprobs of the chunks' `scored_positions`, each keyed by seq_id."""
+        if done is self._last:
+            self._pending = {}
+        prompt_logprobs = self._score_prompts(done.samples, done.hidden) if done.samples.scored else {}
+        if not done.num_samples:  # only prompt chunks that sample nothing (max_tokens=0, or not their last chunk)
             return {}, {}, prompt_logprobs
         t0 = time.perf_counter()
-        tokens = self.sampled[:step.num_samples].tolist()  # the step's one sync
-        if prof is not None:
-            prof.waited(time.perf_counter() - t0)
-        return *self._outputs(samples, tokens, logits), prompt_logprobs
+        if done.event is not None:
+            done.event.synchronize()
+        tokens = done.tokens.tolist()
+        if self.profiler is not None:
+            self.profiler.waited(time.perf_counter() - t0)
+        return *self._outputs(done.samples, tokens, done.logits), prompt_logprobs
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -292,7 +337,7 @@ class ModelRunner:
             sampled.setdefault(seq.seq_id, []).append(tok)
         if samples.logprob_rows:
             rows = samples.logprob_rows
-            entries = logprob_entries(logits[rows], [tokens[i] for i in rows],
+            entries = logprob_entries(logits[[i - rows[0] for i in rows]], [tokens[i] for i in rows],
                                       [samples.seqs[i][0].sampling_params.logprobs for i in rows])
             for i, entry in zip(rows, entries):
                 logprobs.setdefault(samples.seqs[i][0].seq_id, []).append(entry)

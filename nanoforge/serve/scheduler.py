@@ -1,7 +1,12 @@
 """Continuous batching: which sequences compute which tokens in the next step.
 
 Each step the engine calls `schedule()`, runs the model on the chunks it
-returns, and reports the sampled tokens with `update()`. Sequences join and
+returns, and reports the sampled tokens with `update()`. `schedule()` counts
+the chunks as computed and their samples as pending (`Sequence.num_pending`)
+at once, so with asynchronous scheduling the next `schedule()` may run before
+this step's `update()`: it plans a one-token decode over each pending token,
+whose id the runner takes from the device. A sequence that stops at step n
+after being scheduled in step n + 1 simply has that chunk ignored by `update()`. Sequences join and
 leave the batch at every step (continuous batching), within two budgets: at
 most `max_num_batched_tokens` tokens and `max_num_seqs` sequences.
 
@@ -42,8 +47,13 @@ appends them to the sequence. A `max_tokens=0` request samples nothing: it
 finishes ("length") in the step that computes the end of its prompt.
 
 Parallel sampling (n > 1): the group's one sequence prefills; its last chunk
-is scheduled with `num_samples = n`; `update()` forks n - 1 children sharing
-its blocks and appends one of the n sampled tokens to each.
+is scheduled with `num_samples = n`, and `schedule()` forks n - 1 children
+sharing its blocks (`ScheduledSeq.targets`); `update()` appends one of the n
+sampled tokens to each.
+
+Decode fast path: when the last full pass decoded every running sequence and
+nobody has joined or left since, `schedule()` repeats those decodes without
+planning (`_repeat_decodes`), which is what the full pass would build.
 
 The runner executes a `SchedulerOutput` as: swap-outs, swap-ins, copies (all
 before the forward pass, in that order), then the forward pass over
@@ -145,8 +155,9 @@ class ScheduledSeq:
     num_tokens: int
     # 0: a prefill chunk that does not end the prompt, nothing to sample;
     # 1: sample the next token from the last position's logits;
-    # n > 1: the prefill of an n-completion request ends here: sample n tokens (update() forks)
+    # n > 1: the prefill of an n-completion request ends here: sample n tokens (schedule() forks)
     num_samples: int
+    targets: list[Sequence] = field(default_factory=list)  # the sequences the samples go to: seq, then its forks
 
     @property
     def end(self) -> int:
@@ -223,6 +234,7 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished group, by request id
         self._arrival_order = itertools.count()
         self._watermark_blocks = int(config.watermark * config.num_gpu_blocks)
+        self._decoding: list[Sequence] = []  # the last full pass's decodes, when it decoded every running sequence
         self._counters = dict.fromkeys(
             ("steps", "computed_tokens", "prompt_tokens", "cached_prompt_tokens", "preemptions", "swap_outs",
              "swap_ins", "blocks_swapped_out", "blocks_swapped_in", "blocks_copied"), 0)
@@ -268,14 +280,17 @@ class Scheduler:
     # ---- one step -------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        tokens_left = self.config.max_num_batched_tokens
-        tokens_left, blocked = self._schedule_running(out, tokens_left)
-        if not blocked:
-            seqs_left = self.config.max_num_seqs - sum(g.num_reserved_seqs for g in self.running)
-            tokens_left, seqs_left, blocked = self._schedule_swapped(out, tokens_left, seqs_left)
+        out = self._repeat_decodes()
+        if out is None:
+            out = SchedulerOutput()
+            tokens_left = self.config.max_num_batched_tokens
+            tokens_left, blocked = self._schedule_running(out, tokens_left)
             if not blocked:
-                self._schedule_waiting(out, tokens_left, seqs_left)
+                seqs_left = self.config.max_num_seqs - sum(g.num_reserved_seqs for g in self.running)
+                tokens_left, seqs_left, blocked = self._schedule_swapped(out, tokens_left, seqs_left)
+                if not blocked:
+                    self._schedule_waiting(out, tokens_left, seqs_left)
+            self._decoding = self._decodes_of_all_running(out)
         self._counters["blocks_copied"] += len(out.blocks_to_copy)
         self._counters["blocks_swapped_out"] += len(out.blocks_to_swap_out)
         self._counters["blocks_swapped_in"] += len(out.blocks_to_swap_in)
@@ -297,10 +312,10 @@ class Scheduler:
         finished = []
         for item in output.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted, or stopped by the engine, after schedule()
-            seq.num_computed_tokens += item.num_tokens
-            bm.cache_computed_blocks(seq)
+            if seq.is_finished:
+                continue  # aborted, or stopped by the engine or by its previous token, after schedule()
+            if seq.status is SequenceStatus.RUNNING:  # (not preempted by a later schedule())
+                bm.cache_computed_blocks(seq, item.end)
             self._counters["computed_tokens"] += item.num_tokens
             scored = seq.prompt_logprobs
             if scored is not None and len(scored) < seq.num_prompt_tokens and item.start > len(scored) - 1:
@@ -313,7 +328,7 @@ class Scheduler:
                                        f"{item.scored_positions}, got {entries!r:.200}")
                 seq.prompt_logprobs.extend(entries)
             if not item.num_samples:
-                if seq.num_computed_tokens == seq.num_tokens:  # max_tokens=0: the prompt is all it asked for
+                if item.end == seq.num_tokens:  # max_tokens=0: the prompt is all it asked for
                     self._finish_seq(seq, "length")
                     finished.append(self._retire(self._groups[seq.request_id]))
                 continue
@@ -323,14 +338,11 @@ class Scheduler:
                 raise RuntimeError(f"update(): sequence {seq.seq_id} needs {item.num_samples} sampled token(s), "
                                    f"got {tokens!r}")
             group = self._groups[seq.request_id]
-            targets = [seq]
-            for _ in range(item.num_samples - 1):  # n > 1: fork at the end of the prefill
-                child = seq.fork(index=len(group.seqs))
-                bm.fork(seq, child)
-                group.seqs.append(child)
-                targets.append(child)
             seq_logprobs = logprobs.get(seq.seq_id) if logprobs else None
-            for i, (target, token) in enumerate(zip(targets, tokens)):
+            for i, (target, token) in enumerate(zip(item.targets, tokens)):
+                if target.is_finished:
+                    continue
+                target.num_pending -= 1
                 target.append_token(token, seq_logprobs[i] if seq_logprobs else None)
                 reason = check_stop(target, self.config.eos_token_ids, self.config.max_model_len)
                 if reason:
@@ -340,6 +352,47 @@ class Scheduler:
         if output.scheduled:
             self._counters["steps"] += 1
         return finished
+
+    # ---- the decode fast path --------------------------------------------
+
+    def _decodes_of_all_running(self, out: SchedulerOutput) -> list[Sequence]:
+        """The sequences of `out` if it is one plain decode of every running sequence and nothing else."""
+        if out.finished or out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out or \
+                not all(item.is_decode for item in out.scheduled):
+            return []
+        if len(out.scheduled) != sum(len(g.unfinished_seqs()) for g in self.running):
+            return []
+        return [item.seq for item in out.scheduled]
+
+    def _repeat_decodes(self) -> SchedulerOutput | None:
+        """The last step's decodes again, or None: the full pass is needed. Valid, and what the full pass would
+        build, when the last step decoded every running sequence, nobody has joined (nothing waits or is
+        swapped out) or left since, no write needs a copy-on-write, and the new blocks (one for each sequence
+        whose next token starts a block) are free."""
+        seqs = self._decoding
+        if not seqs or self.waiting or self.swapped:
+            return None
+        bm, bs = self.block_manager, self.config.block_size
+        new_blocks = 0
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens + seq.num_pending - start != 1 or \
+                    (seq.num_pending and self._ends_by_length(seq)):
+                return None
+            if not start % bs:
+                new_blocks += 1
+            elif bm.ref_counts[seq.block_table[start // bs]] != 1:
+                return None
+        if new_blocks > bm.num_free_blocks:
+            return None
+        out = SchedulerOutput()
+        for seq in seqs:
+            if not seq.num_computed_tokens % bs:
+                bm.append_slots(seq, 1)
+            item = ScheduledSeq(seq, seq.num_computed_tokens, 1, 1)
+            out.scheduled.append(item)
+            self._advance(item)
+        return out
 
     # ---- the three queues ------------------------------------------------
 
@@ -434,12 +487,18 @@ class Scheduler:
         for seq in group.seqs:
             if seq.is_finished:
                 continue
+            if seq.num_pending:  # its last token is still on the device
+                if self._ends_by_length(seq):
+                    continue  # that token is its last one: nothing more to compute
+                if seq.num_computed_tokens != seq.num_tokens:  # preempted meanwhile: recompute once it is known
+                    complete = False
+                    continue
             fresh = seq.num_computed_tokens == 0
             if fresh and sibling_prefilling and bm.enable_prefix_caching:
                 continue  # prefill after the sibling, reusing its cached prompt blocks
             prefix = self._cached_prefix(seq) if fresh else []
             start = len(prefix) * bs if fresh else seq.num_computed_tokens
-            remaining = seq.num_tokens - start
+            remaining = seq.num_tokens + seq.num_pending - start
             sibling_prefilling |= remaining > 1
             n = min(remaining, tokens_available)
             if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
@@ -448,6 +507,12 @@ class Scheduler:
             plan.append(_Chunk(seq, prefix, n))
             tokens_available -= n
         return plan, complete
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token still on the device ends `seq` by its length (max_tokens or the context)."""
+        total = seq.num_tokens + seq.num_pending
+        return seq.num_output_tokens + seq.num_pending >= seq.sampling_params.max_tokens or \
+            total >= self.config.max_model_len
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The prefix-cache blocks a sequence that holds no KV starts from. Prompt logprobs come from the logits
@@ -477,11 +542,29 @@ class Scheduler:
         for c in plan:
             seq = c.seq
             out.blocks_to_copy.extend(bm.append_slots(seq, c.num_tokens))
-            ends_prompt = seq.num_computed_tokens + c.num_tokens == seq.num_tokens
+            ends_prompt = seq.num_computed_tokens + c.num_tokens == seq.num_tokens + seq.num_pending
             samples = (group.sampling_params.n if group.fork_pending else 1) if group.sampling_params.max_tokens else 0
-            num_samples = samples if ends_prompt else 0
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, c.num_tokens, num_samples))
+            item = ScheduledSeq(seq, seq.num_computed_tokens, c.num_tokens, samples if ends_prompt else 0)
+            out.scheduled.append(item)
+            self._advance(item)
         return sum(c.num_tokens for c in plan)
+
+    def _advance(self, item: ScheduledSeq) -> None:
+        """Count a scheduled chunk as computed and its samples as pending (the next schedule() may run before
+        update() reads them): forks an n > 1 request's children here, each waiting for its own sample."""
+        seq = item.seq
+        seq.num_computed_tokens = item.end
+        if not item.num_samples:
+            return
+        item.targets.append(seq)
+        group = self._groups[seq.request_id]
+        for _ in range(item.num_samples - 1):  # n > 1: fork at the end of the prefill
+            child = seq.fork(index=len(group.seqs))
+            self.block_manager.fork(seq, child)
+            group.seqs.append(child)
+            item.targets.append(child)
+        for target in item.targets:
+            target.num_pending += 1
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -521,6 +604,7 @@ class Scheduler:
             self.block_manager.free_swapped(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending = 0  # a token still on the device is dropped
 
     def _retire(self, group: SequenceGroup) -> SequenceGroup:
         """Take a finished group out of its queue and out of the scheduler."""

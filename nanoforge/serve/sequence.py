@@ -59,6 +59,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0  # leading tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, prompt tokens taken from the prefix cache at (re)admission
+        # Tokens a scheduled step samples for this sequence that `Scheduler.update` has not appended yet (0 or 1):
+        # with asynchronous scheduling the next step is scheduled before the last one's tokens are read back.
+        self.num_pending = 0
         self.block_table: list[int] = []
         # Prefix-cache bookkeeping, owned by the BlockManager: chained hashes of
         # this sequence's full blocks (a pure function of token_ids) and how many
@@ -115,12 +118,13 @@ class Sequence:
         child = Sequence(self.token_ids, self.sampling_params, self.request_id, index, self.arrival_time)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_pending = self.num_pending
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_hashed_blocks = self.num_hashed_blocks
         child.status = self.status
         child.output_logprobs = list(self.output_logprobs)
-        child.prompt_logprobs = self.prompt_logprobs  # complete by now (forks happen after the prefill), never changed
+        child.prompt_logprobs = self.prompt_logprobs  # complete by now (forks end the prefill), never changed
         return child
 
 

@@ -167,7 +167,8 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_memory=int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enable_prefix_caching=not args.no_prefix_caching, device=args.device, dtype=args.dtype,
-                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                        async_scheduling=getattr(args, "async_scheduling", None))
 
 
 def served_model_name(args) -> str:
