@@ -131,8 +131,8 @@ def _add_serve(sub):
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="split the model over N GPUs, one process each (default: 1)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step n + 1 while the GPU runs step n (default: on a GPU, without "
-                        "--tensor-parallel-size or --store)")
+                   help="schedule step n + 1 while the GPU runs step n (default: off until measured on a GPU; "
+                        "not with --tensor-parallel-size or --store)")
     p.add_argument("--max-waiting", type=_positive_int, default=256,
                    help="requests that may wait for a batch slot; more get 429 with Retry-After")
     p.add_argument("--max-request-bytes", type=_positive_int, default=8 << 20, help="larger bodies get 413")

@@ -421,7 +421,7 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine: per step kind (prefill, decode, mixed), host and device time per step and the "
                         "achieved fraction of the device's memory bandwidth and FLOP/s (default: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine: schedule step n + 1 while the device runs step n (default: on a GPU)")
+                   help="engine: schedule step n + 1 while the device runs step n (default: off until measured on a GPU)")
     p.add_argument("--out", default="runs/bench/throughput.json", metavar="PATH",
                    help="JSON file for the results; a directory gets throughput.json (default: %(default)s)")
     p.add_argument("--device", default="auto",

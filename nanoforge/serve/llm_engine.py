@@ -10,7 +10,7 @@
              detokenize, check stop strings   build RequestOutputs
     abort()  -> Scheduler.abort()             free blocks at once
 
-With asynchronous scheduling (`EngineConfig.async_scheduling`, default on a GPU) one step stays in flight:
+With asynchronous scheduling (`EngineConfig.async_scheduling`, opt-in) one step stays in flight:
 the host schedules and launches step n + 1 while the device runs step n, then reads step n's tokens back.
 
 The HTTP server drives the same object from a background loop; `LLM`
@@ -62,7 +62,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     use_cuda_graphs: bool = True
     # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
-    # default: on a GPU, without tensor parallelism or a KV pool (which need the tokens first)
+    # default off until it has run on a GPU; not with tensor parallelism or a KV pool (they need the tokens first)
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # processes (one per GPU) the model is split over
     device: str = "auto"
@@ -341,12 +341,12 @@ class LLMEngine:
 # --- construction shared by every rank -------------------------------------------------------------------
 
 def check_async_scheduling(c: EngineConfig, device: torch.device, kv_pool) -> bool:
-    """Whether the engine schedules a step ahead: `c.async_scheduling`, by default on a GPU. Tensor parallelism
+    """Whether the engine schedules a step ahead: `c.async_scheduling` (default off). Tensor parallelism
     (the other ranks do not hold the sampled tokens) and a KV pool (prompt blocks are saved from a step's
     results) need each step's tokens before the next one is scheduled."""
     blocker = "tensor parallelism" if c.tensor_parallel_size != 1 else "a KV pool" if kv_pool is not None else None
-    if c.async_scheduling is None:
-        return device.type == "cuda" and blocker is None
+    if c.async_scheduling is None:  # off until it has run on a GPU (issue 14): opt in with --async-scheduling
+        return False
     if c.async_scheduling and blocker:
         raise NanoforgeError(f"async scheduling does not work with {blocker} yet; drop --async-scheduling",
                              param="async_scheduling")
