@@ -35,9 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nanoforge.model.config import preset  # noqa: E402
-from nanoforge.train.parallel.plan import Hardware, Layout, Workload, estimate  # noqa: E402
-from nanoforge.train.progress import write_json  # noqa: E402
+from nanoforge.model.config import preset
+from nanoforge.train.parallel.plan import Hardware, Layout, Workload, estimate
+from nanoforge.train.progress import write_json
 
 PP_MICRO = 4  # micro-batches per step of pipelined runs
 BF16_NOISE = 0.02  # relative loss difference at any step that bf16 runs of different layouts stay within
@@ -110,9 +110,9 @@ class Runner:
             [sys.executable]
         t0 = time.perf_counter()
         run = subprocess.run([*launcher, "-m", "nanoforge", *argv], capture_output=True, text=True, cwd=REPO,
-                             env=self.env(), timeout=a.run_timeout)
+                             env=self.env(), timeout=a.run_timeout, check=False)
         wall = time.perf_counter() - t0
-        print(f"[{name}] {'torchrun x%d ' % n if mesh else ''}nanoforge {' '.join(argv[:1] + flags_of(mesh))}: "
+        print(f"[{name}] {f'torchrun x{n} ' if mesh else ''}nanoforge {' '.join(argv[:1] + flags_of(mesh))}: "
               f"exit {run.returncode} in {wall:.0f} s", flush=True)
         if run.returncode:
             said = [line for line in run.stderr.splitlines() if "error:" in line or "Error" in line][:3]
@@ -251,7 +251,7 @@ def print_table(results: dict) -> None:
         if e.get("exit"):
             print(f"{name:<16}{e['gpus']:>5}  failed (exit {e['exit']})")
             continue
-        fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+        fmt = lambda v, f: format(v, f) if v is not None else "-"
         plan = (e.get("planned") or {}).get("tensors_gib")
         match = {True: "equal", False: "DIFFER"}.get(e.get("losses_match"), "-")
         print(f"{name:<16}{e['gpus']:>5}{fmt(e['tokens_per_s'], ',.0f'):>12}"

@@ -14,7 +14,11 @@ import random
 
 import pytest
 import torch
-from test_serve_engine import TEXT, make_model, prompts  # (tests/ is on sys.path under pytest)
+from test_serve_engine import (  # (tests/ is on sys.path under pytest)
+    TEXT,
+    make_model,
+    prompts,
+)
 
 from nanoforge import LLM, SamplingParams
 from nanoforge.model.generate import generate
