@@ -12,27 +12,12 @@ import random
 
 import pytest
 import torch
-from test_serve_engine import (  # (tests/ is on sys.path under pytest)
-    TEXT,
-    make_model,
-    prompts,
-    reference,
-)
+from test_serve_api import model  # noqa: F401  (the same fixture)
+from test_serve_engine import make_model, prompts, reference, tok  # noqa: F401  (tests/ is on sys.path; tok: the fixture)
 
 from nanoforge import LLM, SamplingParams
 from nanoforge.model.generate import generate
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine, check_async_scheduling
-from nanoforge.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.char_level(TEXT)
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return make_model(tok)
 
 
 def summary(outs) -> list:

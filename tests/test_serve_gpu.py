@@ -14,24 +14,14 @@ import random
 
 import pytest
 import torch
-from test_serve_engine import (  # (tests/ is on sys.path under pytest)
-    TEXT,
-    make_model,
-    prompts,
-)
+from test_serve_engine import make_model, prompts, tok  # noqa: F401  (tests/ is on sys.path; tok: the fixture)
 
 from nanoforge import LLM, SamplingParams
 from nanoforge.model.generate import generate
-from nanoforge.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 FAMILIES = ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.char_level(TEXT)
 
 
 def workload(seed: int) -> list[list[int]]:

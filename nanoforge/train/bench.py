@@ -33,8 +33,8 @@ from nanoforge.train.config import TrainConfig
 from nanoforge.train.optim import make_optimizer
 from nanoforge.train.progress import format_mfu, peak_flops
 from nanoforge.model.attention import SDPAAttention
-from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, document_attention, make_loss_fn,
-                                     make_stepper, use_cuda_graph)
+from nanoforge.train.trainer import (autocast, causal_attention, compute_dtype, device_peak_gib, document_attention,
+                                     make_loss_fn, make_stepper, use_cuda_graph)
 
 
 # name -> (what it runs, attention, tokens per chunk of the fused head + loss or None)
@@ -116,8 +116,7 @@ def bench_train(*, preset: str = "gpt2-124m", batch_size: int = 16, seq_len: int
                         "ms_per_step": 1000 * step_s, "tokens_per_s": tok_s,
                         "mfu": tok_s * flops / peak if peak else None, "warmup_s": warm_s, "loss": loss.item(),
                         "graph_breaks": sum(counters["graph_break"].values()),
-                        "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda"
-                        else None})
+                        "peak_memory_gib": device_peak_gib(dev)})
         del model, optimizer, step
         if compiled:
             torch._dynamo.reset()
