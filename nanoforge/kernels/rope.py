@@ -7,7 +7,9 @@ bf16 and cos in fp32 (autocast) it computes in fp32.
 The Triton kernel does one token's every head in one program, reading x through its strides (q and k are
 views into the fused qkv projection), where the reference launches about six kernels: it matters when a decode
 step is a chain of small launches. It rounds each product and the sum to x's dtype as PyTorch's elementwise
-ops do, so its result is the reference's bit for bit (x, cos and sin of one dtype). It runs only outside
+ops do, so its result is the reference's bit for bit (x, cos and sin of one dtype). That needs fp fusion off:
+with it, Triton turns the rounded product and the difference into one bf16 FMA (one rounding fewer; seen in
+the sm_90 PTX and as 1-ulp differences on the H200). It runs only outside
 autograd and torch.compile (serving); training and compiled code see the reference, which they fuse themselves.
 """
 
@@ -42,7 +44,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     out = torch.empty(B, T, H, D, device=x.device, dtype=x.dtype)
     _rope_kernel[(B * T,)](x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
                            cos.stride(1), HALF=D // 2, BLOCK_H=triton.next_power_of_2(H),
-                           BLOCK_D=triton.next_power_of_2(D // 2))
+                           BLOCK_D=triton.next_power_of_2(D // 2), enable_fp_fusion=False)
     return out
 
 
@@ -96,7 +98,8 @@ def apply_rope_and_write_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         return write_kv(apply_rope(k[None], cos[None], sin[None])[0], v, k_cache, v_cache, slot_mapping)
     _rope_write_kv_kernel[(N,)](k, v, cos, sin, k_cache, v_cache, slot_mapping, H, k.stride(0), k.stride(1),
                                 v.stride(0), v.stride(1), cos.stride(0), HALF=D // 2,
-                                BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2))
+                                BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2),
+                                enable_fp_fusion=False)
 
 
 @triton.jit

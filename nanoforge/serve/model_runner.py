@@ -359,6 +359,7 @@ class ModelRunner:
 
     # --- CUDA graphs for decode -------------------------------------------------------------------------
 
+    @torch.no_grad()  # the weights may require grad (a model fresh from training); the graph's outputs never do
     def _capture_graphs(self, sizes: list[int]) -> None:
         """One graph per decode batch size: input ids, the rows' block tables, the model, the logits (into
         a buffer the sizes share) and the sampled tokens (temperature and seeds included)."""
