@@ -164,10 +164,15 @@ _WIDEN_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 @triton.jit
 def _dot(x, y, acc):
-    """tl.dot(x, y, acc), correct on bfloat16 under the interpreter too (the attention kernels use it)."""
+    """tl.dot(x, y, acc), correct on bfloat16 under the interpreter too (the attention kernels use it). fp32
+    operands multiply in full fp32 ("ieee"), as torch.matmul does by default: Triton's default is TF32 on a
+    GPU (~1e-3 relative), which made fp32 engine outputs part from the reference generator on the H200."""
     if _WIDEN_BF16_DOT and x.dtype == tl.bfloat16:
         x = x.to(tl.float32)
         y = y.to(tl.float32)
+        return tl.dot(x, y, acc)
+    if x.dtype == tl.float32:
+        return tl.dot(x, y, acc, input_precision="ieee")
     return tl.dot(x, y, acc)
 
 
