@@ -229,10 +229,13 @@ def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int =
     from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore
 
     need = max(blocks) * block_bytes
-    written = 2 * (repeats + 1) * sum(blocks) * block_bytes  # every key is fresh: the pool holds all of them
+    # every timed call uses fresh keys (removed after it, once Mooncake's lease on them lets it): room for all of
+    # them and half as much again, as a pool filled close to its size turns puts away (an H200 run with 64 MiB
+    # to spare: a 256-block get after a 5 GB fill found half its keys missing)
+    pool_bytes = 3 * (repeats + 1) * sum(blocks) * block_bytes + (64 << 20)
     samples = []
     with MooncakeMaster() as master:
-        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address, str(written + (64 << 20))],
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address, str(pool_bytes)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             if holder.stdout.readline().strip() != "ready":
@@ -248,13 +251,14 @@ def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int =
                         times = []
                         for rep in range(repeats + 1):
                             keys = [f"nanoforge-profile/{kind}/{n}/{rep}/{i}" for i in range(n)]  # fresh keys
-                            if kind == "get":
-                                store.put_from(keys, ptrs, block_bytes)
+                            if kind == "get" and not all(store.put_from(keys, ptrs, block_bytes)):
+                                raise RuntimeError(f"the pool turned away some of the {n} blocks to get back")
                             start = time.perf_counter()
                             ok = (store.put_from if kind == "put" else store.get_into)(keys, ptrs, block_bytes)
                             seconds = time.perf_counter() - start
+                            store.remove(keys)
                             if not all(ok):
-                                raise RuntimeError(f"a {kind} of {n} blocks came back {ok}")
+                                raise RuntimeError(f"a {kind} of {n} blocks: {n - sum(ok)} of them failed")
                             if rep:
                                 times.append(seconds)
                         samples.append({"kind": kind, "blocks": n, "seconds": statistics.median(times)})

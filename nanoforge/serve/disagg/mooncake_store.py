@@ -110,6 +110,10 @@ class MooncakeStore:
             self._raise_on_failure("get", [first_miss])
         return [c == nbytes for c in codes]
 
+    def remove(self, keys: list[str]) -> None:
+        """Drop keys from the pool (missing ones are no error)."""
+        self.store.batch_remove(keys)
+
     def segments(self, key: str) -> list[str]:
         """The segments (clients' hostnames) holding replicas of `key`."""
         return [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
