@@ -88,3 +88,15 @@ def test_gpu_seeded_sampling_equals_the_reference_in_any_batch(tok, name):
         assert got == want, f"{name}, async_scheduling={async_scheduling}"
     alone, _ = engine_tokens(model, tok, ps[:1], params[:1], async_scheduling=True, num_gpu_blocks=400)
     assert alone == want[:1]
+
+
+def test_gpu_an_engine_after_another_sizes_its_cache_from_the_whole_budget(tok):
+    """A second engine in the process gets the memory the first one had (its cache and graph pools held by
+    PyTorch's allocator, which the driver counts as used): about as many KV blocks, not next to none."""
+    model = make_model(tok, "tiny-llama").cuda()
+    first = LLM(model, tok, gpu_memory_utilization=0.3)
+    blocks = first.engine.scheduler.config.num_gpu_blocks
+    first.generate(prompts(2, random.Random(4)), GREEDY)
+    del first
+    second = LLM(model, tok, gpu_memory_utilization=0.3)
+    assert second.engine.scheduler.config.num_gpu_blocks >= 0.95 * blocks
