@@ -122,6 +122,24 @@ def test_chunked_prefill_matches_float64(poisoned, ctx, qlens, hq, hkv, d, bs):
 
 
 @interpreter
+def test_ragged_tiles_with_padding_sequences_and_shared_starts(poisoned):
+    """Query tiles handed out ragged (one program per tile of each sequence, found by binary search):
+    decodes around a long chunk, zero-length padding sequences (a graphed step's) between and after them,
+    and the starts computed once and passed in, as the engine shares them across layers."""
+    ctx, qlens = [5, 40, 9, 1, 23, 1, 1], [1, 37, 0, 0, 4, 1, 0]
+    b = batch(ctx, qlens, 4, 2, 16, 8, seed=7)
+    check(b, pa.paged_attention(**b, max_q_len=37))
+    starts = pa.query_tile_starts(b["q"], b["k_cache"], b["cu_seqlens_q"], 37)
+    block_q = pa._tile_config(37, 2)[1]
+    want = [0]
+    for n in qlens:
+        want.append(want[-1] + -(-n // block_q))
+    assert starts.tolist() == want
+    check(b, pa.paged_attention(**b, max_q_len=37, tile_starts=starts))
+    assert pa.query_tile_starts(b["q"], b["k_cache"], b["cu_seqlens_q"], 1) is None  # decode: none needed
+
+
+@interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(poisoned, dtype):
     b = batch([40, 7, 64], [1, 7, 3], 8, 2, 32, 16, dtype=dtype)

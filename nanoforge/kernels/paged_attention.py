@@ -12,7 +12,13 @@ so K and V are read once per kv head however many query heads share it. Keys are
 token through the block table, so any cache block size works. For decode (one token, few rows) the
 context is also split across programs, flash-decoding style: each split writes a partial output and its
 log-sum-exp, and a small second kernel combines them. Launch shapes depend only on tensor shapes and
-`max_q_len`, never on tensor values, so a decode step can be captured in a CUDA graph.
+`max_q_len`, never on tensor values, so a step can be captured in a CUDA graph.
+
+Decode gives program i sequence i. Prefill and mixed steps hand out query tiles ragged: sequence i owns
+cdiv(q_len_i, BLOCK_Q) consecutive programs (`tile_starts`, a prefix sum over the sequences, found by binary
+search in the kernel), so a step of 200 decodes and one 2,000-token chunk launches ~270 programs per kv head,
+not 201 x 63 of which all but 263 exit at once; the grid, cdiv(total_q, BLOCK_Q) + num_seqs, bounds the
+tiles whatever the lengths, and zero-length (padding) sequences cost nothing.
 """
 
 from __future__ import annotations
@@ -48,12 +54,13 @@ def paged_attention(
     *,
     scale: float | None = None,
     max_q_len: int | None = None,
+    tile_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q (total_q, Hq, D) over each sequence's paged context; returns (total_q, Hq, D).
 
-    `max_q_len` must be at least the number of query tokens of every sequence (1 for decode); it sizes the
-    launch grid, so it is taken as given, not checked. It defaults to total_q, which is always safe but
-    launches many idle programs for a batch of several sequences.
+    `max_q_len` must be at least the number of query tokens of every sequence (1 for decode); it picks the
+    tile configuration (decode or prefill), so it is taken as given, not checked. It defaults to total_q.
+    `tile_starts`: `query_tile_starts(...)` of this batch, to share across layers (computed here if None).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -61,13 +68,35 @@ def paged_attention(
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)
     max_q_len = q.shape[0] if max_q_len is None else int(max_q_len)
     block_m, block_q, block_n, num_warps, num_stages = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2])
-    tiles = seq_lens.shape[0] * triton.cdiv(max_q_len, block_q) * k_cache.shape[2]
+    tiles = _grid_tiles(q.shape[0], seq_lens.shape[0], block_q, max_q_len > 1) * k_cache.shape[2]
     num_splits = _num_splits(tiles, block_tables.shape[1] * k_cache.shape[1], q.device)
     return _paged_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
         block_m=block_m, block_q=block_q, block_n=block_n, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, tile_starts=tile_starts,
     )  # fmt: skip
+
+
+def query_tile_starts(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      max_q_len: int) -> torch.Tensor | None:
+    """Where each sequence's query tiles start among the programs (int32, num_seqs + 1: the last is the
+    total), for the tile size `paged_attention` picks for these shapes; None for decode (one program per
+    sequence) or where the kernel does not run. Depends on tensor values: compute it once per step."""
+    if max_q_len <= 1 or not use_fast(q, k_cache):
+        return None
+    block_q = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2])[1]
+    return _tile_starts(cu_seqlens_q, block_q)
+
+
+def _tile_starts(cu_seqlens_q: torch.Tensor, block_q: int) -> torch.Tensor:
+    tiles = (cu_seqlens_q[1:] - cu_seqlens_q[:-1] + (block_q - 1)) // block_q
+    return torch.cat([cu_seqlens_q.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
+
+
+def _grid_tiles(total_q: int, num_seqs: int, block_q: int, varlen: bool) -> int:
+    """Programs along the query axis: one per sequence for decode, else an upper bound of
+    sum_i cdiv(q_len_i, block_q) from shapes alone."""
+    return triton.cdiv(total_q, block_q) + num_seqs if varlen else num_seqs
 
 
 def paged_attention_ref(
@@ -179,6 +208,7 @@ def _num_splits(programs: int, max_context: int, device: torch.device) -> int:
 def _paged_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float, max_q_len: int, *,
     block_m: int, block_q: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
+    tile_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Launch with an explicit configuration (the benchmark sweeps these)."""
     total_q, hq, d = q.shape
@@ -195,14 +225,17 @@ def _paged_attention_triton(
         lse_part = _empty(total_q, hq, num_splits, like=q, dtype=torch.float32)
     else:  # the kernel writes `out` directly; the partial buffers are unused
         o_part = lse_part = out
-    q_tiles = triton.cdiv(max_q_len, block_q)
+    varlen = max_q_len > 1
+    if varlen and tile_starts is None:
+        tile_starts = _tile_starts(cu_seqlens_q, block_q)
     block_d = max(16, triton.next_power_of_2(d))
-    _paged_attn_kernel[(seq_lens.shape[0] * q_tiles, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, o_part, lse_part,
+    _paged_attn_kernel[(_grid_tiles(total_q, seq_lens.shape[0], block_q, varlen), hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, tile_starts if varlen else cu_seqlens_q,
+        out, o_part, lse_part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * LOG2E, q_tiles,
+        out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0],
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, VARLEN=varlen, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits[(total_q, hq)](
@@ -224,14 +257,30 @@ def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, O, O_PART, LSE_PART,
+    Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, TILE_STARTS, O, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_ot, stride_oh, qk_scale, q_tiles,
+    stride_ot, stride_oh, qk_scale, num_seqs,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0) // q_tiles
-    tok0 = (tl.program_id(0) % q_tiles) * BLOCK_Q  # this tile's first query token, within the sequence
+    pid = tl.program_id(0)
+    if not VARLEN:  # decode: program i is sequence i's one token
+        seq = pid
+        tok0 = 0
+    else:  # the last sequence whose tiles start at or before pid (zero-tile sequences share a start)
+        if pid >= tl.load(TILE_STARTS + num_seqs):
+            return
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(TILE_STARTS + mid) <= pid:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        tok0 = (pid - tl.load(TILE_STARTS + seq)) * BLOCK_Q  # this tile's first query token in the sequence
     hk = tl.program_id(1)
     split = tl.program_id(2)
     q_begin = tl.load(CU_Q + seq)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoforge.kernels.paged_attention import paged_attention, write_kv
+from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, write_kv
 from nanoforge.kernels.rope import apply_rope, apply_rope_and_write_kv
 from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
@@ -63,6 +63,8 @@ class PagedAttention(AttentionBackend):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.seq_lens, self.cu_seqlens_q, self.max_q_len = seq_lens, cu_seqlens_q, max_q_len
+        self.tile_starts = None  # the kernel's ragged query tiles: computed at the first layer, shared by all
+        self._tiles_known = False
 
     def attend(self, layer, q, k, v):
         kc, vc = self.k_cache[layer], self.v_cache[layer]
@@ -78,8 +80,11 @@ class PagedAttention(AttentionBackend):
         return self._attend_cached(apply_rope(q, cos, sin), kc, vc)
 
     def _attend_cached(self, q, kc, vc):
+        if not self._tiles_known:
+            self.tile_starts = query_tile_starts(q[0], kc, self.cu_seqlens_q, self.max_q_len)
+            self._tiles_known = True
         o = paged_attention(q[0], kc, vc, self.block_tables, self.seq_lens, self.cu_seqlens_q,
-                            max_q_len=self.max_q_len)
+                            max_q_len=self.max_q_len, tile_starts=self.tile_starts)
         return o[None]
 
 
