@@ -95,12 +95,12 @@ def peaks(device) -> tuple[float, float]:
 
 
 def make_engine(model, *, max_num_seqs: int, max_len: int, tokens: int = 16384, seqs_blocks: int | None = None,
-                prefix_caching: bool = True) -> LLMEngine:
+                prefix_caching: bool = True, graph_prefill: bool = False) -> LLMEngine:
     """An engine whose KV cache holds `seqs_blocks` sequences of max_len (default: max_num_seqs of them)."""
     blocks = (seqs_blocks or max_num_seqs) * math.ceil(max_len / 16) + 16
     return LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
                                                max_model_len=max_len, num_gpu_blocks=blocks,
-                                               enable_prefix_caching=prefix_caching))
+                                               enable_prefix_caching=prefix_caching, graph_prefill=graph_prefill))
 
 
 def drain(engine: LLMEngine, deadline: float = math.inf) -> dict[str, object]:
@@ -123,9 +123,15 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
         sync_r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, async_scheduling=False)
     r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, profile=profile,
                       async_scheduling=True)
+    keys = ("output_tok_s", "seconds", "steps", "preemptions", "kv_blocks_total")
     if not profile:
-        r["sync_scheduling"] = {k: sync_r[k] for k in ("output_tok_s", "seconds", "steps", "preemptions")}
+        r["sync_scheduling"] = {k: sync_r[k] for k in keys}
         r["vs_sync_scheduling"] = r["output_tok_s"] / sync_r["output_tok_s"]
+        # and with the prefill steps graphed too (token buckets, captured at first use: inside the timing)
+        graphed, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, async_scheduling=True,
+                                graph_prefill=True)
+        r["graph_prefill"] = {k: graphed[k] for k in keys}
+        r["graph_prefill_vs_eager_prefill"] = graphed["output_tok_s"] / r["output_tok_s"]
     r["workload"] = {"preset": c["preset"], "requests": c["requests"], "lengths": [c["lo"], c["hi"]],
                      "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)}
     del model
@@ -134,7 +140,9 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
     else:
         print(f"\n(a) throughput, {c['preset']} shape, {c['requests']} requests: {r['output_tok_s']:,.0f} output tok/s "
               f"({r['seconds']:.1f} s, {r['steps']} steps, {r['preemptions']} preemptions; target >= 20,000); "
-              f"{r['sync_scheduling']['output_tok_s']:,.0f} scheduled step by step ({r['vs_sync_scheduling']:.2f}x)")
+              f"{r['sync_scheduling']['output_tok_s']:,.0f} scheduled step by step ({r['vs_sync_scheduling']:.2f}x); "
+              f"{r['graph_prefill']['output_tok_s']:,.0f} with graphed prefill steps "
+              f"({r['graph_prefill_vs_eager_prefill']:.2f}x)")
     return r
 
 
@@ -309,35 +317,44 @@ def section_prefill(c: dict, device, dtype, deadline: float) -> dict:
     vocab = min(10000, model.cfg.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
     warm = [[rng.randrange(vocab) for _ in range(length)] for _ in range(c["hf_batch"])]
-    engine = make_engine(model, max_num_seqs=n, max_len=length + 8, prefix_caching=False)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    try:
-        for p in warm:
-            engine.add_request(p, one)
-        drain(engine)
-        rids = [engine.add_request(p, one) for p in prompts]
-        sync(device)
-        t0 = time.perf_counter()
-        done = drain(engine, time.perf_counter() + (deadline - time.perf_counter()) / 2)
-        sync(device)
-        ours_s = time.perf_counter() - t0
-    finally:
-        engine.close()
-    ours_n = len(done)
+    timed = {}
+    for graphed in (False, True):  # eager prefill steps, then graphed ones (each bucket warmed up first)
+        engine = make_engine(model, max_num_seqs=n, max_len=length + 8, prefix_caching=False, graph_prefill=graphed)
+        try:
+            for p in warm:
+                engine.add_request(p, one)
+            drain(engine)
+            rids = [engine.add_request(p, one) for p in prompts]
+            sync(device)
+            t0 = time.perf_counter()
+            done = drain(engine, time.perf_counter() + (deadline - time.perf_counter()) / (3 - graphed))
+            sync(device)
+            timed[graphed] = (time.perf_counter() - t0, len(done))
+            if not graphed:
+                eager_done, eager_rids = done, rids
+        finally:
+            engine.close()
+    graphed_s, graphed_n = timed[True]
+    ours_s = timed[False][0]
+    ours_n = timed[False][1]
     hf = prefill_hf(model, prompts, c["hf_batch"], deadline)
     flops = prefill_flops(model, [length])
     ours_tok_s, hf_tok_s = ours_n * length / ours_s, hf["prompts"] * length / hf["seconds"]
-    ours_first = [done[r].outputs[0].token_ids[0] for r in rids[:c["hf_batch"]] if r in done]
+    ours_first = [eager_done[r].outputs[0].token_ids[0] for r in eager_rids[:c["hf_batch"]] if r in eager_done]
     r = {"prompts": n, "length": length, "ours_tok_s": ours_tok_s, "hf_sdpa_tok_s": hf_tok_s,
          "ratio": ours_tok_s / hf_tok_s, "ours_mfu": ours_n * flops / ours_s / flops_peak,
          "hf_mfu": hf["prompts"] * flops / hf["seconds"] / flops_peak, "flops_per_prompt": flops,
          "ours_prompts_timed": ours_n, "hf_prompts_timed": hf["prompts"],
          "truncated": ours_n < n or hf["prompts"] < n,
-         "first_tokens_identical": sum(a == b for a, b in zip(ours_first, hf["first_tokens"]))}
+         "first_tokens_identical": sum(a == b for a, b in zip(ours_first, hf["first_tokens"])),
+         "graph_prefill_tok_s": graphed_n * length / graphed_s,
+         "graph_prefill_mfu": graphed_n * flops / graphed_s / flops_peak}
     del model
     free_memory(device)
     print(f"\n(c) prefill {c['preset']}, {n} x {length} tokens: ours {ours_tok_s:,.0f} tok/s (MFU "
-          f"{100 * r['ours_mfu']:.1f}%), HF SDPA {hf_tok_s:,.0f} tok/s (MFU {100 * r['hf_mfu']:.1f}%): {r['ratio']:.2f}x")
+          f"{100 * r['ours_mfu']:.1f}%), HF SDPA {hf_tok_s:,.0f} tok/s (MFU {100 * r['hf_mfu']:.1f}%): {r['ratio']:.2f}x; "
+          f"graphed prefill steps {r['graph_prefill_tok_s']:,.0f} tok/s (MFU {100 * r['graph_prefill_mfu']:.1f}%)")
     return r
 
 

@@ -133,6 +133,9 @@ def _add_serve(sub):
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step n + 1 while the GPU runs step n (default: off until measured on a GPU; "
                         "not with --tensor-parallel-size or --store)")
+    p.add_argument("--graph-prefill", action="store_true",
+                   help="CUDA-graph the prefill and mixed steps too, padded to token buckets, one graph per bucket "
+                        "captured at its first step (default: off until measured on a GPU)")
     p.add_argument("--max-waiting", type=_positive_int, default=256,
                    help="requests that may wait for a batch slot; more get 429 with Retry-After")
     p.add_argument("--max-request-bytes", type=_positive_int, default=8 << 20, help="larger bodies get 413")

@@ -54,9 +54,10 @@ def test_gpu_engine_greedy_equals_the_reference_fp32(tok, name):
     model = make_model(tok, name).cuda()
     ps = workload(1)
     want = [generate(model, p, max_new_tokens=24) for p in ps]
-    for async_scheduling in (False, True):
-        got, stats = engine_tokens(model, tok, ps, GREEDY, async_scheduling=async_scheduling)
-        assert got == want, f"{name}, async_scheduling={async_scheduling}"
+    for async_scheduling, graph_prefill in ((False, False), (True, False), (False, True), (True, True)):
+        got, stats = engine_tokens(model, tok, ps, GREEDY, async_scheduling=async_scheduling,
+                                   graph_prefill=graph_prefill)
+        assert got == want, f"{name}, async_scheduling={async_scheduling}, graph_prefill={graph_prefill}"
         assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
 
 

@@ -96,18 +96,19 @@ def _sync(device: torch.device) -> None:
 
 def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, temperature: float = 0.6,
                use_cuda_graphs: bool = True, tensor_parallel_size: int = 1, model_factory=None,
-               profile: bool = False, async_scheduling: bool | None = None) -> tuple[dict, list[list[int]]]:
+               profile: bool = False, async_scheduling: bool | None = None,
+               graph_prefill: bool = False) -> tuple[dict, list[list[int]]]:
     """Every request at once; returns the numbers and each request's output token ids. With tensor parallelism
     the other ranks build their copy of the model with `model_factory(device)` (default: from its weights).
-    `profile`: time each step by kind (serve/step_profile.py), into the numbers' "profile". `async_scheduling`:
-    the engine's option (None: its default, on for a GPU)."""
+    `profile`: time each step by kind (serve/step_profile.py), into the numbers' "profile". `async_scheduling`
+    and `graph_prefill`: the engine's options (None: its default)."""
     from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
                                                  max_model_len=max(len(p) + o for p, o in zip(prompts, outputs)) + 1,
                                                  use_cuda_graphs=use_cuda_graphs,
                                                  tensor_parallel_size=tensor_parallel_size,
-                                                 async_scheduling=async_scheduling),
+                                                 async_scheduling=async_scheduling, graph_prefill=graph_prefill),
                        model_factory=model_factory)
     try:
         return _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile)
@@ -153,7 +154,8 @@ def _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile) ->
     bar.close()
     s = engine.stats()
     produced = sum(len(t) for t in token_ids.values())
-    result = {"async_scheduling": engine.async_scheduling, "seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt,
+    result = {"async_scheduling": engine.async_scheduling, "graph_prefill": bool(engine.runner.batch.prefill_buckets),
+              "seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt,
               "kv_utilization_mean": util_sum / max(samples, 1), "preemptions": s["preemptions"],
               "steps": s["steps"], "kv_blocks_total": s["kv_blocks_total"], "max_num_seqs": max_num_seqs}
     if prof is not None:
@@ -326,7 +328,7 @@ def _model_on(w: Workload, dtype: torch.dtype, device: torch.device) -> Transfor
 def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256, temperature: float = 0.6,
                      baseline: bool = True, out: Path = Path("runs/bench/throughput.json"), device: torch.device,
                      dtype: torch.dtype, tensor_parallel_size: int = 1, profile: bool = False,
-                     async_scheduling: bool | None = None) -> dict:
+                     async_scheduling: bool | None = None, graph_prefill: bool = False) -> dict:
     from nanoforge.model.hf import save_model
 
     model = build_model(w, device, dtype)
@@ -348,7 +350,8 @@ def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256
     result["nanoforge"], engine_ids = run_engine(model, prompts, outputs, max_num_seqs=max_num_seqs,
                                                  temperature=temperature, tensor_parallel_size=tensor_parallel_size,
                                                  model_factory=functools.partial(_model_on, w, dtype),
-                                                 profile=profile, async_scheduling=async_scheduling)
+                                                 profile=profile, async_scheduling=async_scheduling,
+                                                 graph_prefill=graph_prefill)
     result["tensor_parallel_size"] = tensor_parallel_size
     if baseline:
         with tempfile.TemporaryDirectory() as d:
@@ -422,6 +425,9 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
                         "achieved fraction of the device's memory bandwidth and FLOP/s (default: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="engine: schedule step n + 1 while the device runs step n (default: off until measured on a GPU)")
+    p.add_argument("--graph-prefill", action="store_true",
+                   help="engine: CUDA-graph prefill and mixed steps too, padded to token buckets (default: off until "
+                        "measured on a GPU)")
     p.add_argument("--out", default="runs/bench/throughput.json", metavar="PATH",
                    help="JSON file for the results; a directory gets throughput.json (default: %(default)s)")
     p.add_argument("--device", default="auto",
@@ -480,5 +486,5 @@ def run_cli(args: argparse.Namespace) -> int:
     bench_throughput(workload, hf_batch=args.hf_batch, max_num_seqs=args.max_num_seqs, temperature=args.temperature,
                      baseline=not args.no_baseline, out=out, device=device, dtype=dtype,
                      tensor_parallel_size=args.tensor_parallel_size, profile=args.profile,
-                     async_scheduling=args.async_scheduling)
+                     async_scheduling=args.async_scheduling, graph_prefill=args.graph_prefill)
     return 0

@@ -94,7 +94,8 @@ class StepInputs:
     num_samples: int
     max_q_len: int
     table_width: int  # block-table columns the step's attention reads
-    graph: bool  # a decode step padded to a captured graph's size (layout.t)
+    graph: str | None  # "decode": padded to a decode graph's batch (layout.t = layout.s); "prefill": to a token
+    # bucket (layout.t) and every sequence slot (layout.s); None: run eagerly at its own size
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
@@ -115,12 +116,14 @@ class StepSamples:
 
 class InputBatch:
     def __init__(self, *, max_num_seqs: int, block_size: int, max_blocks_per_seq: int, scratch_block: int,
-                 max_num_tokens: int, graph_sizes: list[int], pin_memory: bool, seed_source=None):
+                 max_num_tokens: int, graph_sizes: list[int], pin_memory: bool, prefill_buckets=(),
+                 seed_source=None):
         self.block_size = block_size
         self.width = max_blocks_per_seq
         self.scratch_slot = max_num_seqs  # the device's extra row: a table of scratch blocks, greedy params
         self.scratch_cache_slot = scratch_block * block_size
         self.graph_sizes = sorted(graph_sizes)
+        self.prefill_buckets = sorted(prefill_buckets)
         self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot
         self._slot_of: dict[int, int] = {}  # seq_id -> slot
         self._seq: list[Sequence | None] = [None] * max_num_seqs
@@ -240,10 +243,18 @@ class InputBatch:
                 samples.append((seq, j))
                 needs_filter |= (p.top_k > 0 or p.top_p < 1.0) and p.temperature > 0
         n_tok, n_seq = len(ids), len(row_slot)
-        graph = bool(self.graph_sizes) and max_q == 1 and n_tok == n_seq == len(sample_row) \
-            and n_seq <= self.graph_sizes[-1] and not scored
-        size = next(g for g in self.graph_sizes if g >= n_seq) if graph else 0
-        layout = Layout(size, size) if graph else Layout(n_tok, max(n_seq, len(sample_row)))
+        graph = None
+        if bool(self.graph_sizes) and max_q == 1 and n_tok == n_seq == len(sample_row) \
+                and n_seq <= self.graph_sizes[-1] and not scored:
+            graph = "decode"
+            size = next(g for g in self.graph_sizes if g >= n_seq)
+            layout = Layout(size, size)
+        elif self.prefill_buckets and 0 < n_tok <= self.prefill_buckets[-1] and not scored \
+                and max(n_seq, len(sample_row)) <= self.max_num_seqs:
+            graph = "prefill"  # padding sequences have no tokens: the attention kernel skips them
+            layout = Layout(next(t for t in self.prefill_buckets if t >= n_tok), self.max_num_seqs)
+        else:
+            layout = Layout(n_tok, max(n_seq, len(sample_row)))
         total = layout.size + TABLE_UPDATE_WORDS * (len(table_updates) // 2) + PARAM_UPDATE_WORDS * len(params)
         packed = self._buffer(total)
         buf = packed.numpy()
@@ -256,12 +267,13 @@ class InputBatch:
         self._fill(v["row_slot"], row_slot, self.scratch_slot, pad_s)
         self._fill(v["seq_lens"], seq_lens, 1, pad_s)
         v["cu_seqlens"][:n_seq + 1] = cu
-        v["cu_seqlens"][n_seq + 1:] = np.arange(n_tok + 1, n_tok + 1 + pad_s)
+        # padding sequences take a padding token each while there are some (a decode graph's: all), then none
+        v["cu_seqlens"][n_seq + 1:] = n_tok + np.minimum(np.arange(1, pad_s + 1), pad_t)
         n_samp = len(sample_row)
         pad_r = layout.s - n_samp
         self._fill(v["sample_row"], sample_row, 0, 0)
         if pad_r:
-            v["sample_row"][n_samp:] = np.arange(n_samp, layout.s)
+            v["sample_row"][n_samp:] = np.arange(n_samp, layout.s) % layout.t  # any row: never read back
         self._fill(v["sample_slot"], sample_slot, self.scratch_slot, pad_r)
         self._fill(v["seed_offset"], seed_off, 0, pad_r)
         self._fill(v["draw"], draw, 0, pad_r)

@@ -76,6 +76,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     use_cuda_graphs: bool = True
+    # prefill and mixed steps graphed too: padded to token buckets (serve/model_runner.py: prefill_buckets), one
+    # CUDA graph per bucket captured at its first step; off until it has run on a GPU (issue 14)
+    graph_prefill: bool = False
     # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
     # default off until it has run on a GPU; not with tensor parallelism or a KV pool (they need the tokens first)
     async_scheduling: bool | None = None
@@ -401,7 +404,8 @@ def make_runner(model: Transformer, c: EngineConfig, max_model_len: int, num_gpu
                 tp: TensorParallel | None) -> ModelRunner:
     return ModelRunner(model, block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                        max_num_seqs=c.max_num_seqs, max_model_len=max_model_len,
-                       max_num_batched_tokens=c.max_num_batched_tokens, use_cuda_graphs=c.use_cuda_graphs, tp=tp)
+                       max_num_batched_tokens=c.max_num_batched_tokens, use_cuda_graphs=c.use_cuda_graphs,
+                       graph_prefill=c.graph_prefill, tp=tp)
 
 
 def serve_worker(tp: TensorParallel, model_factory: Callable, c: EngineConfig, max_model_len: int) -> None:

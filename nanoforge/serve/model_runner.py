@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,13 @@ def logprob_entries(logits: torch.Tensor, token_ids: list[int], ks: list[int]) -
             for t, c, ids, vals, kk in zip(token_ids, chosen, top_ids, top_vals, ks)]
 
 
+def prefill_buckets(max_num_tokens: int) -> list[int]:
+    """The token counts a prefill or mixed step is padded to when those steps are graphed: powers of two up
+    to 1,024, then multiples of 1,024 (at most 1/8 of a step wasted past 8K), then max_num_tokens."""
+    small = [t for t in (16, 32, 64, 128, 256, 512, 1024) if t < max_num_tokens]
+    return small + list(range(2048, max_num_tokens, 1024)) + [max_num_tokens]
+
+
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """The decode batch sizes that get a CUDA graph: the ladder up to max_num_seqs (and the next rung)."""
     sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs] or [1]
@@ -134,7 +142,7 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_model_len: int, max_num_batched_tokens: int = 8192,
-                 use_cuda_graphs: bool = True, tp: TensorParallel | None = None):
+                 use_cuda_graphs: bool = True, graph_prefill: bool = False, tp: TensorParallel | None = None):
         self.model = model
         self.tp = tp
         self.is_driver = tp is None or tp.is_driver  # the rank that samples and reads tokens back
@@ -153,14 +161,24 @@ class ModelRunner:
         self.k_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda) if num_cpu_blocks else None
         self.v_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda) if num_cpu_blocks else None
         sizes = graph_sizes(max_num_seqs) if use_cuda_graphs and cuda else []
+        # prefill and mixed steps padded to token buckets, one graph each, captured at first use (on the CPU the
+        # same padded steps run eagerly: what the tests check); not with tensor parallelism yet
+        buckets = prefill_buckets(max_num_batched_tokens) if graph_prefill and tp is None else []
         self.batch = InputBatch(max_num_seqs=max_num_seqs, block_size=block_size,
                                 max_blocks_per_seq=self.max_blocks_per_seq, scratch_block=self.scratch_block,
-                                max_num_tokens=max_num_batched_tokens, graph_sizes=sizes, pin_memory=cuda)
+                                max_num_tokens=max_num_batched_tokens, graph_sizes=sizes, prefill_buckets=buckets,
+                                pin_memory=cuda)
         self._init_device_batch(max_num_seqs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[bool, int], Callable[[], None]] = {}  # (decode, tokens) -> replay
+        self._graph_pool = None  # the memory pool every graph shares (they never run at once)
         self.profiler = None  # a StepProfiler (serve/step_profile.py) while `bench throughput --profile` runs
+        if sizes or buckets:
+            self.g_logits = torch.zeros(self.batch.max_num_seqs, self.cfg.vocab_size, dtype=self.dtype,
+                                        device=self.device) if self.is_driver else None
+        for b in reversed(sizes):
+            self._capture(Layout(b, b), decode=True)
         if sizes:
-            self._capture_graphs(sizes)
+            torch.cuda.synchronize()
 
     def _init_device_batch(self, max_num_seqs: int) -> None:
         """The device half of the persistent batch: per slot (plus the scratch slot) a block table and sampling
@@ -299,13 +317,16 @@ class ModelRunner:
         """The device's part of a step: upload, block operations, the forward pass and, on the first rank,
         sampling into `self.sampled[:step.num_samples]`. Returns the hidden states of the step's tokens (None
         for a replayed graph: decodes score no prompt token) and the logits of the sampled rows (first rank)."""
+        key = (step.graph == "decode", step.layout.t)
+        if step.graph and key not in self.graphs:  # a prefill bucket's first step: before the upload, as the
+            self._capture(step.layout, decode=key[0])  # capture runs on idle inputs in the same buffer
         v = self._upload(step)
         self._block_ops(step)
         if not step.num_tokens:
             return None, None
         n = step.num_samples
         if step.graph:
-            self.graphs[step.layout.t].replay()
+            self.graphs[key]()
             hidden, logits = None, self.g_logits[:n] if self.is_driver else None
         else:
             hidden = self._forward(v, step.num_tokens, step.num_seqs, step.max_q_len, step.table_width)
@@ -362,34 +383,40 @@ class ModelRunner:
             start += n
         return result
 
-    # --- CUDA graphs for decode -------------------------------------------------------------------------
+    # --- CUDA graphs -------------------------------------------------------------------------------------
 
     @torch.no_grad()  # the weights may require grad (a model fresh from training); the graph's outputs never do
-    def _capture_graphs(self, sizes: list[int]) -> None:
-        """One graph per decode batch size: input ids, the rows' block tables, the model, the logits (into
-        a buffer the sizes share) and the sampled tokens (temperature and seeds included)."""
-        if self.is_driver:
-            self.g_logits = torch.zeros(sizes[-1], self.cfg.vocab_size, dtype=self.dtype, device=self.device)
-        pool = None
-        for b in reversed(sizes):
-            layout = Layout(b, b)
-            idle = idle_packed(layout, self.batch.scratch_cache_slot, self.batch.scratch_slot)
-            self.inputs[:layout.size].copy_(torch.from_numpy(idle))
-            v = layout.views(self.inputs)
+    def _capture(self, layout: Layout, *, decode: bool) -> None:
+        """One graph for the steps of `layout`: input ids, the rows' block tables, the model, the logits of the
+        sampled rows (into a buffer all graphs share) and the sampled tokens (temperature and seeds included).
+        Decode graphs (layout t = s = batch) are captured at start; a prefill bucket's (t tokens, every
+        sequence slot) at its first step, in between steps: the sampled tokens of a step still in flight are
+        kept across it. On the CPU the "graph" is the padded step run eagerly."""
+        t, s = layout.t, layout.s
+        self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
+                                                                     self.batch.scratch_slot)))
+        v = layout.views(self.inputs)
+        max_q_len = 1 if decode else t
 
-            def run(v=v, b=b):
-                hidden = self._forward(v, b, b, 1, self.max_blocks_per_seq)
-                if self.is_driver:
-                    self._sample(v, hidden, b, logits_out=self.g_logits[:b])
+        def run():
+            hidden = self._forward(v, t, s, max_q_len, self.max_blocks_per_seq)
+            if self.is_driver:
+                self._sample(v, hidden if decode else hidden[v["sample_row"]], s, logits_out=self.g_logits[:s])
 
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                run()  # warm up: autotuning and compilation happen outside the capture
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                run()
-            pool = g.pool()
-            self.graphs[b] = g
+        if self.device.type != "cuda":
+            self.graphs[(decode, t)] = run
+            return
         torch.cuda.synchronize()
+        sampled = self.sampled.clone()  # a step in flight's tokens, which the next step may read on the device
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # warm up: compilation and autotuning happen outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        # thread_local: a KV connector's worker thread may be copying blocks meanwhile
+        with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
+            run()
+        self._graph_pool = g.pool()
+        self.sampled.copy_(sampled)
+        self.graphs[(decode, t)] = g.replay
