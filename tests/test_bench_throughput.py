@@ -180,6 +180,6 @@ def test_every_flag_has_help_with_its_default():
     p = argparse.ArgumentParser()
     bt.add_cli_arguments(p)
     options = [a for a in p._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 17
+    assert len(options) == 18
     for a in options:
         assert a.help and "default" in a.help, a.option_strings
