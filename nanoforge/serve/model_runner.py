@@ -57,6 +57,9 @@ SCORE_ROWS = 512  # prompt positions projected onto the vocabulary at once (boun
 UPDATE_RESERVE = 1 << 16  # words of the upload buffer kept for table and parameter updates
 
 
+_UNSET = object()  # not computed yet (None is a value: decode needs no tile starts)
+
+
 class PagedAttention(AttentionBackend):
     """The engine's attention backend: one flattened ragged batch, K/V in paged blocks."""
 
@@ -64,8 +67,7 @@ class PagedAttention(AttentionBackend):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.seq_lens, self.cu_seqlens_q, self.max_q_len = seq_lens, cu_seqlens_q, max_q_len
-        self.tile_starts = None  # the kernel's ragged query tiles: computed at the first layer, shared by all
-        self._tiles_known = False
+        self.tile_starts = _UNSET  # the kernel's ragged query tiles: computed at the first layer, shared by all
 
     def attend(self, layer, q, k, v):
         kc, vc = self.k_cache[layer], self.v_cache[layer]
@@ -81,9 +83,8 @@ class PagedAttention(AttentionBackend):
         return self._attend_cached(apply_rope(q, cos, sin), kc, vc)
 
     def _attend_cached(self, q, kc, vc):
-        if not self._tiles_known:
+        if self.tile_starts is _UNSET:
             self.tile_starts = query_tile_starts(q[0], kc, self.cu_seqlens_q, self.max_q_len)
-            self._tiles_known = True
         o = paged_attention(q[0], kc, vc, self.block_tables, self.seq_lens, self.cu_seqlens_q,
                             max_q_len=self.max_q_len, tile_starts=self.tile_starts)
         return o[None]
