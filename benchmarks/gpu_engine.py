@@ -432,6 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU in fp32 (a dry run)")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
+    p.add_argument("--total", type=float, help="the run's time budget in seconds (default: 450 on a GPU)")
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
     if any(s not in SECTIONS for s in only):
@@ -444,7 +445,8 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     start = time.perf_counter()
-    end = start + conf["total"]
+    total = args.total or conf["total"]
+    end = start + total
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
                "torch": torch.__version__, "smoke": args.smoke, "sections": {}}
     runs = {"throughput": lambda c, dl: section_throughput(c, device, dtype, dl),
@@ -457,7 +459,7 @@ def main(argv=None) -> int:
         left = end - time.perf_counter()
         info = results["sections"][name] = {"budget_s": c["budget"]}
         if left < c["budget"] / 2:
-            info["skipped"] = f"{left:.0f} s left of the run's {conf['total']} s"
+            info["skipped"] = f"{left:.0f} s left of the run's {total:.0f} s"
             print(f"\n({name}) skipped: {info['skipped']}")
             continue
         t0 = time.perf_counter()

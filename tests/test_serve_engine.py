@@ -218,11 +218,13 @@ def test_engine_on_every_triton_kernel_decodes_the_reference_tokens(tok, monkeyp
     assert got == want
 
 
+@pytest.mark.parametrize("max_num_seqs", [6, 20])  # 20: more sequence slots than the smallest bucket's tokens
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen3"])
-def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_tokens(tok, name):
+def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_tokens(tok, name, max_num_seqs):
     """graph_prefill: prefill and mixed steps packed at a token bucket and every sequence slot (padding tokens
     and zero-length padding sequences), what a CUDA graph replays; on the CPU the same padded step runs
-    eagerly. Chunked prompts, prefix hits, preemption and seeded rows give the reference generator's tokens."""
+    eagerly, after a warm-up on the idle inputs a graph is captured with. Chunked prompts, prefix hits,
+    preemption and seeded rows give the reference generator's tokens."""
     model = make_model(tok, name)
     rng = random.Random(5)
     shared = prompts(1, rng, 40, 40)[0]
@@ -231,7 +233,8 @@ def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_token
         [SamplingParams(temperature=0.9, top_k=20, max_tokens=12, seed=7 + i, ignore_eos=True) for i in range(2)]
     want = [generate(model, p, max_new_tokens=12) for p in ps[:8]] + \
         [generate(model, p, max_new_tokens=12, temperature=0.9, top_k=20, seed=7 + i) for i, p in enumerate(ps[8:])]
-    llm = LLM(model, tok, num_gpu_blocks=20, max_num_seqs=6, max_num_batched_tokens=48, graph_prefill=True)
+    llm = LLM(model, tok, num_gpu_blocks=20, max_num_seqs=max_num_seqs, max_num_batched_tokens=48,
+              graph_prefill=True)
     runner = llm.engine.runner
     assert runner.batch.prefill_buckets == [16, 32, 48]
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]

@@ -56,7 +56,8 @@ def test_gpu_engine_greedy_equals_the_reference_fp32(tok, name):
     want = [generate(model, p, max_new_tokens=24) for p in ps]
     for async_scheduling, graph_prefill in ((False, False), (True, False), (False, True), (True, True)):
         got, stats = engine_tokens(model, tok, ps, GREEDY, async_scheduling=async_scheduling,
-                                   graph_prefill=graph_prefill)
+                                   graph_prefill=graph_prefill,  # graphed: more slots than the 16-token bucket
+                                   max_num_seqs=24 if graph_prefill else 12)
         assert got == want, f"{name}, async_scheduling={async_scheduling}, graph_prefill={graph_prefill}"
         assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
 

@@ -75,7 +75,7 @@ def idle_packed(layout: Layout, scratch_cache_slot: int, scratch_slot: int) -> n
     v["slots"][:] = scratch_cache_slot
     v["token_src"][:] = -1
     v["row_slot"][:] = v["sample_slot"][:] = scratch_slot
-    v["sample_row"][:] = np.arange(layout.s)
+    v["sample_row"][:] = np.arange(layout.s) % layout.t  # a prefill bucket may have fewer tokens than rows
     v["seq_lens"][:] = 1
     v["cu_seqlens"][:] = np.arange(layout.s + 1) if layout.t == layout.s else 0
     return buf

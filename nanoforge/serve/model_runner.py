@@ -319,14 +319,17 @@ class ModelRunner:
         sampling into `self.sampled[:step.num_samples]`. Returns the hidden states of the step's tokens (None
         for a replayed graph: decodes score no prompt token) and the logits of the sampled rows (first rank)."""
         key = (step.graph == "decode", step.layout.t)
-        if step.graph and key not in self.graphs:  # a prefill bucket's first step: before the upload, as the
+        # a graph reads its inputs from self.inputs: a step whose table updates overflow it (a fresh upload
+        # buffer) runs its padded inputs eagerly instead
+        graphed = step.graph is not None and step.packed.numel() <= self.inputs.numel()
+        if graphed and key not in self.graphs:  # a prefill bucket's first step: before the upload, as the
             self._capture(step.layout, decode=key[0])  # capture runs on idle inputs in the same buffer
         v = self._upload(step)
         self._block_ops(step)
         if not step.num_tokens:
             return None, None
         n = step.num_samples
-        if step.graph:
+        if graphed:
             self.graphs[key]()
             hidden, logits = None, self.g_logits[:n] if self.is_driver else None
         else:
@@ -404,15 +407,19 @@ class ModelRunner:
             if self.is_driver:
                 self._sample(v, hidden if decode else hidden[v["sample_row"]], s, logits_out=self.g_logits[:s])
 
-        if self.device.type != "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        sampled = self.sampled.clone()  # a step in flight's tokens, which the next step may read on the device
+        side = torch.cuda.Stream() if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # (None: a no-op on the CPU)
+            run()  # warm up on the idle inputs (on the CPU too: what the tests check): compile, autotune
+        if not cuda:
+            self.sampled.copy_(sampled)
             self.graphs[(decode, t)] = run
             return
-        torch.cuda.synchronize()
-        sampled = self.sampled.clone()  # a step in flight's tokens, which the next step may read on the device
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()  # warm up: compilation and autotuning happen outside the capture
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         # thread_local: a KV connector's worker thread may be copying blocks meanwhile
