@@ -131,8 +131,8 @@ def _add_serve(sub):
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="split the model over N GPUs, one process each (default: 1)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step n + 1 while the GPU runs step n (default: off until measured on a GPU; "
-                        "not with --tensor-parallel-size or --store)")
+                   help="schedule step n + 1 while the GPU runs step n (default: on a GPU, where it is not "
+                        "ruled out by --tensor-parallel-size or --store)")
     p.add_argument("--graph-prefill", action="store_true",
                    help="CUDA-graph the prefill and mixed steps too, padded to token buckets, one graph per bucket "
                         "captured at its first step (default: off until measured on a GPU)")

@@ -177,7 +177,7 @@ def test_abort_mid_stream(tok, model):
 
 def test_default_and_unsupported_combinations():
     assert check_async_scheduling(EngineConfig(), torch.device("cpu"), None) is False
-    assert check_async_scheduling(EngineConfig(), torch.device("cuda"), None) is False  # opt-in until measured
+    assert check_async_scheduling(EngineConfig(), torch.device("cuda"), None) is True  # the GPU default
     assert check_async_scheduling(EngineConfig(async_scheduling=True), torch.device("cuda"), None) is True
     assert check_async_scheduling(EngineConfig(tensor_parallel_size=2), torch.device("cuda"), None) is False
     assert check_async_scheduling(EngineConfig(), torch.device("cuda"), object()) is False

@@ -38,6 +38,18 @@ def test_layout_views_round_trip_on_host_and_device():
     assert max(ends) <= layout.size  # no field runs past the buffer
 
 
+@pytest.mark.parametrize("t,s", [(7, 3), (16, 5), (33, 33), (1024, 256)])
+def test_every_field_starts_16_byte_aligned_and_fields_never_overlap(t, s):
+    """Triton specializes on pointer alignment: a field's alignment must not depend on the step's sizes."""
+    layout = Layout(t, s)
+    v = layout.views(torch.zeros(layout.size, dtype=torch.int64))
+    base = v["ids"].data_ptr()
+    assert all((x.data_ptr() - base) % 16 == 0 for x in v.values())
+    spans = sorted((x.data_ptr() - base, x.data_ptr() - base + x.numel() * x.element_size()) for x in v.values())
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= layout.size * 8
+
+
 def check_device_batch(engine: LLMEngine) -> int:
     """Every sequence holding a slot: the device's table row starts with its block table and its sampling
     parameters are the request's. Returns how many were checked."""

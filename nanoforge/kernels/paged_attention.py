@@ -255,7 +255,9 @@ def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# num_seqs and the block tables' row stride (the step's table width) change from step to step: not specialized
+# on (Triton would compile a variant for each of value 1 / multiple of 16 / other, ~0.7 s each mid-run)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attn_kernel(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, TILE_STARTS, O, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,

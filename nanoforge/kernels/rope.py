@@ -55,7 +55,7 @@ def _fast(x, cos, sin) -> bool:
             and x.shape[-1] % 2 == 0 and cos.shape[2] == 1 and cos.shape[-1] == x.shape[-1] and x.numel() > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "sxb", "scb"])  # per-step token counts: no variant per value class
 def _rope_kernel(X, COS, SIN, OUT, T, H, sxb, sxt, sxh, scb, sct, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_D: tl.constexpr):
     """Token pid = b * T + t, all its heads: out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2, each product and the sum

@@ -424,7 +424,7 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine: per step kind (prefill, decode, mixed), host and device time per step and the "
                         "achieved fraction of the device's memory bandwidth and FLOP/s (default: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine: schedule step n + 1 while the device runs step n (default: off until measured on a GPU)")
+                   help="engine: schedule step n + 1 while the device runs step n (default: on a GPU)")
     p.add_argument("--graph-prefill", action="store_true",
                    help="engine: CUDA-graph prefill and mixed steps too, padded to token buckets (default: off until "
                         "measured on a GPU)")

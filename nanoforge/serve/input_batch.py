@@ -39,24 +39,28 @@ TABLE_UPDATE_WORDS = 2  # flat index into the (slots, width) table, block id
 PARAM_UPDATE_WORDS = 5  # slot, top_k, seed, temperature (float64 bits), top_p (float64 bits)
 
 
+def _even(words: int) -> int:
+    return words + (words & 1)
+
+
 class Layout:
     """Offsets of a step's fields in the packed int64 array, for `t` token rows and `s` sequence rows.
 
     Context lengths and query offsets (int32, as the attention kernels take them) are packed two to a word.
-    The same layout views a numpy array (the host fills it) or a torch tensor (the device reads it)."""
+    Every field starts on a 16-byte boundary (an even word): Triton specializes a kernel on its pointers'
+    16-byte alignment, so fields whose alignment changed with the step's sizes compiled new kernel variants
+    mid-run (~0.7 s each on the H200). The same layout views a numpy array (the host fills it) or a torch
+    tensor (the device reads it)."""
 
     def __init__(self, t: int, s: int):
         self.t, self.s = t, s
         self.spans: dict[str, tuple[int, int]] = {}
         off = 0
-        for name in TOKEN_FIELDS:
-            self.spans[name] = (off, t)
-            off += t
-        for name in SEQ_FIELDS:
-            self.spans[name] = (off, s)
-            off += s
-        self.int32_spans = {"seq_lens": (off, s), "cu_seqlens": (off + (s + 1) // 2, s + 1)}
-        self.size = off + (s + 1) // 2 + (s + 2) // 2
+        for name, n in [(name, t) for name in TOKEN_FIELDS] + [(name, s) for name in SEQ_FIELDS]:
+            self.spans[name] = (off, n)
+            off += _even(n)
+        self.int32_spans = {"seq_lens": (off, s), "cu_seqlens": (off + _even((s + 1) // 2), s + 1)}
+        self.size = off + _even((s + 1) // 2) + (s + 2) // 2
 
     def views(self, buf) -> dict:
         """Each field of `buf` (numpy int64 or torch int64, at least `size` long) as a view."""

