@@ -96,7 +96,7 @@ def peaks(device) -> tuple[float, float]:
 
 
 def make_engine(model, *, max_num_seqs: int, max_len: int, tokens: int = 16384, seqs_blocks: int | None = None,
-                prefix_caching: bool = True, graph_prefill: bool = False) -> LLMEngine:
+                prefix_caching: bool = True, graph_prefill: bool | None = None) -> LLMEngine:
     """An engine whose KV cache holds `seqs_blocks` sequences of max_len (default: max_num_seqs of them)."""
     blocks = (seqs_blocks or max_num_seqs) * math.ceil(max_len / 16) + 16
     return LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
@@ -122,17 +122,16 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
                                      min_input=c["lo"], min_output=c["lo"])
     if not profile:  # the same work scheduled step by step first: what the one-step lag buys
         sync_r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, async_scheduling=False)
-    r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, profile=profile,
-                      async_scheduling=True)
+    # the engine's defaults (on a GPU: a step ahead, prefill steps graphed)
+    r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, profile=profile)
     keys = ("output_tok_s", "seconds", "steps", "preemptions", "kv_blocks_total")
     if not profile:
         r["sync_scheduling"] = {k: sync_r[k] for k in keys}
         r["vs_sync_scheduling"] = r["output_tok_s"] / sync_r["output_tok_s"]
-        # and with the prefill steps graphed too (token buckets, captured at first use: inside the timing)
-        graphed, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, async_scheduling=True,
-                                graph_prefill=True)
-        r["graph_prefill"] = {k: graphed[k] for k in keys}
-        r["graph_prefill_vs_eager_prefill"] = graphed["output_tok_s"] / r["output_tok_s"]
+        # and with eager prefill steps
+        eager, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, graph_prefill=False)
+        r["eager_prefill"] = {k: eager[k] for k in keys}
+        r["vs_eager_prefill"] = r["output_tok_s"] / eager["output_tok_s"]
     r["workload"] = {"preset": c["preset"], "requests": c["requests"], "lengths": [c["lo"], c["hi"]],
                      "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)}
     del model
@@ -142,8 +141,8 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
         print(f"\n(a) throughput, {c['preset']} shape, {c['requests']} requests: {r['output_tok_s']:,.0f} output tok/s "
               f"({r['seconds']:.1f} s, {r['steps']} steps, {r['preemptions']} preemptions; target >= 20,000); "
               f"{r['sync_scheduling']['output_tok_s']:,.0f} scheduled step by step ({r['vs_sync_scheduling']:.2f}x); "
-              f"{r['graph_prefill']['output_tok_s']:,.0f} with graphed prefill steps "
-              f"({r['graph_prefill_vs_eager_prefill']:.2f}x)")
+              f"{r['eager_prefill']['output_tok_s']:,.0f} with eager prefill steps "
+              f"({r['vs_eager_prefill']:.2f}x)")
     return r
 
 
@@ -322,7 +321,7 @@ def section_prefill(c: dict, device, dtype, deadline: float) -> dict:
     warm = [[rng.randrange(vocab) for _ in range(length)] for _ in range(c["hf_batch"])]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     timed = {}
-    for graphed in (False, True):  # eager prefill steps, then graphed ones (each bucket warmed up first)
+    for graphed in (None, False):  # the engine's default (on a GPU: graphed prefill steps), then eager ones
         engine = make_engine(model, max_num_seqs=n, max_len=length + 8, prefix_caching=False, graph_prefill=graphed)
         try:
             for p in warm:
@@ -331,33 +330,32 @@ def section_prefill(c: dict, device, dtype, deadline: float) -> dict:
             rids = [engine.add_request(p, one) for p in prompts]
             sync(device)
             t0 = time.perf_counter()
-            done = drain(engine, time.perf_counter() + (deadline - time.perf_counter()) / (3 - graphed))
+            done = drain(engine, time.perf_counter() + (deadline - time.perf_counter()) / (3 if graphed is None else 2))
             sync(device)
             timed[graphed] = (time.perf_counter() - t0, len(done))
-            if not graphed:
-                eager_done, eager_rids = done, rids
+            if graphed is None:
+                ours_done, ours_rids, ours_graphed = done, rids, bool(engine.runner.batch.prefill_buckets)
         finally:
             engine.close()
-    graphed_s, graphed_n = timed[True]
-    ours_s = timed[False][0]
-    ours_n = timed[False][1]
+    eager_s, eager_n = timed[False]
+    ours_s, ours_n = timed[None]
     hf = prefill_hf(model, prompts, c["hf_batch"], deadline)
     flops = prefill_flops(model, [length])
     ours_tok_s, hf_tok_s = ours_n * length / ours_s, hf["prompts"] * length / hf["seconds"]
-    ours_first = [eager_done[r].outputs[0].token_ids[0] for r in eager_rids[:c["hf_batch"]] if r in eager_done]
+    ours_first = [ours_done[r].outputs[0].token_ids[0] for r in ours_rids[:c["hf_batch"]] if r in ours_done]
     r = {"prompts": n, "length": length, "ours_tok_s": ours_tok_s, "hf_sdpa_tok_s": hf_tok_s,
          "ratio": ours_tok_s / hf_tok_s, "ours_mfu": ours_n * flops / ours_s / flops_peak,
          "hf_mfu": hf["prompts"] * flops / hf["seconds"] / flops_peak, "flops_per_prompt": flops,
          "ours_prompts_timed": ours_n, "hf_prompts_timed": hf["prompts"],
          "truncated": ours_n < n or hf["prompts"] < n,
          "first_tokens_identical": sum(a == b for a, b in zip(ours_first, hf["first_tokens"])),
-         "graph_prefill_tok_s": graphed_n * length / graphed_s,
-         "graph_prefill_mfu": graphed_n * flops / graphed_s / flops_peak}
+         "graph_prefill": ours_graphed,
+         "eager_prefill_tok_s": eager_n * length / eager_s, "eager_prefill_mfu": eager_n * flops / eager_s / flops_peak}
     del model
     free_memory(device)
     print(f"\n(c) prefill {c['preset']}, {n} x {length} tokens: ours {ours_tok_s:,.0f} tok/s (MFU "
           f"{100 * r['ours_mfu']:.1f}%), HF SDPA {hf_tok_s:,.0f} tok/s (MFU {100 * r['hf_mfu']:.1f}%): {r['ratio']:.2f}x; "
-          f"graphed prefill steps {r['graph_prefill_tok_s']:,.0f} tok/s (MFU {100 * r['graph_prefill_mfu']:.1f}%)")
+          f"eager prefill steps {r['eager_prefill_tok_s']:,.0f} tok/s (MFU {100 * r['eager_prefill_mfu']:.1f}%)")
     return r
 
 
@@ -372,9 +370,9 @@ def section_prefix(c: dict, device, dtype, deadline: float) -> dict:
     waves = [[s + [rng.randrange(vocab) for _ in range(c["suffix"])] for s in systems] for _ in range(c["waves"])]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     runs = {}
-    for cached in (False, True):
+    for graphed, cached in ((None, False), (None, True), (False, False), (False, True)):  # default, then eager
         engine = make_engine(model, max_num_seqs=c["groups"], max_len=length + 8, prefix_caching=cached,
-                             seqs_blocks=c["groups"] * (c["waves"] + 1))
+                             seqs_blocks=c["groups"] * (c["waves"] + 1), graph_prefill=graphed)
         try:
             engine.add_request([rng.randrange(vocab) for _ in range(length)], one)  # warm up
             drain(engine)
@@ -387,20 +385,31 @@ def section_prefix(c: dict, device, dtype, deadline: float) -> dict:
                 total += sum(map(len, wave))
                 firsts += [done[r].outputs[0].token_ids[0] for r in rids]
             sync(device)
-            runs[cached] = {"seconds": time.perf_counter() - t0, "cached_tokens": hit, "prompt_tokens": total,
-                            "first_tokens": firsts}
+            runs[graphed, cached] = {"seconds": time.perf_counter() - t0, "cached_tokens": hit,
+                                     "prompt_tokens": total, "first_tokens": firsts,
+                                     "graph_prefill": bool(engine.runner.batch.prefill_buckets)}
         finally:
             engine.close()
-    hit_share = runs[True]["cached_tokens"] / runs[True]["prompt_tokens"]
-    saved = 1 - runs[True]["seconds"] / runs[False]["seconds"]
+        if time.perf_counter() > deadline:
+            break
+    hit_share = runs[None, True]["cached_tokens"] / runs[None, True]["prompt_tokens"]
+    saved = 1 - runs[None, True]["seconds"] / runs[None, False]["seconds"]
     r = {"hit_share": hit_share, "saved_time_share": saved, "saved_over_hit": saved / hit_share if hit_share else 0,
-         "seconds_without_cache": runs[False]["seconds"], "seconds_with_cache": runs[True]["seconds"],
-         "first_tokens_identical": sum(a == b for a, b in zip(runs[False]["first_tokens"], runs[True]["first_tokens"])),
+         "seconds_without_cache": runs[None, False]["seconds"], "seconds_with_cache": runs[None, True]["seconds"],
+         "graph_prefill": runs[None, True]["graph_prefill"],
+         "first_tokens_identical": sum(a == b for a, b in zip(runs[None, False]["first_tokens"],
+                                                               runs[None, True]["first_tokens"])),
          "requests": c["groups"] * c["waves"]}
+    if (False, True) in runs:
+        e_saved = 1 - runs[False, True]["seconds"] / runs[False, False]["seconds"]
+        r["eager_prefill"] = {"saved_time_share": e_saved, "saved_over_hit": e_saved / hit_share if hit_share else 0,
+                              "seconds_without_cache": runs[False, False]["seconds"],
+                              "seconds_with_cache": runs[False, True]["seconds"]}
     del model
     free_memory(device)
     print(f"\n(d) prefix trace: {100 * hit_share:.1f}% of prompt tokens hit the cache, {100 * saved:.1f}% of prefill "
-          f"time saved: {r['saved_over_hit']:.2f} of the hit share (target >= 0.80)")
+          f"time saved: {r['saved_over_hit']:.2f} of the hit share (target >= 0.80)"
+          + (f"; with eager prefill steps {r['eager_prefill']['saved_over_hit']:.2f}" if "eager_prefill" in r else ""))
     return r
 
 

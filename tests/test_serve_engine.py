@@ -241,4 +241,5 @@ def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_token
     assert got == want
     stats = llm.engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
-    assert {t for decode, t in runner.graphs if not decode} == {16, 32, 48}  # every bucket was used
+    assert {t for decode, t in runner.graphs if not decode} == {16, 32, 48}  # every bucket captured at start
+    assert {t for decode, t in runner.graph_replays if not decode} == {16, 32, 48}  # and used

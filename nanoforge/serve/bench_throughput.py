@@ -97,7 +97,7 @@ def _sync(device: torch.device) -> None:
 def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, temperature: float = 0.6,
                use_cuda_graphs: bool = True, tensor_parallel_size: int = 1, model_factory=None,
                profile: bool = False, async_scheduling: bool | None = None,
-               graph_prefill: bool = False) -> tuple[dict, list[list[int]]]:
+               graph_prefill: bool | None = None) -> tuple[dict, list[list[int]]]:
     """Every request at once; returns the numbers and each request's output token ids. With tensor parallelism
     the other ranks build their copy of the model with `model_factory(device)` (default: from its weights).
     `profile`: time each step by kind (serve/step_profile.py), into the numbers' "profile". `async_scheduling`
@@ -328,7 +328,7 @@ def _model_on(w: Workload, dtype: torch.dtype, device: torch.device) -> Transfor
 def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256, temperature: float = 0.6,
                      baseline: bool = True, out: Path = Path("runs/bench/throughput.json"), device: torch.device,
                      dtype: torch.dtype, tensor_parallel_size: int = 1, profile: bool = False,
-                     async_scheduling: bool | None = None, graph_prefill: bool = False) -> dict:
+                     async_scheduling: bool | None = None, graph_prefill: bool | None = None) -> dict:
     from nanoforge.model.hf import save_model
 
     model = build_model(w, device, dtype)
@@ -425,9 +425,8 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
                         "achieved fraction of the device's memory bandwidth and FLOP/s (default: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="engine: schedule step n + 1 while the device runs step n (default: on a GPU)")
-    p.add_argument("--graph-prefill", action="store_true",
-                   help="engine: CUDA-graph prefill and mixed steps too, padded to token buckets (default: off until "
-                        "measured on a GPU)")
+    p.add_argument("--graph-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine: CUDA-graph prefill and mixed steps too, padded to token buckets (default: on a GPU)")
     p.add_argument("--out", default="runs/bench/throughput.json", metavar="PATH",
                    help="JSON file for the results; a directory gets throughput.json (default: %(default)s)")
     p.add_argument("--device", default="auto",

@@ -77,8 +77,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     use_cuda_graphs: bool = True
     # prefill and mixed steps graphed too: padded to token buckets (serve/model_runner.py: prefill_buckets), one
-    # CUDA graph per bucket captured at its first step; off until it has run on a GPU (issue 14)
-    graph_prefill: bool = False
+    # CUDA graph per bucket captured at start; None: wherever decode steps are graphed (a GPU, use_cuda_graphs)
+    graph_prefill: bool | None = None
     # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
     # default off until it has run on a GPU; not with tensor parallelism or a KV pool (they need the tokens first)
     async_scheduling: bool | None = None

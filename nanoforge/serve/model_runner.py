@@ -18,9 +18,10 @@ For each step it
    (prompt logprobs, projected onto the vocabulary a slice of rows at a time).
 
 On a GPU, steps that are pure decode run as replays of CUDA graphs captured for a ladder of batch sizes
-(padded up to the next one): the graph reads its inputs from fixed places of the uploaded buffer, gathers
-the block tables of its rows from the slots' tables, and runs the model. Padded rows read and write only a
-scratch block that the block manager never hands out.
+(padded up to the next one), and prefill and mixed steps as replays of graphs captured for token buckets
+(`prefill_buckets`, at every sequence slot; `graph_prefill`): the graph reads its inputs from fixed places of
+the uploaded buffer, gathers the block tables of its rows from the slots' tables, and runs the model. Padded
+rows read and write only a scratch block that the block manager never hands out.
 
 The KV cache is one tensor per K and V of shape (n_layers, num_blocks, block_size, n_kv_heads, head_dim),
 sized from a memory budget; a block id indexes the same block in every layer.
@@ -143,7 +144,7 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_model_len: int, max_num_batched_tokens: int = 8192,
-                 use_cuda_graphs: bool = True, graph_prefill: bool = False, tp: TensorParallel | None = None):
+                 use_cuda_graphs: bool = True, graph_prefill: bool | None = None, tp: TensorParallel | None = None):
         self.model = model
         self.tp = tp
         self.is_driver = tp is None or tp.is_driver  # the rank that samples and reads tokens back
@@ -162,8 +163,11 @@ class ModelRunner:
         self.k_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda) if num_cpu_blocks else None
         self.v_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda) if num_cpu_blocks else None
         sizes = graph_sizes(max_num_seqs) if use_cuda_graphs and cuda else []
-        # prefill and mixed steps padded to token buckets, one graph each, captured at first use (on the CPU the
-        # same padded steps run eagerly: what the tests check); not with tensor parallelism yet
+        # prefill and mixed steps padded to token buckets, one graph each (by default where decode steps are
+        # graphed; on the CPU, if asked for, the same padded steps run eagerly: what the tests check); not with
+        # tensor parallelism yet
+        if graph_prefill is None:
+            graph_prefill = bool(sizes)
         buckets = prefill_buckets(max_num_batched_tokens) if graph_prefill and tp is None else []
         self.batch = InputBatch(max_num_seqs=max_num_seqs, block_size=block_size,
                                 max_blocks_per_seq=self.max_blocks_per_seq, scratch_block=self.scratch_block,
@@ -171,14 +175,19 @@ class ModelRunner:
                                 pin_memory=cuda)
         self._init_device_batch(max_num_seqs)
         self.graphs: dict[tuple[bool, int], Callable[[], None]] = {}  # (decode, tokens) -> replay
+        self.graph_replays: dict[tuple[bool, int], int] = {}  # how often each ran (stats, tests)
         self._graph_pool = None  # the memory pool every graph shares (they never run at once)
         self.profiler = None  # a StepProfiler (serve/step_profile.py) while `bench throughput --profile` runs
         if sizes or buckets:
             self.g_logits = torch.zeros(self.batch.max_num_seqs, self.cfg.vocab_size, dtype=self.dtype,
                                         device=self.device) if self.is_driver else None
+        # every graph captured up front, the largest first (the pool they share is sized by it): a capture in the
+        # middle of serving would stall every running request for it
+        for t in reversed(buckets):
+            self._capture(Layout(t, self.batch.max_num_seqs), decode=False)
         for b in reversed(sizes):
             self._capture(Layout(b, b), decode=True)
-        if sizes:
+        if cuda and (sizes or buckets):
             torch.cuda.synchronize()
 
     def _init_device_batch(self, max_num_seqs: int) -> None:
@@ -322,8 +331,6 @@ class ModelRunner:
         # a graph reads its inputs from self.inputs: a step whose table updates overflow it (a fresh upload
         # buffer) runs its padded inputs eagerly instead
         graphed = step.graph is not None and step.packed.numel() <= self.inputs.numel()
-        if graphed and key not in self.graphs:  # a prefill bucket's first step: before the upload, as the
-            self._capture(step.layout, decode=key[0])  # capture runs on idle inputs in the same buffer
         v = self._upload(step)
         self._block_ops(step)
         if not step.num_tokens:
@@ -331,6 +338,7 @@ class ModelRunner:
         n = step.num_samples
         if graphed:
             self.graphs[key]()
+            self.graph_replays[key] = self.graph_replays.get(key, 0) + 1
             hidden, logits = None, self.g_logits[:n] if self.is_driver else None
         else:
             hidden = self._forward(v, step.num_tokens, step.num_seqs, step.max_q_len, step.table_width)
@@ -392,10 +400,9 @@ class ModelRunner:
     @torch.no_grad()  # the weights may require grad (a model fresh from training); the graph's outputs never do
     def _capture(self, layout: Layout, *, decode: bool) -> None:
         """One graph for the steps of `layout`: input ids, the rows' block tables, the model, the logits of the
-        sampled rows (into a buffer all graphs share) and the sampled tokens (temperature and seeds included).
-        Decode graphs (layout t = s = batch) are captured at start; a prefill bucket's (t tokens, every
-        sequence slot) at its first step, in between steps: the sampled tokens of a step still in flight are
-        kept across it. On the CPU the "graph" is the padded step run eagerly."""
+        sampled rows (into a buffer all graphs share) and the sampled tokens (temperature and seeds included):
+        decode graphs (layout t = s = batch) and prefill buckets' (t tokens, every sequence slot), all at start.
+        On the CPU the "graph" is the padded step run eagerly (after the same warm-up on idle inputs)."""
         t, s = layout.t, layout.s
         self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
                                                                      self.batch.scratch_slot)))
