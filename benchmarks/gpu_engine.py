@@ -52,7 +52,7 @@ from nanoforge.model.transformer import Transformer  # noqa: E402
 from nanoforge.runtime import peak_flops, peak_hbm_bandwidth  # noqa: E402
 from nanoforge.serve.bench_throughput import make_workload, run_engine  # noqa: E402
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from nanoforge.serve.model_runner import kv_bytes_per_block  # noqa: E402
+from nanoforge.serve.model_runner import GRAPH_PREFILL_DEFAULT, kv_bytes_per_block  # noqa: E402
 from nanoforge.serve.sampling_params import SamplingParams  # noqa: E402
 from nanoforge.serve.step_profile import StepProfiler, print_profile  # noqa: E402
 
@@ -70,6 +70,8 @@ SMOKE = {"throughput": dict(preset="tiny-qwen3", requests=6, lo=8, hi=40, budget
          "prefix": dict(preset="tiny-llama", groups=2, waves=3, prefix=64, suffix=32, budget=60),
          "profile": dict(preset="tiny-qwen3", requests=6, lo=8, hi=40, budget=60),
          "total": 300}
+OTHER = not GRAPH_PREFILL_DEFAULT  # the prefill-step mode each section also measures, beside the default
+OTHER_NAME = "graphed" if OTHER else "eager"
 MIN_DECODE_TOKENS = 64  # timed past the deadline if need be: compiling the reference may take most of it
 SECTIONS = ("throughput", "decode", "prefill", "prefix", "profile")
 
@@ -122,16 +124,16 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
                                      min_input=c["lo"], min_output=c["lo"])
     if not profile:  # the same work scheduled step by step first: what the one-step lag buys
         sync_r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, async_scheduling=False)
-    # the engine's defaults (on a GPU: a step ahead, prefill steps graphed)
+    # the engine's defaults (on a GPU: a step ahead)
     r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, profile=profile)
     keys = ("output_tok_s", "seconds", "steps", "preemptions", "kv_blocks_total")
     if not profile:
         r["sync_scheduling"] = {k: sync_r[k] for k in keys}
         r["vs_sync_scheduling"] = r["output_tok_s"] / sync_r["output_tok_s"]
-        # and with eager prefill steps
-        eager, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, graph_prefill=False)
-        r["eager_prefill"] = {k: eager[k] for k in keys}
-        r["vs_eager_prefill"] = r["output_tok_s"] / eager["output_tok_s"]
+        # and with the other kind of prefill steps (graphed or eager)
+        other, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, graph_prefill=OTHER)
+        r[f"{OTHER_NAME}_prefill"] = {k: other[k] for k in keys}
+        r["other_prefill_vs_default"] = other["output_tok_s"] / r["output_tok_s"]
     r["workload"] = {"preset": c["preset"], "requests": c["requests"], "lengths": [c["lo"], c["hi"]],
                      "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)}
     del model
@@ -141,8 +143,8 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
         print(f"\n(a) throughput, {c['preset']} shape, {c['requests']} requests: {r['output_tok_s']:,.0f} output tok/s "
               f"({r['seconds']:.1f} s, {r['steps']} steps, {r['preemptions']} preemptions; target >= 20,000); "
               f"{r['sync_scheduling']['output_tok_s']:,.0f} scheduled step by step ({r['vs_sync_scheduling']:.2f}x); "
-              f"{r['eager_prefill']['output_tok_s']:,.0f} with eager prefill steps "
-              f"({r['vs_eager_prefill']:.2f}x)")
+              f"{r[OTHER_NAME + '_prefill']['output_tok_s']:,.0f} with {OTHER_NAME} prefill steps "
+              f"({r['other_prefill_vs_default']:.2f}x)")
     return r
 
 
@@ -321,7 +323,7 @@ def section_prefill(c: dict, device, dtype, deadline: float) -> dict:
     warm = [[rng.randrange(vocab) for _ in range(length)] for _ in range(c["hf_batch"])]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     timed = {}
-    for graphed in (None, False):  # the engine's default (on a GPU: graphed prefill steps), then eager ones
+    for graphed in (None, OTHER):  # the engine's default prefill steps, then the other kind
         engine = make_engine(model, max_num_seqs=n, max_len=length + 8, prefix_caching=False, graph_prefill=graphed)
         try:
             for p in warm:
@@ -337,7 +339,7 @@ def section_prefill(c: dict, device, dtype, deadline: float) -> dict:
                 ours_done, ours_rids, ours_graphed = done, rids, bool(engine.runner.batch.prefill_buckets)
         finally:
             engine.close()
-    eager_s, eager_n = timed[False]
+    other_s, other_n = timed[OTHER]
     ours_s, ours_n = timed[None]
     hf = prefill_hf(model, prompts, c["hf_batch"], deadline)
     flops = prefill_flops(model, [length])
@@ -350,12 +352,14 @@ def section_prefill(c: dict, device, dtype, deadline: float) -> dict:
          "truncated": ours_n < n or hf["prompts"] < n,
          "first_tokens_identical": sum(a == b for a, b in zip(ours_first, hf["first_tokens"])),
          "graph_prefill": ours_graphed,
-         "eager_prefill_tok_s": eager_n * length / eager_s, "eager_prefill_mfu": eager_n * flops / eager_s / flops_peak}
+         f"{OTHER_NAME}_prefill_tok_s": other_n * length / other_s,
+         f"{OTHER_NAME}_prefill_mfu": other_n * flops / other_s / flops_peak}
     del model
     free_memory(device)
     print(f"\n(c) prefill {c['preset']}, {n} x {length} tokens: ours {ours_tok_s:,.0f} tok/s (MFU "
           f"{100 * r['ours_mfu']:.1f}%), HF SDPA {hf_tok_s:,.0f} tok/s (MFU {100 * r['hf_mfu']:.1f}%): {r['ratio']:.2f}x; "
-          f"eager prefill steps {r['eager_prefill_tok_s']:,.0f} tok/s (MFU {100 * r['eager_prefill_mfu']:.1f}%)")
+          f"{OTHER_NAME} prefill steps {r[OTHER_NAME + '_prefill_tok_s']:,.0f} tok/s "
+          f"(MFU {100 * r[OTHER_NAME + '_prefill_mfu']:.1f}%)")
     return r
 
 
@@ -370,7 +374,7 @@ def section_prefix(c: dict, device, dtype, deadline: float) -> dict:
     waves = [[s + [rng.randrange(vocab) for _ in range(c["suffix"])] for s in systems] for _ in range(c["waves"])]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     runs = {}
-    for graphed, cached in ((None, False), (None, True), (False, False), (False, True)):  # default, then eager
+    for graphed, cached in ((None, False), (None, True), (OTHER, False), (OTHER, True)):  # default, then other
         engine = make_engine(model, max_num_seqs=c["groups"], max_len=length + 8, prefix_caching=cached,
                              seqs_blocks=c["groups"] * (c["waves"] + 1), graph_prefill=graphed)
         try:
@@ -400,16 +404,18 @@ def section_prefix(c: dict, device, dtype, deadline: float) -> dict:
          "first_tokens_identical": sum(a == b for a, b in zip(runs[None, False]["first_tokens"],
                                                                runs[None, True]["first_tokens"])),
          "requests": c["groups"] * c["waves"]}
-    if (False, True) in runs:
-        e_saved = 1 - runs[False, True]["seconds"] / runs[False, False]["seconds"]
-        r["eager_prefill"] = {"saved_time_share": e_saved, "saved_over_hit": e_saved / hit_share if hit_share else 0,
-                              "seconds_without_cache": runs[False, False]["seconds"],
-                              "seconds_with_cache": runs[False, True]["seconds"]}
+    if (OTHER, True) in runs:
+        o_saved = 1 - runs[OTHER, True]["seconds"] / runs[OTHER, False]["seconds"]
+        r[f"{OTHER_NAME}_prefill"] = {"saved_time_share": o_saved,
+                                      "saved_over_hit": o_saved / hit_share if hit_share else 0,
+                                      "seconds_without_cache": runs[OTHER, False]["seconds"],
+                                      "seconds_with_cache": runs[OTHER, True]["seconds"]}
     del model
     free_memory(device)
     print(f"\n(d) prefix trace: {100 * hit_share:.1f}% of prompt tokens hit the cache, {100 * saved:.1f}% of prefill "
           f"time saved: {r['saved_over_hit']:.2f} of the hit share (target >= 0.80)"
-          + (f"; with eager prefill steps {r['eager_prefill']['saved_over_hit']:.2f}" if "eager_prefill" in r else ""))
+          + (f"; with {OTHER_NAME} prefill steps {r[OTHER_NAME + '_prefill']['saved_over_hit']:.2f}"
+             if OTHER_NAME + "_prefill" in r else ""))
     return r
 
 

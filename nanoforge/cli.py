@@ -135,7 +135,7 @@ def _add_serve(sub):
                         "ruled out by --tensor-parallel-size or --store)")
     p.add_argument("--graph-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA-graph the prefill and mixed steps too, padded to token buckets, one graph per bucket "
-                        "captured at start (default: on where decode steps are graphed, i.e. on a GPU)")
+                        "captured at start (default: off until its speed is measured on a GPU)")
     p.add_argument("--max-waiting", type=_positive_int, default=256,
                    help="requests that may wait for a batch slot; more get 429 with Retry-After")
     p.add_argument("--max-request-bytes", type=_positive_int, default=8 << 20, help="larger bodies get 413")

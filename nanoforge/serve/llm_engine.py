@@ -77,7 +77,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     use_cuda_graphs: bool = True
     # prefill and mixed steps graphed too: padded to token buckets (serve/model_runner.py: prefill_buckets), one
-    # CUDA graph per bucket captured at start; None: wherever decode steps are graphed (a GPU, use_cuda_graphs)
+    # CUDA graph per bucket captured at start; None: model_runner.GRAPH_PREFILL_DEFAULT (off for now)
     graph_prefill: bool | None = None
     # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
     # default off until it has run on a GPU; not with tensor parallelism or a KV pool (they need the tokens first)
