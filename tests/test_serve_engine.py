@@ -243,3 +243,18 @@ def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_token
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert {t for decode, t in runner.graphs if not decode} == {16, 32, 48}  # every bucket captured at start
     assert {t for decode, t in runner.graph_replays if not decode} == {16, 32, 48}  # and used
+
+
+def test_eager_prefill_warm_up_writes_only_the_scratch_block(tok):
+    """The GPU runner's start-up warm-up (idle eager steps of 16 tokens and of a full step, to compile the
+    attention kernel's prefill variants before any request) leaves every real KV block as it was."""
+    from nanoforge.serve.model_runner import ModelRunner
+
+    model = make_model(tok, "tiny-qwen3")
+    runner = ModelRunner(model, block_size=16, num_gpu_blocks=32, max_model_len=128, max_num_batched_tokens=64,
+                         max_num_seqs=4)
+    runner.k_cache[:, :-1].normal_()
+    k, v = runner.k_cache[:, :-1].clone(), runner.v_cache[:, :-1].clone()
+    runner._warm_up_eager_prefill()
+    assert torch.equal(k, runner.k_cache[:, :-1]) and torch.equal(v, runner.v_cache[:, :-1])
+    assert runner.k_cache[:, -1].abs().sum() > 0  # it did run: the scratch block was written

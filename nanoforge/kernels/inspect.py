@@ -237,7 +237,8 @@ _PAGED_SIGNATURE = {  # paged attention's kernel: decode and prefill differ in c
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
     "TILE_STARTS": "*i32", "O": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32",
     **_i32("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs"),
-    **_i32("stride_vh", "stride_bt", "stride_ot", "stride_oh"), "qk_scale": "fp32", "num_seqs": "i32"}
+    **_i32("stride_vh", "stride_bt", "stride_ot", "stride_oh"), "qk_scale": "fp32", "num_seqs": "i32",
+    "num_splits": "i32"}
 
 
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
@@ -285,13 +286,13 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         "nanoforge.kernels.paged_attention:_paged_attn_kernel",
         _PAGED_SIGNATURE,
         {"GROUP": 4, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
-         "NUM_SPLITS": 4, "VARLEN": False},
+         "SPLIT": True, "VARLEN": False},
     ),
     "paged_attention_prefill": TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel",
         _PAGED_SIGNATURE,
         {"GROUP": 2, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_Q": 32, "BLOCK_N": 64,
-         "NUM_SPLITS": 1, "VARLEN": True},
+         "SPLIT": False, "VARLEN": True},
         num_warps=4,
     ),
     "rmsnorm_fwd": TritonKernel(

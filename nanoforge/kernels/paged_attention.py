@@ -174,6 +174,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> 
 _PROGRAMS_PER_SM = 8  # split the context until there are about this many programs per SM...
 _MIN_SPLIT_TOKENS = 1024  # ...but give every split at least this much context (of the cache's capacity)
 _MAX_SPLITS = 32
+_SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: one variant for any split count
 
 
 def _interpreting() -> bool:
@@ -233,14 +234,14 @@ def _paged_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, tile_starts if varlen else cu_seqlens_q,
         out, o_part, lse_part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0],
+        out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, VARLEN=varlen, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, VARLEN=varlen, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits[(total_q, hq)](
-            o_part, lse_part, out, out.stride(0), out.stride(1), hq,
-            HEAD_D=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            o_part, lse_part, out, out.stride(0), out.stride(1), hq, num_splits,
+            HEAD_D=d, BLOCK_D=block_d, SPLITS_P2=_SPLITS_P2,
         )  # fmt: skip
     return out
 
@@ -255,15 +256,16 @@ def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
 # ----------------------------------------------------------------------------------------------
 
 
-# num_seqs and the block tables' row stride (the step's table width) change from step to step: not specialized
-# on (Triton would compile a variant for each of value 1 / multiple of 16 / other, ~0.7 s each mid-run)
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# num_seqs, the block tables' row stride (the step's table width) and the split count change from step to step:
+# runtime values, never specialized on (Triton would compile a variant for each split count and for each of
+# value 1 / multiple of 16 / other, ~0.7 s each: a stall of every running request in the middle of serving)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
 def _paged_attn_kernel(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, TILE_STARTS, O, O_PART, LSE_PART,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_ot, stride_oh, qk_scale, num_seqs,
+    stride_ot, stride_oh, qk_scale, num_seqs, num_splits,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     VARLEN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -305,7 +307,7 @@ def _paged_attn_kernel(
 
     # The keys the tile needs are [0, kv_hi); this split takes one contiguous, BLOCK_N-aligned share.
     kv_hi = tl.minimum(seq_len, seq_len - q_len + tok0 + BLOCK_Q)
-    share = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    share = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), num_splits) * BLOCK_N
     lo = split * share
     hi = tl.minimum(lo + share, kv_hi)
     TABLE = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
@@ -337,28 +339,28 @@ def _paged_attn_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
     o = acc / l_safe[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(O.dtype.element_ty), mask=io_mask)  # fmt: skip
-    else:  # partials are (total_q, Hq, NUM_SPLITS, HEAD_D) and (total_q, Hq, NUM_SPLITS), contiguous
-        part = (q_rows * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+    else:  # partials are (total_q, Hq, num_splits, HEAD_D) and (total_q, Hq, num_splits), contiguous
+        part = (q_rows * (GROUP * tl.num_programs(1)) + head) * num_splits + split
         tl.store(O_PART + part[:, None] * HEAD_D + offs_d[None, :], o, mask=io_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(LSE_PART + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits(
-    O_PART, LSE_PART, O, stride_ot, stride_oh, H,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    O_PART, LSE_PART, O, stride_ot, stride_oh, H, num_splits,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):  # fmt: skip
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the softmax over the whole context."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
-    part = (t * H + h) * NUM_SPLITS + offs_s
+    s_ok = offs_s < num_splits
+    part = (t * H + h) * num_splits + offs_s
     lse = tl.load(LSE_PART + part, mask=s_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     d_ok = offs_d < HEAD_D

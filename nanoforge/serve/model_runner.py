@@ -190,6 +190,8 @@ class ModelRunner:
             self._capture(Layout(t, self.batch.max_num_seqs), decode=False)
         for b in reversed(sizes):
             self._capture(Layout(b, b), decode=True)
+        if cuda and not buckets:
+            self._warm_up_eager_prefill()
         if cuda and (sizes or buckets):
             torch.cuda.synchronize()
 
@@ -397,6 +399,17 @@ class ModelRunner:
             result[item.seq.seq_id] = entries[start:start + n]
             start += n
         return result
+
+    @torch.no_grad()
+    def _warm_up_eager_prefill(self) -> None:
+        """Run an idle eager step of 16 tokens and one of a full step before the first request: they compile the
+        attention kernel's prefill variants (split context or not, by the launch's shape), which would otherwise
+        compile at a first use in the middle of serving (~0.7 s on the H200, every running request stalled)."""
+        for t in sorted({min(16, self.batch.max_num_tokens), self.batch.max_num_tokens}):
+            layout = Layout(t, 1)
+            self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
+                                                                         self.batch.scratch_slot)))
+            self._forward(layout.views(self.inputs), t, 1, t, self.max_blocks_per_seq)
 
     # --- CUDA graphs -------------------------------------------------------------------------------------
 
