@@ -62,7 +62,7 @@ def test_segment_is_resident_after_joining(master):
     store = MooncakeStore(master.address, segment_bytes=SEGMENT)
     try:
         assert store._warmer is not None, "no warm-up started"
-        store._warmer.join(60)
+        store.wait_warm()
         assert not store._warmer.is_alive()
         # where our segment is: the address of an object put into it (the first, so at its start)
         assert store.store.put("where", b"x", store.put_config) == 0
@@ -88,10 +88,10 @@ def test_warm_up_fails_quietly(master, monkeypatch, caplog):
     """Where madvise refuses (a kernel before 5.14 has no MADV_POPULATE_WRITE), the warm-up logs one line and
     the client works as before."""
     monkeypatch.setattr(mooncake_store, "_MADV_POPULATE_WRITE", -1)  # EINVAL everywhere
-    with caplog.at_level("INFO", logger="nanoforge.serve"):
+    with caplog.at_level("INFO", logger="nanoforge.serve"):  # the thread logs: wait for it inside
         store = MooncakeStore(master.address, segment_bytes=16 * MiB)
+        store.wait_warm()
     try:
-        store._warmer.join(30)
         assert any("could not pre-fault" in r.getMessage() for r in caplog.records)
         buf = torch.zeros(2, 4096, dtype=torch.uint8)
         buf[0] = torch.randint(0, 256, (4096,), dtype=torch.uint8)

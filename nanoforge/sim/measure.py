@@ -217,6 +217,7 @@ _HOLDER = """
 import sys, time
 from nanoforge.serve.disagg.mooncake_store import MooncakeStore
 store = MooncakeStore(sys.argv[1], segment_bytes=int(sys.argv[2]))
+store.wait_warm()  # the transfers are timed into resident memory, as an instance's are once it serves
 print("ready", flush=True)
 sys.stdin.read()
 store.close()

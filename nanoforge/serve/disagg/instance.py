@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,8 @@ from nanoforge.serve.api.protocol import DEFAULT_MAX_REQUEST_BYTES, error_body, 
 from nanoforge.serve.api.streaming import collect, unless_disconnected
 from nanoforge.serve.disagg.handover import OutputEncoder, parse_handover
 from nanoforge.serve.llm_engine import LLMEngine
+
+log = logging.getLogger("nanoforge.serve")
 
 ROLES = ("prefill", "decode", "both")
 SAVE_TIMEOUT_S = 10.0  # how long a prefill answer waits for its blocks to reach the pool
@@ -113,6 +116,10 @@ def run_instance(args) -> int:
     config.kv_pool_save = args.role != "decode"
     try:
         engine = LLMEngine.from_pretrained(args.model, config, kv_pool=pool)
+        if pool is not None:  # take requests once the pool segment is resident (its pre-faulting overlapped the load)
+            waited = pool.wait_warm()
+            if waited > 1:
+                log.info("waited %.1f s for the KV pool segment to be resident", waited)
         name = served_model_name(args)
         app = build_app(engine, name, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes)
         add_role_routes(app, args.role, name, args.max_request_bytes)

@@ -223,6 +223,15 @@ class MooncakeStore:
         finally:
             self.store.remove(key, True)
 
+    def wait_warm(self) -> float:
+        """Wait until the segment is pre-faulted (at once if it is not being pre-faulted); the seconds waited. An
+        instance calls it once its model is loaded, before it takes requests: saves into a segment still cold
+        ran at 0.26 GB/s here."""
+        t0 = time.monotonic()
+        if self._warmer is not None:
+            self._warmer.join()
+        return time.monotonic() - t0
+
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         code = self.store.register_buffer(ptr, nbytes)
         if code != 0:
