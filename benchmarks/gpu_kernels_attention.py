@@ -8,7 +8,8 @@
    step is `pytest -m gpu tests/test_kernels_paged.py`.)
 2. Benchmarks: `bench_rows` of both modules (flash vs SDPA's flash backend; document masking vs the
    same kernel without it; paged decode vs the torch reference, as a fraction of 4.17 TB/s), the
-   configurations flash attention's autotuner chose, and a sweep of paged-decode launch configurations.
+   configurations flash attention's autotuner chose, and sweeps of paged-attention launch configurations:
+   decode (not with --quick) and chunked prefill at the engine's prefill shapes (Llama-3.2-1B, Qwen3-0.6B).
 Prints tables and writes attention_bench.json under $OUT (or ./out).
 """
 
@@ -128,6 +129,60 @@ def sweep_paged_decode() -> list[dict]:
     return rows
 
 
+# (name, query heads, kv heads, head dim): the engine's prefill shapes of gpu_engine.py's (c) and (a)
+PREFILL_SHAPES = (("llama3-1b", 32, 8, 64), ("qwen3-0.6b", 16, 8, 128))
+
+
+def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cuda", timer=None) -> list[dict]:
+    """TFLOP/s of chunked-prefill attention (`prompts` fresh prompts of `length` tokens in one step, causal, as a
+    16K-token engine step holds them) across launch configurations, per model shape; the engine's default
+    (`_tile_config`) is marked. The attention pairs' FLOPs: 4 * head_dim per query head per causal pair."""
+    timer = timer or fa.time_ms
+    rows = []
+    for name, hq, hkv, d in PREFILL_SHAPES:
+        group = hq // hkv
+        b = pa.make_paged_batch([length] * prompts, [length] * prompts, hq, hkv, d, 16, torch.bfloat16, device)
+        flops = 4 * d * hq * prompts * length * (length + 1) // 2
+        default = pa._tile_config(length, group)
+        tile_starts = None
+        want = pa.paged_attention_ref(**b, scale=1 / math.sqrt(d)).double() if device == "cpu" else None
+        print(f"paged prefill sweep, {name} shape ({hq}/{hkv} heads, head dim {d}), {prompts} x {length} tokens; "
+              f"default BLOCK_M {default[0]} BLOCK_N {default[2]} warps {default[3]} stages {default[4]}")
+        for block_m in (64, 128):
+            for block_n in (32, 64, 128):
+                for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                    block_q = max(1, block_m // group)
+
+                    def prefill():
+                        return pa._paged_attention_triton(
+                            **b, scale=1 / math.sqrt(d), max_q_len=length, block_m=block_m, block_q=block_q,
+                            block_n=block_n, num_splits=1, num_warps=warps, num_stages=stages, tile_starts=tile_starts,
+                        )  # fmt: skip
+
+                    try:
+                        out = prefill()
+                        if want is None:  # the first configuration's output is the others' reference
+                            want = out.double()
+                        err = rel_error(out, want)
+                        ms = timer(prefill)
+                    except Exception as e:  # a configuration that does not fit (shared memory): reported, skipped
+                        print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {e}")
+                        continue
+                    row = dict(shape=name, block_m=block_m, block_n=block_n, warps=warps, stages=stages, ms=ms,
+                               tflops=flops / ms / 1e9, rel_error=err, ok=err < 1e-2,
+                               default=(block_m, block_n, warps, stages) == (default[0], *default[2:]))
+                    print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms:.3f} ms "
+                          f"{row['tflops']:.0f} TFLOP/s, rel. error {err:.1e}" + ("  (default)" if row["default"] else "")
+                          + ("" if row["ok"] else "  WRONG"), flush=True)
+                    rows.append(row)
+        best = max((r for r in rows if r["shape"] == name and r["ok"]), key=lambda r: r["tflops"])
+        base = next((r for r in rows if r["shape"] == name and r["default"]), None)
+        print(f"  best: BLOCK_M {best['block_m']} BLOCK_N {best['block_n']} warps {best['warps']} stages "
+              f"{best['stages']}, {best['tflops']:.0f} TFLOP/s"
+              + (f" ({best['tflops'] / base['tflops']:.2f}x the default)" if base else ""))
+    return rows
+
+
 def autotune_choices() -> dict:
     """The configuration each flash kernel's autotuner picked, per tuning key."""
     chosen = {}
@@ -186,6 +241,7 @@ def main() -> int:
     print("\nautotuned flash configurations:", json.dumps(report["autotune"], indent=1))
     if not args.quick:
         report["paged_sweep"] = sweep_paged_decode()
+    report["paged_prefill_sweep"] = sweep_paged_prefill()
 
     path = out_dir / "attention_bench.json"
     path.write_text(json.dumps(report, indent=1))
