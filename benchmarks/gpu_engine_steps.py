@@ -1,82 +1,208 @@
-"""Where an engine step's time goes, on a GPU (a diagnostic beside gpu_engine.py; ~45 s on an H200):
+"""Where an engine step's time goes, on a GPU (a diagnostic beside gpu_engine.py; about a minute on an H200):
 
-    python benchmarks/gpu_engine_steps.py        # $OUT/diag.json (default ./out)
+    python benchmarks/gpu_engine_steps.py [--only steps,host,decode]   # $OUT/diag.json (default ./out)
+    python benchmarks/gpu_engine_steps.py --smoke                      # the CPU dry run (tiny model, fp32)
 
-1. Prefill of 64 prompts of 2,000 tokens on Llama-3.2-1B's shape (random bf16 weights), eager and graphed
-   prefill steps, three passes over the same prompts in one engine: the wall ms of every step (synced), and how
-   many matmul autotunings and launch plans it added. A step far slower than its neighbours in the first passes
-   only is a one-time cost (a kernel compiled or tuned); docs/results/issue14/session7/diag_before_fix.json is
-   how it found Triton specializing on per-step values.
-2. torch.profiler tables of one eager 16K-token step (device time by kernel, host time by op) and of 100
-   graphed batch-1 decode steps, with the decode step's ms unprofiled.
+steps   Prefill of 64 prompts of 2,000 tokens on Llama-3.2-1B's shape (random bf16 weights), eager and graphed
+        prefill steps, three passes over the same prompts in one engine: the wall ms of every step (synced), and
+        how many matmul autotunings and launch plans it added. A step far slower than its neighbours in the first
+        passes only is a one-time cost (a kernel compiled or tuned); docs/results/issue14/session7/
+        diag_before_fix.json is how it found Triton specializing on per-step values. Also torch.profiler's
+        kernels of one eager 16K-token step.
+host    The host time of each kernel entry point in a small eager step (Qwen3-0.6B's shape, 8 prompts of 8
+        tokens: the ~23 ms floor of an eager step): every `nanoforge.kernels` function the engine calls is
+        wrapped in a profiler range named after it, in every module that imported it, so the CPU table gives
+        each one's calls and microseconds per call, beside the aten ops'.
+decode  torch.profiler's kernels over 100 graphed batch-1 decode steps of Llama-3.2-1B's shape, and the step's
+        ms unprofiled.
 """
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
 import json
 import os
 import random
 import sys
 import time
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch
-from benchmarks.gpu_engine import build_model, make_engine, drain
-from nanoforge.kernels import matmul as mm
-from nanoforge.serve.sampling_params import SamplingParams
 
-OUT = Path(os.environ.get("OUT", "out"))
-dev, dt = torch.device("cuda"), torch.bfloat16
-res = {}
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-def tuned():
+from benchmarks.gpu_engine import build_model, drain, make_engine  # noqa: E402
+from nanoforge.kernels import matmul as mm  # noqa: E402
+from nanoforge.serve.sampling_params import SamplingParams  # noqa: E402
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def tuned() -> tuple[int, int]:
     return len(mm._tiled_tuned.cache) + len(mm._persistent_tuned.cache), len(mm._PLANS)
 
-def kernels(prof, n=14):
-    rows = []
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:n]:
-        rows.append((e.key[:90], e.count, round(e.device_time_total / 1e3, 2)))
-    return rows
 
-model = build_model("llama3-1b", dev, dt, 2016)
-rng = random.Random(2)
-prompts = [[rng.randrange(10000) for _ in range(2000)] for _ in range(64)]
-one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-for graphed in (False, True):
-    eng = make_engine(model, max_num_seqs=64, max_len=2008, prefix_caching=False, graph_prefill=graphed)
-    for p in range(3):
-        for x in prompts[:32] if p == 0 else prompts:
-            eng.add_request(x, one)
-        steps = []
-        while eng.has_unfinished():
-            t0 = time.perf_counter(); a = tuned()
-            if p == 2 and len(steps) == 2 and not graphed:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    eng.step(); torch.cuda.synchronize()
-                res["eager_step_kernels"] = kernels(prof)
-                res["eager_step_cpu"] = [(e.key[:60], e.count, round(e.cpu_time_total / 1e3, 2)) for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]]
-            else:
-                eng.step(); torch.cuda.synchronize()
-            steps.append((round(1e3 * (time.perf_counter() - t0), 1), tuned()[0] - a[0], tuned()[1] - a[1]))
-        res[f"{'graphed' if graphed else 'eager'}_pass{p}"] = steps
-        print(graphed, p, steps, flush=True)
+def activities(device) -> list:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def device_table(prof, n: int = 14) -> list:
+    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:n]
+    return [(e.key[:90], e.count, round(e.device_time_total / 1e3, 3)) for e in top]
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def section_steps(c: dict, device, dtype, res: dict) -> None:
+    model = build_model(c["preset"], device, dtype, c["length"] + 16)
+    rng = random.Random(2)
+    vocab = min(10000, model.cfg.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in range(c["length"])] for _ in range(c["prompts"])]
+    for graphed in (False, True):
+        eng = make_engine(model, max_num_seqs=c["prompts"], max_len=c["length"] + 8, prefix_caching=False,
+                          graph_prefill=graphed)
+        for p in range(3):
+            for x in prompts[:len(prompts) // 2] if p == 0 else prompts:
+                eng.add_request(x, ONE)
+            steps = []
+            while eng.has_unfinished():
+                t0, a = time.perf_counter(), tuned()
+                if p == 2 and len(steps) == 1 and not graphed:
+                    with profile(activities=activities(device)) as prof:
+                        eng.step()
+                        sync(device)
+                    res["eager_step_kernels"] = device_table(prof)
+                else:
+                    eng.step()
+                    sync(device)
+                b = tuned()
+                steps.append((round(1e3 * (time.perf_counter() - t0), 1), b[0] - a[0], b[1] - a[1]))
+            res[f"{'graphed' if graphed else 'eager'}_pass{p}"] = steps
+            print("graphed" if graphed else "eager", "pass", p, "(ms, autotunings, plans):", steps, flush=True)
+        eng.close()
+
+
+def attribute_kernel_calls() -> list[str]:
+    """Wrap each public function of the engine's kernel modules in a profiler range of its name, wherever a
+    nanoforge module holds it (`from ... import f` copies the reference); returns the names wrapped."""
+    from nanoforge.kernels import paged_attention, rmsnorm, rope, sampling, swiglu
+
+    wrapped = {}
+    for mod in (paged_attention, rmsnorm, rope, sampling, swiglu):
+        for name, f in vars(mod).items():
+            if inspect.isfunction(f) and f.__module__ == mod.__name__ and not name.startswith("_"):
+                def wrapper(*args, __f=f, __name=f"nf::{name}", **kwargs):
+                    with record_function(__name):
+                        return __f(*args, **kwargs)
+
+                wrapped[id(f)] = functools.wraps(f)(wrapper)
+    for m in list(sys.modules.values()):
+        if getattr(m, "__name__", "").startswith("nanoforge"):
+            for attr, val in list(vars(m).items()):
+                if id(val) in wrapped:
+                    setattr(m, attr, wrapped[id(val)])
+    return sorted(w.__name__ for w in wrapped.values())
+
+
+def section_host(c: dict, device, dtype, res: dict) -> None:
+    model = build_model(c["preset"], device, dtype, 256)
+    names = attribute_kernel_calls()
+    rng = random.Random(4)
+    eng = make_engine(model, max_num_seqs=c["prompts"], max_len=64, prefix_caching=False, graph_prefill=False)
+    prompts = [[rng.randrange(min(1000, model.cfg.vocab_size)) for _ in range(c["tokens"])] for _ in range(c["prompts"])]
+    for _ in range(3):  # warm: every kernel compiled
+        for p in prompts:
+            eng.add_request(p, ONE)
+        drain(eng)
+    for p in prompts:
+        eng.add_request(p, ONE)
+    sync(device)
+    with profile(activities=activities(device)) as prof:
+        t0 = time.perf_counter()
+        eng.step()  # the prefill step (with async scheduling, it is read back by the next call)
+        sync(device)
+        wall = time.perf_counter() - t0
+    drain(eng)
     eng.close()
-print(json.dumps({k: v for k, v in res.items() if "kernels" in k or "cpu" in k}, indent=0))
+    rows = []
+    for e in prof.key_averages():
+        if e.key.startswith("nf::") or e.key.startswith("aten::") or e.key.startswith("cu"):
+            rows.append({"name": e.key, "calls": e.count, "cpu_ms": round(e.cpu_time_total / 1e3, 3),
+                         "us_per_call": round(e.cpu_time_total / max(1, e.count), 1)})
+    rows.sort(key=lambda r: -r["cpu_ms"])
+    ours = [r for r in rows if r["name"].startswith("nf::")]
+    res["host"] = {"preset": c["preset"], "prompts": c["prompts"], "tokens": c["tokens"], "wall_ms": 1e3 * wall,
+                   "kernel_functions": ours, "top": rows[:25], "wrapped": names}
+    print(f"\nhost time of one eager step of {c['prompts']} x {c['tokens']} tokens, {c['preset']} shape "
+          f"({1e3 * wall:.1f} ms wall, profiled):")
+    for r in ours + [r for r in rows if not r["name"].startswith("nf::")][:12]:
+        print(f"  {r['name']:<44}{r['calls']:>6} calls {r['cpu_ms']:>9.3f} ms {r['us_per_call']:>9.1f} us/call")
 
-# batch-1 decode: where the time goes
-eng = make_engine(model, max_num_seqs=1, max_len=700, tokens=256)
-eng.add_request(prompts[0][:128], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)); drain(eng)
-eng.add_request(prompts[1][:128], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
-for _ in range(50): eng.step()
-torch.cuda.synchronize()
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+def section_decode(c: dict, device, dtype, res: dict) -> None:
+    model = build_model(c["preset"], device, dtype, 1024)
+    rng = random.Random(1)
+    vocab = min(10000, model.cfg.vocab_size)
+    eng = make_engine(model, max_num_seqs=1, max_len=700, tokens=256)
+    eng.add_request([rng.randrange(vocab) for _ in range(128)],
+                    SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    drain(eng)
+    eng.add_request([rng.randrange(vocab) for _ in range(128)],
+                    SamplingParams(temperature=0.0, max_tokens=2 * c["steps"] + 60, ignore_eos=True))
+    for _ in range(50):
+        eng.step()
+    sync(device)
+    with profile(activities=activities(device)) as prof:
+        for _ in range(c["steps"]):
+            eng.step()
+        sync(device)
+    res["decode_kernels"] = device_table(prof, 20)
     t0 = time.perf_counter()
-    for _ in range(100): eng.step()
-    torch.cuda.synchronize()
-res["decode_ms_per_step_profiled"] = (time.perf_counter() - t0) * 10
-res["decode_kernels_100_steps"] = kernels(prof, 20)
-t0 = time.perf_counter()
-for _ in range(100): eng.step()
-torch.cuda.synchronize()
-res["decode_ms_per_step"] = (time.perf_counter() - t0) * 10
-eng.close()
-print(json.dumps({k: v for k, v in res.items() if "decode" in k}, indent=0))
-OUT.mkdir(parents=True, exist_ok=True)
-(OUT / "diag.json").write_text(json.dumps(res, indent=1))
+    for _ in range(c["steps"]):
+        eng.step()
+    sync(device)
+    res["decode_ms_per_step"] = 1e3 * (time.perf_counter() - t0) / c["steps"]
+    eng.close()
+    print(f"\nbatch-1 decode, {c['preset']} shape: {res['decode_ms_per_step']:.3f} ms a step; kernels over "
+          f"{c['steps']} steps:", *res["decode_kernels"], sep="\n  ")
+
+
+GPU = {"steps": dict(preset="llama3-1b", prompts=64, length=2000), "host": dict(preset="qwen3-0.6b", prompts=8,
+       tokens=8), "decode": dict(preset="llama3-1b", steps=100)}
+SMOKE = {"steps": dict(preset="tiny-llama", prompts=4, length=40), "host": dict(preset="tiny-qwen3", prompts=4,
+         tokens=8), "decode": dict(preset="tiny-llama", steps=10)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="steps,host,decode")
+    p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU in fp32 (a dry run)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    args = p.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --smoke for the CPU dry run)", file=sys.stderr)
+        return 2
+    conf = SMOKE if args.smoke else GPU
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    sections = {"steps": section_steps, "host": section_host, "decode": section_decode}
+    for name in args.only.split(","):
+        if name not in sections:
+            print(f"--only: sections are {', '.join(sections)}", file=sys.stderr)
+            return 2
+        sections[name](conf[name], device, dtype, res)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "diag.json").write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.out / 'diag.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
