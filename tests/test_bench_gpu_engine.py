@@ -25,8 +25,9 @@ def test_smoke_run_measures_every_section_against_its_reference(tmp_path, capsys
     for name, d in r["decode"].items():  # the gpt-fast-style reference decodes the engine's tokens (fp32)
         assert d["compared"] == 24 and d["greedy_tokens_identical"] == 24, name
         assert d["ratio"] == pytest.approx(d["ours_tok_s"] / d["reference_tok_s"])
-    pre = r["prefill"]
-    assert pre["first_tokens_identical"] == 2 and not pre["truncated"]  # HF's forward picks the engine's token
+    assert set(r["prefill"]) == {"tiny-llama", "tiny-qwen3"}
+    for name, pre in r["prefill"].items():  # HF's forward picks the engine's token
+        assert pre["first_tokens_identical"] == 2 and not pre["truncated"], name
     fix = r["prefix"]
     # 2 system prompts of 64 tokens then 32 unique ones, 3 waves: waves 2 and 3 hit 64 of 96 tokens
     assert fix["hit_share"] == pytest.approx(2 * 2 * 64 / (6 * 96))
