@@ -118,3 +118,53 @@ def test_rope_and_kv_write_in_one_kernel_fill_the_cache_as_the_reference(dtype, 
     untouched = torch.ones(blocks * bs, dtype=torch.bool)
     untouched[slots] = False
     assert flat[0][untouched].isnan().all() and flat[1][untouched].isnan().all()  # nothing else written
+
+
+@interpreter
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_and_kv_write_in_one_kernel_equal_the_parts(dtype, norm, monkeypatch):
+    """`rope_qkv_and_write_kv`: Qwen3's per-head q/k RMSNorm, RoPE of q and k and the paged KV write in one
+    launch give what the reference parts give (rms_norm_ref per head, apply_rope_ref, write_kv), reading q, k
+    and v as strided views of the fused projection and writing nothing but the tokens' slots."""
+    from nanoforge.kernels.paged_attention import write_kv
+    from nanoforge.kernels.rmsnorm import rms_norm_ref
+    from nanoforge.kernels.rope import rope_qkv_and_write_kv
+    from nanoforge.model.transformer import RMSNorm
+
+    N, H, Hkv, D, blocks, bs = 5, 6, 2, 16, 6, 4
+    torch.manual_seed(1)
+    qkv = (3 * torch.randn(N, (H + 2 * Hkv) * D)).to(dtype)
+    q = qkv[:, :H * D].view(N, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+    cos, sin = (t[0] for t in angles(1, N, D, dtype, offset=37))
+    slots = torch.tensor([3, 9, 10, 22, 0])
+    qk_norm = None
+    if norm:
+        qk_norm = (RMSNorm(D, 0.5), RMSNorm(D, 0.5))  # an eps large enough to matter
+        with torch.no_grad():
+            for m in qk_norm:
+                m.weight.copy_(torch.rand(D) + 0.5)
+                m.to(dtype)
+    caches = [torch.full((blocks, bs, Hkv, D), float("nan"), dtype=dtype) for _ in range(4)]
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    with torch.no_grad():
+        got = rope_qkv_and_write_kv(q, k, v, cos, sin, caches[0], caches[1], slots, qk_norm)
+    monkeypatch.setenv("NANOFORGE_KERNELS", "torch")
+    with torch.no_grad():
+        qn, kn = (rms_norm_ref(q, qk_norm[0].weight, 0.5), rms_norm_ref(k, qk_norm[1].weight, 0.5)) if norm \
+            else (q, k)
+        want = apply_rope_ref(qn[None], cos[None], sin[None])[0]
+        write_kv(apply_rope_ref(kn[None], cos[None], sin[None])[0], v, caches[2], caches[3], slots)
+    flat = [c.view(-1, Hkv, D) for c in caches]
+    assert torch.equal(flat[1][slots], flat[3][slots])  # V copied unchanged
+    if dtype == torch.float32:  # the norm's sum in another order: the last bits
+        tol = dict(rtol=1e-5, atol=1e-5) if norm else dict(rtol=0, atol=0)
+    else:  # the interpreter truncates where the GPU rounds, and a norm rounds once more before the rotation
+        tol = dict(rtol=2 ** -5, atol=2 ** -5)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(flat[0][slots].float(), flat[2][slots].float(), **tol)
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[0][untouched].isnan().all() and flat[1][untouched].isnan().all()  # nothing else written

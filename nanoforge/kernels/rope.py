@@ -128,3 +128,89 @@ def _rope_write_kv_kernel(K, V, COS, SIN, KC, VC, SLOTS, H, skt, skh, svt, svh, 
     vp = V + t * svt + hs * svh + ds
     tl.store(VC + base, tl.load(vp, mask=m, other=0.0), mask=m)
     tl.store(VC + base + HALF, tl.load(vp + HALF, mask=m, other=0.0), mask=m)
+
+
+def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          qk_norm=None) -> torch.Tensor:
+    """The engine's whole step from projections to cache: q (N, Hq, D), k and v (N, Hkv, D), each head of q and k
+    first normalised by `qk_norm` = (q_norm, k_norm) (RMSNorm modules: Qwen3) if given, then q and k rotated by
+    cos, sin (N, 1, D); K and V stored at `slot_mapping` of the paged caches. Returns the rotated q (N, Hq, D).
+    One launch where the parts take four (Qwen3) or two: a decode step is a chain of small launches."""
+    N, Hq, D = q.shape
+    if qk_norm is not None:
+        qw, kw, eps = qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps
+    fused = (_fast(q[None], cos[None], sin[None]) and _fast(k[None], cos[None], sin[None]) and v.shape == k.shape
+             and k_cache.dtype == v_cache.dtype == k.dtype == q.dtype and k_cache.is_contiguous()
+             and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:] and q.shape[-1] == k.shape[-1]
+             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
+             and cos.stride() == sin.stride() and slot_mapping.shape == (N,)
+             and (qk_norm is None or (qw.shape == kw.shape == (D,) and qw.is_contiguous() and kw.is_contiguous()
+                                      and qk_norm[1].eps == eps and use_fast(qw, kw))))
+    if not fused:
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
+        apply_rope_and_write_kv(k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return apply_rope(q[None], cos[None], sin[None])[0]
+    out = torch.empty(N, Hq, D, device=q.device, dtype=q.dtype)
+    Hkv = k.shape[1]
+    norm = qk_norm is not None
+    _qkv_rope_write_kv_kernel[(N,)](
+        q, k, v, cos, sin, qw if norm else q, kw if norm else k, out, k_cache, v_cache, slot_mapping, Hq, Hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        float(eps) if norm else 0.0, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq),
+        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D // 2), HAS_NORM=norm,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _norm_rope_heads(X, sxh, W, H, c1, c2, s1, s2, eps, ty, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One token's H heads at X (head stride sxh): RMSNorm over each head with weight W (as `rms_norm`'s kernel:
+    x * rstd * w in fp32, rounded to ty) if HAS_NORM, then rotated (rounded as `_rope_kernel`)."""
+    hs = tl.arange(0, BLOCK_H)[:, None]
+    ds = tl.arange(0, BLOCK_D)[None, :]
+    m = (hs < H) & (ds < HALF)
+    x1 = tl.load(X + hs * sxh + ds, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(X + hs * sxh + ds + HALF, mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + ds, mask=ds < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(W + ds + HALF, mask=ds < HALF, other=0.0).to(tl.float32)
+        x1 = (x1 * r * w1).to(ty).to(tl.float32)
+        x2 = (x2 * r * w2).to(ty).to(tl.float32)
+    o1 = ((x1 * c1).to(ty).to(tl.float32) - (x2 * s1).to(ty).to(tl.float32)).to(ty)
+    o2 = ((x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)).to(ty)
+    return o1, o2, hs, ds, m
+
+
+@triton.jit
+def _qkv_rope_write_kv_kernel(Q, K, V, COS, SIN, QW, KW, QO, KC, VC, SLOTS, HQ, HKV, sqt, sqh, skt, skh, svt, svh,
+                              sct, eps, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                              BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Token t: its q heads (normalised, rotated) to QO[t]; its k heads (normalised, rotated) and v heads to cache
+    slot SLOTS[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    ty = KC.dtype.element_ty
+    ds = tl.arange(0, BLOCK_D)[None, :]
+    dm = ds < HALF
+    c1 = tl.load(COS + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    o1, o2, hs, ds, m = _norm_rope_heads(Q + t * sqt, sqh, QW, HQ, c1, c2, s1, s2, eps, ty, HALF, BLOCK_HQ, BLOCK_D,
+                                         HAS_NORM)
+    qo = QO + t * HQ * 2 * HALF + hs * (2 * HALF) + ds
+    tl.store(qo, o1, mask=m)
+    tl.store(qo + HALF, o2, mask=m)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    o1, o2, hs, ds, m = _norm_rope_heads(K + t * skt, skh, KW, HKV, c1, c2, s1, s2, eps, ty, HALF, BLOCK_HKV, BLOCK_D,
+                                         HAS_NORM)
+    base = slot * HKV * 2 * HALF + hs * (2 * HALF) + ds
+    tl.store(KC + base, o1, mask=m)
+    tl.store(KC + base + HALF, o2, mask=m)
+    vp = V + t * svt + hs * svh + ds
+    tl.store(VC + base, tl.load(vp, mask=m, other=0.0), mask=m)
+    tl.store(VC + base + HALF, tl.load(vp + HALF, mask=m, other=0.0), mask=m)

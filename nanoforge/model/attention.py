@@ -41,9 +41,13 @@ class AttentionBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
-        """`attend` after rotating q and k by rope = (cos, sin) (None: learned positions, no rotation). A backend
-        that stores K may fuse the rotation into the store (the engine's paged cache does)."""
+    def attend_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope,
+                      qk_norm=None) -> torch.Tensor:
+        """`attend` after normalising each head of q and k by qk_norm = (q_norm, k_norm) (modules; None: no
+        norm) and rotating q and k by rope = (cos, sin) (None: learned positions, no rotation). A backend that
+        stores K may fuse the norms and the rotation into the store (the engine's paged cache does)."""
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

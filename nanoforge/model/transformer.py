@@ -91,9 +91,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        o = attn.attend_rotary(self.layer_idx, q, k, v, rope)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None  # Qwen3: applied by the backend
+        o = attn.attend_rotary(self.layer_idx, q, k, v, rope, qk_norm)
         return self.dropout(self.wo(o.reshape(B, T, -1)))
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, write_kv
-from nanoforge.kernels.rope import apply_rope, apply_rope_and_write_kv
+from nanoforge.kernels.rope import rope_qkv_and_write_kv
 from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.sampling import SEED_MOD, sample
@@ -78,13 +78,14 @@ class PagedAttention(AttentionBackend):
         write_kv(k[0], v[0], kc, vc, self.slot_mapping)
         return self._attend_cached(q, kc, vc)
 
-    def attend_rotary(self, layer, q, k, v, rope):
+    def attend_rotary(self, layer, q, k, v, rope, qk_norm=None):
         if rope is None:
-            return self.attend(layer, q, k, v)
+            return super().attend_rotary(layer, q, k, v, rope, qk_norm)
         cos, sin = rope
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        apply_rope_and_write_kv(k[0], v[0], cos[0], sin[0], kc, vc, self.slot_mapping)  # one launch on a GPU
-        return self._attend_cached(apply_rope(q, cos, sin), kc, vc)
+        # q/k norms (Qwen3), RoPE and the KV write: one launch on a GPU
+        q = rope_qkv_and_write_kv(q[0], k[0], v[0], cos[0], sin[0], kc, vc, self.slot_mapping, qk_norm)
+        return self._attend_cached(q[None], kc, vc)
 
     def _attend_cached(self, q, kc, vc):
         if self.tile_starts is _UNSET:
