@@ -295,6 +295,12 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
          "SPLIT": False, "VARLEN": True},
         num_warps=4,
     ),
+    "rope_qkv_write_kv": TritonKernel(  # Qwen3's q/k norms, RoPE and the paged KV write of one token per program
+        "nanoforge.kernels.rope:_qkv_rope_write_kv_kernel",
+        {**{p: "*bf16" for p in ("Q", "K", "V", "COS", "SIN", "QW", "KW", "QO", "KC", "VC")}, "SLOTS": "*i64",
+         **_i32("HQ", "HKV", "sqt", "sqh", "skt", "skh", "svt", "svh", "sct"), "eps": "fp32"},
+        {"HALF": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 8, "BLOCK_D": 64, "HAS_NORM": True},
+    ),
     "rmsnorm_fwd": TritonKernel(
         "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",
         {"x": "*bf16", "res": "*bf16", "w": "*bf16", "y": "*bf16", "h": "*bf16", "rstd": "*fp32",
