@@ -76,6 +76,14 @@ MIN_DECODE_TOKENS = 64  # timed past the deadline if need be: compiling the refe
 SECTIONS = ("throughput", "decode", "prefill", "prefix", "profile")
 
 
+def run_on(smoke: bool):
+    """(device, dtype) of a run: the GPU in bf16, or the CPU in fp32 for --smoke; None (said why) without a GPU."""
+    if not smoke and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --smoke for the CPU dry run)", file=sys.stderr)
+        return None
+    return (torch.device("cpu"), torch.float32) if smoke else (torch.device("cuda"), torch.bfloat16)
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -465,12 +473,11 @@ def main(argv=None) -> int:
     if any(s not in SECTIONS for s in only):
         print(f"--only: sections are {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
-    if not args.smoke and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --smoke for the CPU dry run)", file=sys.stderr)
+    picked = run_on(args.smoke)
+    if picked is None:
         return 2
+    device, dtype = picked
     conf = SMOKE if args.smoke else GPU
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke else torch.bfloat16
     start = time.perf_counter()
     total = args.total or conf["total"]
     end = start + total

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from benchmarks.gpu_engine import build_model, drain, make_engine  # noqa: E402
+from benchmarks.gpu_engine import build_model, drain, make_engine, run_on  # noqa: E402
 from nanoforge.kernels import matmul as mm  # noqa: E402
 from nanoforge.serve.sampling_params import SamplingParams  # noqa: E402
 
@@ -185,12 +185,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU in fp32 (a dry run)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     args = p.parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --smoke for the CPU dry run)", file=sys.stderr)
+    picked = run_on(args.smoke)
+    if picked is None:
         return 2
+    device, dtype = picked
     conf = SMOKE if args.smoke else GPU
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke else torch.bfloat16
     res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     sections = {"steps": section_steps, "host": section_host, "decode": section_decode}
     for name in args.only.split(","):

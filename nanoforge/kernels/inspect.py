@@ -299,7 +299,7 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         "nanoforge.kernels.rope:_qkv_rope_write_kv_kernel",
         {**{p: "*bf16" for p in ("Q", "K", "V", "COS", "SIN", "QW", "KW", "QO", "KC", "VC")}, "SLOTS": "*i64",
          **_i32("HQ", "HKV", "sqt", "sqh", "skt", "skh", "svt", "svh", "sct"), "eps": "fp32"},
-        {"HALF": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 8, "BLOCK_D": 64, "HAS_NORM": True},
+        {"HALF": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 8, "BLOCK_D": 64, "HAS_Q": True, "HAS_NORM": True},
     ),
     "rmsnorm_fwd": TritonKernel(
         "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",

@@ -63,21 +63,9 @@ def _rope_kernel(X, COS, SIN, OUT, T, H, sxb, sxt, sxh, scb, sct, HALF: tl.const
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = (pid % T).to(tl.int64)
-    hs = tl.arange(0, BLOCK_H)[:, None]
-    ds = tl.arange(0, BLOCK_D)[None, :]
-    m = (hs < H) & (ds < HALF)
-    xp = X + b * sxb + t * sxt + hs * sxh + ds
-    x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
-    cp = b * scb + t * sct + ds
-    dm = ds < HALF
-    c1 = tl.load(COS + cp, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + cp + HALF, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + cp, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + cp + HALF, mask=dm, other=0.0).to(tl.float32)
-    ty = OUT.dtype.element_ty
-    o1 = ((x1 * c1).to(ty).to(tl.float32) - (x2 * s1).to(ty).to(tl.float32)).to(ty)
-    o2 = ((x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)).to(ty)
+    c1, c2, s1, s2 = _angles(COS, SIN, b * scb + t * sct, HALF, BLOCK_D)
+    o1, o2, hs, ds, m = _norm_rope_heads(X + b * sxb + t * sxt, sxh, X, H, c1, c2, s1, s2, 0.0, OUT.dtype.element_ty,
+                                         HALF, BLOCK_H, BLOCK_D, False)
     op = OUT + pid.to(tl.int64) * H * 2 * HALF + hs * (2 * HALF) + ds
     tl.store(op, o1, mask=m)
     tl.store(op + HALF, o2, mask=m)
@@ -96,38 +84,11 @@ def apply_rope_and_write_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
             and k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
             and cos.stride() == sin.stride() and slot_mapping.shape == (N,)):
         return write_kv(apply_rope(k[None], cos[None], sin[None])[0], v, k_cache, v_cache, slot_mapping)
-    _rope_write_kv_kernel[(N,)](k, v, cos, sin, k_cache, v_cache, slot_mapping, H, k.stride(0), k.stride(1),
-                                v.stride(0), v.stride(1), cos.stride(0), HALF=D // 2,
-                                BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2),
-                                enable_fp_fusion=False)
-
-
-@triton.jit
-def _rope_write_kv_kernel(K, V, COS, SIN, KC, VC, SLOTS, H, skt, skh, svt, svh, sct, HALF: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token t: its rotated K heads and its V heads into cache slot SLOTS[t] (rounded as `_rope_kernel`)."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(SLOTS + t).to(tl.int64)
-    hs = tl.arange(0, BLOCK_H)[:, None]
-    ds = tl.arange(0, BLOCK_D)[None, :]
-    m = (hs < H) & (ds < HALF)
-    kp = K + t * skt + hs * skh + ds
-    x1 = tl.load(kp, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(kp + HALF, mask=m, other=0.0).to(tl.float32)
-    dm = ds < HALF
-    c1 = tl.load(COS + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
-    ty = KC.dtype.element_ty
-    o1 = ((x1 * c1).to(ty).to(tl.float32) - (x2 * s1).to(ty).to(tl.float32)).to(ty)
-    o2 = ((x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)).to(ty)
-    base = slot * H * 2 * HALF + hs * (2 * HALF) + ds
-    tl.store(KC + base, o1, mask=m)
-    tl.store(KC + base + HALF, o2, mask=m)
-    vp = V + t * svt + hs * svh + ds
-    tl.store(VC + base, tl.load(vp, mask=m, other=0.0), mask=m)
-    tl.store(VC + base + HALF, tl.load(vp + HALF, mask=m, other=0.0), mask=m)
+    _qkv_rope_write_kv_kernel[(N,)](
+        k, k, v, cos, sin, k, k, k, k_cache, v_cache, slot_mapping, 0, H, 0, 0, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), cos.stride(0), 0.0, HALF=D // 2, BLOCK_HQ=1, BLOCK_HKV=triton.next_power_of_2(H),
+        BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=False, HAS_NORM=False, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -159,17 +120,31 @@ def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
         q, k, v, cos, sin, qw if norm else q, kw if norm else k, out, k_cache, v_cache, slot_mapping, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         float(eps) if norm else 0.0, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq),
-        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D // 2), HAS_NORM=norm,
+        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=True, HAS_NORM=norm,
         enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _norm_rope_heads(X, sxh, W, H, c1, c2, s1, s2, eps, ty, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+def _angles(COS, SIN, off, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A token's cos and sin halves (at `off`), in fp32, as (1, BLOCK_D) rows."""
+    ds = tl.arange(0, BLOCK_D)[None, :]
+    dm = ds < HALF
+    c1 = tl.load(COS + off + ds, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + off + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + off + ds, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + off + ds + HALF, mask=dm, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _norm_rope_heads(X, sxh, W, H, c1, c2, s1, s2, eps, ty: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
     """One token's H heads at X (head stride sxh): RMSNorm over each head with weight W (as `rms_norm`'s kernel:
-    x * rstd * w in fp32, rounded to ty) if HAS_NORM, then rotated (rounded as `_rope_kernel`)."""
+    x * rstd * w in fp32, rounded to ty) if HAS_NORM, then rotated: out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2,
+    each product and the sum rounded to ty (as x * cos + rotate_half(x) * sin is in PyTorch). The one rotation
+    every RoPE kernel here runs; returns the halves, the head and dim offsets and the mask."""
     hs = tl.arange(0, BLOCK_H)[:, None]
     ds = tl.arange(0, BLOCK_D)[None, :]
     m = (hs < H) & (ds < HALF)
@@ -189,22 +164,18 @@ def _norm_rope_heads(X, sxh, W, H, c1, c2, s1, s2, eps, ty, HALF: tl.constexpr, 
 @triton.jit
 def _qkv_rope_write_kv_kernel(Q, K, V, COS, SIN, QW, KW, QO, KC, VC, SLOTS, HQ, HKV, sqt, sqh, skt, skh, svt, svh,
                               sct, eps, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                              BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Token t: its q heads (normalised, rotated) to QO[t]; its k heads (normalised, rotated) and v heads to cache
-    slot SLOTS[t]."""
+                              BLOCK_D: tl.constexpr, HAS_Q: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Token t: its q heads (normalised, rotated) to QO[t] if HAS_Q; its k heads (normalised, rotated) and v heads
+    to cache slot SLOTS[t]."""
     t = tl.program_id(0).to(tl.int64)
     ty = KC.dtype.element_ty
-    ds = tl.arange(0, BLOCK_D)[None, :]
-    dm = ds < HALF
-    c1 = tl.load(COS + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * sct + ds, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * sct + ds + HALF, mask=dm, other=0.0).to(tl.float32)
-    o1, o2, hs, ds, m = _norm_rope_heads(Q + t * sqt, sqh, QW, HQ, c1, c2, s1, s2, eps, ty, HALF, BLOCK_HQ, BLOCK_D,
-                                         HAS_NORM)
-    qo = QO + t * HQ * 2 * HALF + hs * (2 * HALF) + ds
-    tl.store(qo, o1, mask=m)
-    tl.store(qo + HALF, o2, mask=m)
+    c1, c2, s1, s2 = _angles(COS, SIN, t * sct, HALF, BLOCK_D)
+    if HAS_Q:
+        o1, o2, hs, ds, m = _norm_rope_heads(Q + t * sqt, sqh, QW, HQ, c1, c2, s1, s2, eps, ty, HALF, BLOCK_HQ,
+                                             BLOCK_D, HAS_NORM)
+        qo = QO + t * HQ * 2 * HALF + hs * (2 * HALF) + ds
+        tl.store(qo, o1, mask=m)
+        tl.store(qo + HALF, o2, mask=m)
     slot = tl.load(SLOTS + t).to(tl.int64)
     o1, o2, hs, ds, m = _norm_rope_heads(K + t * skt, skh, KW, HKV, c1, c2, s1, s2, eps, ty, HALF, BLOCK_HKV, BLOCK_D,
                                          HAS_NORM)
