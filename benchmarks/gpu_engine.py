@@ -106,12 +106,14 @@ def peaks(device) -> tuple[float, float]:
 
 
 def make_engine(model, *, max_num_seqs: int, max_len: int, tokens: int = 16384, seqs_blocks: int | None = None,
-                prefix_caching: bool = True, graph_prefill: bool | None = None) -> LLMEngine:
+                prefix_caching: bool = True, graph_prefill: bool | None = None,
+                async_scheduling: bool | None = None) -> LLMEngine:
     """An engine whose KV cache holds `seqs_blocks` sequences of max_len (default: max_num_seqs of them)."""
     blocks = (seqs_blocks or max_num_seqs) * math.ceil(max_len / 16) + 16
     return LLMEngine(model, None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
                                                max_model_len=max_len, num_gpu_blocks=blocks,
-                                               enable_prefix_caching=prefix_caching, graph_prefill=graph_prefill))
+                                               enable_prefix_caching=prefix_caching, graph_prefill=graph_prefill,
+                                               async_scheduling=async_scheduling))
 
 
 def drain(engine: LLMEngine, deadline: float = math.inf) -> dict[str, object]:

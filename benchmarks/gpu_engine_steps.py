@@ -9,10 +9,11 @@ steps   Prefill of 64 prompts of 2,000 tokens on Llama-3.2-1B's shape (random bf
         passes only is a one-time cost (a kernel compiled or tuned); docs/results/issue14/session7/
         diag_before_fix.json is how it found Triton specializing on per-step values. Also torch.profiler's
         kernels of one eager 16K-token step.
-host    The host time of each kernel entry point in a small eager step (Qwen3-0.6B's shape, 8 prompts of 8
-        tokens: the ~23 ms floor of an eager step): every `nanoforge.kernels` function the engine calls is
-        wrapped in a profiler range named after it, in every module that imported it, so the CPU table gives
-        each one's calls and microseconds per call, beside the aten ops'.
+host    The host time of a small eager step (Qwen3-0.6B's shape, 8 prompts of 8 tokens: the ~23 ms floor of an
+        eager step): its wall ms with Triton's own launches and with launch plans (kernels/launch.py,
+        NANOFORGE_LAUNCH_PLANS=1), then, profiled, each kernel entry point's calls and microseconds per call
+        (every `nanoforge.kernels` function the engine calls wrapped in a profiler range named after it, in
+        every module that imported it) beside the aten ops'.
 decode  torch.profiler's kernels over 100 graphed batch-1 decode steps of Llama-3.2-1B's shape, and the step's
         ms unprofiled.
 """
@@ -110,8 +111,35 @@ def attribute_kernel_calls() -> list[str]:
     return sorted(w.__name__ for w in wrapped.values())
 
 
+def small_steps_ms(model, c: dict, device, plans: bool, steps: int = 20) -> float:
+    """Wall ms of one eager step of c["prompts"] x c["tokens"] new tokens, unprofiled, launch plans on or off."""
+    os.environ["NANOFORGE_LAUNCH_PLANS"] = "1" if plans else "0"
+    rng = random.Random(5)
+    eng = make_engine(model, max_num_seqs=c["prompts"], max_len=64, prefix_caching=False, graph_prefill=False,
+                      async_scheduling=False)
+    vocab = min(1000, model.cfg.vocab_size)
+    times = []
+    for i in range(steps + 3):
+        for _ in range(c["prompts"]):
+            eng.add_request([rng.randrange(vocab) for _ in range(c["tokens"])], ONE)
+        sync(device)
+        t0 = time.perf_counter()
+        eng.step()  # all of them in one prefill step (step by step: it is read back at once)
+        sync(device)
+        if i >= 3:  # the first ones compile, and make the plans
+            times.append(time.perf_counter() - t0)
+        drain(eng)
+    eng.close()
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
 def section_host(c: dict, device, dtype, res: dict) -> None:
     model = build_model(c["preset"], device, dtype, 256)
+    off, on = small_steps_ms(model, c, device, False), small_steps_ms(model, c, device, True)
+    os.environ["NANOFORGE_LAUNCH_PLANS"] = "0"
+    res["launch_plans"] = {"step_ms_without": off, "step_ms_with": on, "ratio": off / on}
+    print(f"\none eager step of {c['prompts']} x {c['tokens']} tokens, {c['preset']} shape: {off:.2f} ms with "
+          f"Triton's launches, {on:.2f} ms with launch plans (NANOFORGE_LAUNCH_PLANS=1): {off / on:.2f}x")
     names = attribute_kernel_calls()
     rng = random.Random(4)
     eng = make_engine(model, max_num_seqs=c["prompts"], max_len=64, prefix_caching=False, graph_prefill=False)

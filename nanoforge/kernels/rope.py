@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.launch import launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -42,7 +43,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride() != sin.stride():
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     out = torch.empty(B, T, H, D, device=x.device, dtype=x.dtype)
-    _rope_kernel[(B * T,)](x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+    launch(_rope_kernel, (B * T,), x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
                            cos.stride(1), HALF=D // 2, BLOCK_H=triton.next_power_of_2(H),
                            BLOCK_D=triton.next_power_of_2(D // 2), enable_fp_fusion=False)
     return out
@@ -84,8 +85,8 @@ def apply_rope_and_write_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
             and k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
             and cos.stride() == sin.stride() and slot_mapping.shape == (N,)):
         return write_kv(apply_rope(k[None], cos[None], sin[None])[0], v, k_cache, v_cache, slot_mapping)
-    _qkv_rope_write_kv_kernel[(N,)](
-        k, k, v, cos, sin, k, k, k, k_cache, v_cache, slot_mapping, 0, H, 0, 0, k.stride(0), k.stride(1), v.stride(0),
+    launch(
+        _qkv_rope_write_kv_kernel, (N,), k, k, v, cos, sin, k, k, k, k_cache, v_cache, slot_mapping, 0, H, 0, 0, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos.stride(0), 0.0, HALF=D // 2, BLOCK_HQ=1, BLOCK_HKV=triton.next_power_of_2(H),
         BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=False, HAS_NORM=False, enable_fp_fusion=False,
     )  # fmt: skip
@@ -116,8 +117,8 @@ def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     out = torch.empty(N, Hq, D, device=q.device, dtype=q.dtype)
     Hkv = k.shape[1]
     norm = qk_norm is not None
-    _qkv_rope_write_kv_kernel[(N,)](
-        q, k, v, cos, sin, qw if norm else q, kw if norm else k, out, k_cache, v_cache, slot_mapping, Hq, Hkv,
+    launch(
+        _qkv_rope_write_kv_kernel, (N,), q, k, v, cos, sin, qw if norm else q, kw if norm else k, out, k_cache, v_cache, slot_mapping, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         float(eps) if norm else 0.0, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq),
         BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=True, HAS_NORM=norm,
