@@ -102,3 +102,22 @@ def test_warm_up_fails_quietly(master, monkeypatch, caplog):
         store.unregister_buffer(buf.data_ptr())
     finally:
         store.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pre-faulting the segment is Linux-only")
+def test_a_segment_in_reused_memory_is_found_by_its_probe(master, monkeypatch):
+    """A small segment can come from memory the process had mapped before (the C allocator reuses freed memory
+    below its mmap threshold; it happened in CI): no new mapping, yet the probe object's address says where the
+    segment is, and that range is pre-faulted."""
+    monkeypatch.setattr(mooncake_store, "_new_memory", lambda *args: [])  # as if setup had mapped nothing new
+    store = MooncakeStore(master.address, segment_bytes=16 * MiB)
+    try:
+        assert store._warmer is not None, "no warm-up started"
+        store.wait_warm()
+        assert store.store.put("where", b"x", store.put_config) == 0
+        replica = store.store.get_replica_desc("where")[0]
+        address = replica.get_memory_descriptor().buffer_descriptor.buffer_address
+        store.store.remove("where", True)
+        assert resident_fraction(address, 16 * MiB) > 0.99
+    finally:
+        store.close()

@@ -189,21 +189,23 @@ class MooncakeStore:
         `segment_bytes` (one `aligned_alloc`: the TCP transport does not split segments), which the kernel may have
         merged with the few tens of MiB of buffers Mooncake mapped next to it; a probe object put into the segment
         tells where in that piece the segment starts, so only the segment itself is pre-faulted (the whole piece
-        where the probe fails)."""
+        where the probe fails). A small segment may instead come from memory the process had mapped already (the
+        C allocator reuses freed memory below its mmap threshold, 32 MiB at most): then the probe's address alone
+        says where it is."""
         try:
             pieces = _new_memory(before, _mappings(), segment_bytes)
         except OSError as e:
             log.info("cannot read /proc/self/maps (%s): the KV pool segment is not pre-faulted", e)
             return
-        if not pieces:
-            log.info("found no new mapping of %d bytes after joining the pool: the segment is not pre-faulted",
-                     segment_bytes)
-            return
         start = self._segment_start()
         if start is not None:
             start -= start % mmap.PAGESIZE
             inside = [(start, min(end, start + segment_bytes)) for begin, end in pieces if begin <= start < end]
-            pieces = inside or pieces
+            pieces = inside or pieces or [(start, start + segment_bytes)]
+        if not pieces:
+            log.info("found no new mapping of %d bytes after joining the pool and no probe of it: the segment is "
+                     "not pre-faulted", segment_bytes)
+            return
         self._warmer = threading.Thread(target=_warm_segment, args=(pieces, self._stop_warm),
                                         name="nanoforge-pool-warm", daemon=True)
         self._warmer.start()
