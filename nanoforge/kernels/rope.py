@@ -76,20 +76,12 @@ def apply_rope_and_write_kv(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Rotate k (N, Hkv, D) by cos, sin (N, 1, D) and store it and v at `slot_mapping` (N,) of the paged caches
     (num_blocks, block_size, Hkv, D): `write_kv(apply_rope(k), v, ...)` in one launch where that takes about
-    eight (the engine's decode step)."""
+    eight (`rope_qkv_and_write_kv`'s kernel without q)."""
     from nanoforge.kernels.paged_attention import write_kv
 
-    N, H, D = k.shape
-    if not (_fast(k[None], cos[None], sin[None]) and v.shape == k.shape and k_cache.dtype == v_cache.dtype == k.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (H, D)
-            and k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
-            and cos.stride() == sin.stride() and slot_mapping.shape == (N,)):
+    if not _kv_write_fused(k, v, cos, sin, k_cache, v_cache, slot_mapping):
         return write_kv(apply_rope(k[None], cos[None], sin[None])[0], v, k_cache, v_cache, slot_mapping)
-    launch(
-        _qkv_rope_write_kv_kernel, (N,), k, k, v, cos, sin, k, k, k, k_cache, v_cache, slot_mapping, 0, H, 0, 0, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), cos.stride(0), 0.0, HALF=D // 2, BLOCK_HQ=1, BLOCK_HKV=triton.next_power_of_2(H),
-        BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=False, HAS_NORM=False, enable_fp_fusion=False,
-    )  # fmt: skip
+    _launch_qkv(None, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,32 +91,45 @@ def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     first normalised by `qk_norm` = (q_norm, k_norm) (RMSNorm modules: Qwen3) if given, then q and k rotated by
     cos, sin (N, 1, D); K and V stored at `slot_mapping` of the paged caches. Returns the rotated q (N, Hq, D).
     One launch where the parts take four (Qwen3) or two: a decode step is a chain of small launches."""
-    N, Hq, D = q.shape
-    if qk_norm is not None:
-        qw, kw, eps = qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps
-    fused = (_fast(q[None], cos[None], sin[None]) and _fast(k[None], cos[None], sin[None]) and v.shape == k.shape
-             and k_cache.dtype == v_cache.dtype == k.dtype == q.dtype and k_cache.is_contiguous()
-             and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:] and q.shape[-1] == k.shape[-1]
-             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
-             and cos.stride() == sin.stride() and slot_mapping.shape == (N,)
-             and (qk_norm is None or (qw.shape == kw.shape == (D,) and qw.is_contiguous() and kw.is_contiguous()
-                                      and qk_norm[1].eps == eps and use_fast(qw, kw))))
+    qn, kn = qk_norm if qk_norm is not None else (None, None)
+    fused = (_kv_write_fused(k, v, cos, sin, k_cache, v_cache, slot_mapping) and _fast(q[None], cos[None], sin[None])
+             and q.dtype == k.dtype and q.shape[-1] == k.shape[-1] and q.stride(-1) == 1
+             and (qn is None or (qn.weight.shape == kn.weight.shape == q.shape[-1:] and qn.eps == kn.eps
+                                 and qn.weight.is_contiguous() and kn.weight.is_contiguous()
+                                 and use_fast(qn.weight, kn.weight))))
     if not fused:
-        if qk_norm is not None:
-            q, k = qk_norm[0](q), qk_norm[1](k)
+        if qn is not None:
+            q, k = qn(q), kn(k)
         apply_rope_and_write_kv(k, v, cos, sin, k_cache, v_cache, slot_mapping)
         return apply_rope(q[None], cos[None], sin[None])[0]
-    out = torch.empty(N, Hq, D, device=q.device, dtype=q.dtype)
-    Hkv = k.shape[1]
-    norm = qk_norm is not None
-    launch(
-        _qkv_rope_write_kv_kernel, (N,), q, k, v, cos, sin, qw if norm else q, kw if norm else k, out, k_cache, v_cache, slot_mapping, Hq, Hkv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        float(eps) if norm else 0.0, HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(Hq),
-        BLOCK_HKV=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=True, HAS_NORM=norm,
-        enable_fp_fusion=False,
-    )  # fmt: skip
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _launch_qkv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out, qk_norm)
     return out
+
+
+def _kv_write_fused(k, v, cos, sin, k_cache, v_cache, slot_mapping) -> bool:
+    """Whether the fused kernel takes these K/V operands (else the reference parts run)."""
+    return (_fast(k[None], cos[None], sin[None]) and v.shape == k.shape and k_cache.dtype == v_cache.dtype == k.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
+            and k.stride(-1) == v.stride(-1) == 1 and cos.stride(-1) == sin.stride(-1) == 1
+            and cos.stride() == sin.stride() and slot_mapping.shape == k.shape[:1])
+
+
+def _launch_qkv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out=None, qk_norm=None) -> None:
+    """One program per token: q (if given) normalised (if qk_norm) and rotated into `out`; k likewise and v into
+    their cache slots."""
+    N, Hkv, D = k.shape
+    has_q, norm = q is not None, qk_norm is not None
+    qs = q if has_q else k  # without q, any tensor: never read
+    qw, kw, eps = (qk_norm[0].weight, qk_norm[1].weight, float(qk_norm[0].eps)) if norm else (qs, k, 0.0)
+    hq = q.shape[1] if has_q else 0
+    launch(
+        _qkv_rope_write_kv_kernel, (N,), qs, k, v, cos, sin, qw, kw, out if has_q else k, k_cache, v_cache,
+        slot_mapping, hq, Hkv, qs.stride(0), qs.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), eps,
+        HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HKV=triton.next_power_of_2(Hkv),
+        BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=has_q, HAS_NORM=norm, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 @triton.jit

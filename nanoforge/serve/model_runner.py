@@ -407,10 +407,14 @@ class ModelRunner:
         attention kernel's prefill variants (split context or not, by the launch's shape), which would otherwise
         compile at a first use in the middle of serving (~0.7 s on the H200, every running request stalled)."""
         for t in sorted({min(16, self.batch.max_num_tokens), self.batch.max_num_tokens}):
-            layout = Layout(t, 1)
-            self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
-                                                                         self.batch.scratch_slot)))
-            self._forward(layout.views(self.inputs), t, 1, t, self.max_blocks_per_seq)
+            self._forward(self._idle_inputs(Layout(t, 1)), t, 1, t, self.max_blocks_per_seq)
+
+    def _idle_inputs(self, layout: Layout) -> dict:
+        """The upload buffer filled with `layout`'s idle inputs (every row padding, reading and writing only the
+        scratch block); its views."""
+        self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
+                                                                     self.batch.scratch_slot)))
+        return layout.views(self.inputs)
 
     # --- CUDA graphs -------------------------------------------------------------------------------------
 
@@ -421,9 +425,7 @@ class ModelRunner:
         decode graphs (layout t = s = batch) and prefill buckets' (t tokens, every sequence slot), all at start.
         On the CPU the "graph" is the padded step run eagerly (after the same warm-up on idle inputs)."""
         t, s = layout.t, layout.s
-        self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
-                                                                     self.batch.scratch_slot)))
-        v = layout.views(self.inputs)
+        v = self._idle_inputs(layout)
         max_q_len = 1 if decode else t
 
         def run():
