@@ -31,7 +31,9 @@ from nanoforge.kernels import paged_attention as pa
 
 
 def nan_empty(*shape, like, dtype=None):
-    return torch.full(shape, math.nan, device=like.device, dtype=dtype or like.dtype)
+    dtype = dtype or like.dtype
+    poison = math.nan if dtype.is_floating_point else torch.iinfo(dtype).min  # integers: a value never written
+    return torch.full(shape, poison, device=like.device, dtype=dtype)
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -16,6 +16,7 @@ class FakeCompiled:
         self.log = log
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, "Triton's compiled-kernel runner indexes grid[0], grid[1] and grid[2]"
         return lambda *args: self.log.append(("direct", grid, args))
 
 
@@ -46,7 +47,7 @@ def test_same_key_launches_the_compiled_kernel_and_anything_specialized_goes_thr
     consts = dict(BLOCK=16, FLAG=True, num_warps=4)
     lp.launch(k, (4,), x, 32, 1e-6, **consts)
     lp.launch(k, (5,), y, 48, 2e-6, **consts)  # same classes: 32 and 48 are multiples of 16
-    assert k.log[-1] == ("direct", (5,), (y, 48, 2e-6, 16, True))  # constexprs appended in parameter order
+    assert k.log[-1] == ("direct", (5, 1, 1), (y, 48, 2e-6, 16, True))  # constexprs appended in parameter order
     lp.launch(k, (5,), x[1:], 48, 1e-6, **consts)  # 2 bytes off: not 16-byte aligned
     lp.launch(k, (5,), x, 1, 1e-6, **consts)  # n == 1
     lp.launch(k, (5,), x, 17, 1e-6, **consts)  # neither 1 nor a multiple of 16

@@ -50,7 +50,7 @@ def launch(kernel, grid: tuple, *args, **consts) -> None:
     plan = _PLANS.get(key)
     if plan is not None:
         compiled, tail = plan
-        compiled[grid](*args, *tail)
+        compiled[(*grid, 1, 1)[:3]](*args, *tail)  # a compiled kernel's launcher reads all three grid dims
         return
     compiled = kernel[grid](*args, **consts)
     names = kernel.arg_names[len(args):]  # the constexpr parameters, after the runtime ones
