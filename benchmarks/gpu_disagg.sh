@@ -45,6 +45,7 @@ SLO_TPOT_MS=${SLO_TPOT_MS:-50}
 POOL_MEMORY=${POOL_MEMORY:-8}  # GiB of host memory each instance adds to the KV pool
 WARMUP_LENS=${WARMUP_LENS:-"128 1024 4096"}
 DEVICE=${DEVICE:-cuda}
+SERVE_FLAGS=${SERVE_FLAGS:-}  # more `nanoforge serve` flags for every run (e.g. "--kv-pool-workers 1")
 mkdir -p "$OUT"
 
 for candidate in "$TRACE" shared/data/mooncake/synthetic_trace.jsonl ../shared/data/mooncake/synthetic_trace.jsonl \
@@ -78,7 +79,7 @@ run() {  # run PRESET CONFIG: start the server or cluster, warm it up, replay th
     [[ ${#flags[@]} -gt 0 ]] && { banner="nanoforge conductor:"; flags+=(--pool-memory "$POOL_MEMORY"); }
     mkdir -p "$dir"
     $PY -m nanoforge.cli serve --model "$MODEL_DIR" --port 0 --served-model-name "$preset-random" \
-        --max-model-len "$MAX_MODEL_LEN" --max-waiting 100000 --device "$DEVICE" --log-level warning "${flags[@]}" \
+        --max-model-len "$MAX_MODEL_LEN" --max-waiting 100000 --device "$DEVICE" --log-level warning "${flags[@]}" $SERVE_FLAGS \
         >"$log" 2>&1 &
     local pid=$! url=""
     for _ in $(seq 900); do  # model loads, KV-cache sizing, CUDA-graph captures: one instance after another

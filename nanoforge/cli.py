@@ -135,7 +135,7 @@ def _add_serve(sub):
                         "ruled out by --tensor-parallel-size or --store)")
     p.add_argument("--graph-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA-graph the prefill and mixed steps too, padded to token buckets, one graph per bucket "
-                        "captured at start (default: off until its speed is measured on a GPU)")
+                        "captured at start (default: on where decode steps are graphed, i.e. on a GPU)")
     p.add_argument("--max-waiting", type=_positive_int, default=256,
                    help="requests that may wait for a batch slot; more get 429 with Retry-After")
     p.add_argument("--max-request-bytes", type=_positive_int, default=8 << 20, help="larger bodies get 413")
@@ -153,6 +153,9 @@ def _add_serve(sub):
                    help="host:port of a mooncake_master: share prompt KV blocks through its pool (Mooncake Store)")
     g.add_argument("--pool-memory", type=float, default=1.0, metavar="GIB",
                    help="with --store: GiB of this machine's memory the instance adds to the pool (0: none)")
+    g.add_argument("--kv-pool-workers", type=_positive_int, default=4, metavar="N",
+                   help="with --store: threads moving KV blocks to and from the pool, one request's blocks each "
+                        "(default: 4)")
     g.add_argument("--store-hostname", default="127.0.0.1",
                    help="with --store: the address other machines reach this one's pool memory at (a cluster: "
                         "this machine's address on the cluster network)")

@@ -254,3 +254,22 @@ async def _many(url: str, prompts: list[str]) -> list[str]:
             return r.json()["choices"][0]["text"]
 
         return await asyncio.gather(*map(one, prompts))
+
+
+def test_the_launcher_passes_the_engine_flags_it_was_given_to_every_instance():
+    """`serve --disagg` starts its instances with the flags they act on: values, and on/off switches only where
+    given (an instance left to its default decides for itself: graphed prefill on a GPU, async scheduling on a
+    decode instance)."""
+    from nanoforge.cli import build_parser
+    from nanoforge.serve.disagg.launcher import _instance_cmd
+
+    def cmd(*flags):
+        args = build_parser().parse_args(["serve", "--disagg", "--model", "m", *flags])
+        return _instance_cmd(args, "decode", "127.0.0.1:5", None)
+
+    plain = cmd()
+    assert "--kv-pool-workers" in plain and plain[plain.index("--kv-pool-workers") + 1] == "4"
+    assert not any("graph-prefill" in a or "async-scheduling" in a for a in plain)
+    given = cmd("--no-graph-prefill", "--async-scheduling", "--kv-pool-workers", "2", "--max-num-seqs", "7")
+    assert "--no-graph-prefill" in given and "--async-scheduling" in given
+    assert given[given.index("--kv-pool-workers") + 1] == "2" and given[given.index("--max-num-seqs") + 1] == "7"

@@ -14,6 +14,7 @@ from test_serve_api import model, tok  # noqa: F401  (the same fixtures)
 from test_serve_engine import reference
 
 from nanoforge import SamplingParams
+from nanoforge.errors import NanoforgeError
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
 
 need_mooncake()
@@ -130,6 +131,29 @@ def test_mixed_prompts_with_and_without_hits_are_exact(model, tok, stores):
         want = [o.outputs for o in run(plain, prompts) + run(plain, prompts[:3], sampled)]
         assert [[c.token_ids for c in cs] for cs in got] == [[c.token_ids for c in cs] for cs in want]
         assert b.stats()["kv_pool"]["loaded_blocks"] >= 2
+        assert b.stats()["kv_blocks_used"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_engine_that_only_loads_schedules_a_step_ahead_and_stays_exact(model, tok, stores):
+    """A decode instance's engine (loads, never saves) may schedule a step ahead; one that saves may not. Its
+    loads land before the steps that read them: the same tokens as step by step without a pool."""
+    rng = random.Random(2)
+    shared = [rng.randrange(60) for _ in range(50)]
+    prompts = [shared + [rng.randrange(60) for _ in range(rng.randint(1, 20))] for _ in range(5)]
+    a = engine(model, tok, stores[0])
+    b = engine(model, tok, stores[1], kv_pool_save=False, async_scheduling=True)
+    plain = LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64, block_size=BS))
+    try:
+        assert b.async_scheduling and not a.async_scheduling
+        with pytest.raises(NanoforgeError, match="saving to a KV pool"):
+            engine(model, tok, stores[0], async_scheduling=True)
+        wait_saved(run(a, prompts[:1]))
+        got = [o.outputs[0].token_ids for o in run(b, prompts)]
+        assert got == [o.outputs[0].token_ids for o in run(plain, prompts)]
+        assert b.stats()["kv_pool"]["loaded_blocks"] >= 3  # the shared 3 full blocks came from the pool
         assert b.stats()["kv_blocks_used"] == 0
     finally:
         a.close()

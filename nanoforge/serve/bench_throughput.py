@@ -426,7 +426,7 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="engine: schedule step n + 1 while the device runs step n (default: on a GPU)")
     p.add_argument("--graph-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine: CUDA-graph prefill and mixed steps too, padded to token buckets (default: off for now)")
+                   help="engine: CUDA-graph prefill and mixed steps too, padded to token buckets (default: on a GPU)")
     p.add_argument("--out", default="runs/bench/throughput.json", metavar="PATH",
                    help="JSON file for the results; a directory gets throughput.json (default: %(default)s)")
     p.add_argument("--device", default="auto",

@@ -17,7 +17,9 @@ colocated server, unchanged. With one (`LLMEngine(..., kv_pool=pool)`):
   (`RequestOutput.kv_save` is a future for it: a prefill instance waits on it
   before handing the request over).
 
-The pool is reached only from the connector's worker thread, through a
+The pool is reached only from the connector's worker threads (each job, one
+request's batched put or get, on one of them: Mooncake's transfers of
+several requests at once go faster than one after another), through a
 registered staging buffer (page-locked on a GPU): no call ever blocks the
 engine thread, blocks move whole, never as Python objects per token. Each
 pool object is one block: a header (magic, parent key, the block's token ids:
@@ -191,12 +193,12 @@ class _Load:
 class KVConnector:
     """Moves whole KV blocks between one engine's cache (`runner.k_cache`, `runner.v_cache`) and a KVPool.
 
-    The public methods run on the engine thread; the pool calls on the connector's worker thread. `_lock`
-    guards what both touch: the staging ranges, the known keys, the counters and the pool's state."""
+    The public methods run on the engine thread; the pool calls on the connector's `workers` threads. `_lock`
+    guards what they touch: the staging ranges, the known keys, the counters and the pool's state."""
 
     def __init__(self, pool: KVPool, runner, block_manager: BlockManager, namespace: str, *, save: bool = True,
                  staging_bytes: int = 64 << 20, timeout_s: float = 2.0, retry_s: float = 5.0,
-                 min_bandwidth: float = 100e6, max_backlog: int = 64):
+                 min_bandwidth: float = 100e6, max_backlog: int = 64, workers: int = 1):
         self.pool = pool
         self.runner = runner
         self.bm = block_manager
@@ -225,8 +227,10 @@ class KVConnector:
         self._pending: dict[str, _Load] = {}  # request id -> its load (engine thread only)
         self._done = threading.Event()  # set by the worker after each job
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._work, name="nanoforge-kv-pool", daemon=True)
-        self._worker.start()
+        self._workers = [threading.Thread(target=self._work, name=f"nanoforge-kv-pool-{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for w in self._workers:
+            w.start()
 
     # --- loading ---------------------------------------------------------------------------------
 
@@ -368,10 +372,13 @@ class KVConnector:
                     "failures": self.breaker.failures, **self.counters}
 
     def close(self) -> None:
-        """Stop the worker (after the job in hand) and hand the staging buffer back; the pool stays open."""
-        self._jobs.put(_STOP)
-        self._worker.join(timeout=10)
-        if not self._worker.is_alive():
+        """Stop the workers (after the jobs in hand) and hand the staging buffer back; the pool stays open."""
+        for _ in self._workers:
+            self._jobs.put(_STOP)
+        deadline = time.monotonic() + 10
+        for w in self._workers:
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+        if not any(w.is_alive() for w in self._workers):
             self.pool.unregister_buffer(self._base)
 
     def _reserve(self, want: int) -> tuple[int, int]:

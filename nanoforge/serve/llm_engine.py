@@ -77,7 +77,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     use_cuda_graphs: bool = True
     # prefill and mixed steps graphed too: padded to token buckets (serve/model_runner.py: prefill_buckets), one
-    # CUDA graph per bucket captured at start; None: model_runner.GRAPH_PREFILL_DEFAULT (off for now)
+    # CUDA graph per bucket captured at start; None: model_runner.GRAPH_PREFILL_DEFAULT (on where decode is graphed)
     graph_prefill: bool | None = None
     # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
     # default off until it has run on a GPU; not with tensor parallelism or a KV pool (they need the tokens first)
@@ -86,10 +86,12 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     # with a KV pool: save computed prompt blocks to it (a decode instance does not), the staging buffer for
-    # moving blocks (default 64 MiB on the CPU, 1 GiB on a GPU), and the time a pool call gets before it is a miss
+    # moving blocks (default 64 MiB on the CPU, 1 GiB on a GPU), the time a pool call gets before it is a miss, and
+    # the threads that make pool calls (one request's transfer each, at the same time)
     kv_pool_save: bool = True
     kv_pool_staging: int | None = None
     kv_pool_timeout: float = 2.0
+    kv_pool_workers: int = 4
 
 
 @dataclass
@@ -164,7 +166,7 @@ class LLMEngine:
             namespace = f"nanoforge/{model_fingerprint(model)}/{cache_layout(cfg, config.block_size, dtype)}"
             self.connector = KVConnector(kv_pool, self.runner, self.scheduler.block_manager, namespace,
                                          save=config.kv_pool_save, staging_bytes=staging,
-                                         timeout_s=config.kv_pool_timeout)
+                                         timeout_s=config.kv_pool_timeout, workers=config.kv_pool_workers)
         self._saves: dict[str, concurrent.futures.Future] = {}  # request id -> the save of its prompt blocks
         self._detok: dict[int, _Detok] = {}
         self._prompts: dict[str, str | None] = {}
@@ -362,9 +364,11 @@ def check_async_scheduling(c: EngineConfig, device: torch.device, kv_pool) -> bo
     """Whether the engine schedules a step ahead: `c.async_scheduling`, by default on a GPU where nothing
     blocks it (on the H200: 2.6x the output tok/s of step-by-step scheduling on nano-vllm's workload; on the
     CPU torch runs synchronously and there is nothing to overlap). Tensor parallelism (the other ranks do not
-    hold the sampled tokens) and a KV pool (prompt blocks are saved from a step's results) need each step's
-    tokens before the next one is scheduled."""
-    blocker = "tensor parallelism" if c.tensor_parallel_size != 1 else "a KV pool" if kv_pool is not None else None
+    hold the sampled tokens) and saving to a KV pool (prompt blocks are saved from a step's results) need each
+    step's tokens before the next one is scheduled; an engine that only loads from the pool (a decode instance)
+    can schedule ahead: its loads land in the cache before the step that reads them is launched."""
+    saving = kv_pool is not None and c.kv_pool_save
+    blocker = "tensor parallelism" if c.tensor_parallel_size != 1 else "saving to a KV pool" if saving else None
     if c.async_scheduling is None:
         return device.type == "cuda" and blocker is None
     if c.async_scheduling and blocker:

@@ -53,9 +53,10 @@ from nanoforge.serve.input_batch import (
 from nanoforge.serve.scheduler import SchedulerOutput
 from nanoforge.serve.tensor_parallel import TensorParallel
 
-# prefill and mixed steps graphed by default (where decode steps are)? Not yet: exact on the H200 in every family,
-# but their speed since they are captured at start has not run there (issue 14); opt in with graph_prefill=True
-GRAPH_PREFILL_DEFAULT = False
+# prefill and mixed steps graphed by default where decode steps are (a GPU): exact on the H200 in every family, and
+# as fast or faster than eager steps on every measurement of benchmarks/gpu_engine.py (session 8: (a) 1.02x, (c)
+# 1.01x and 1.03x, (d) 0.81 against 0.70: small prefill steps lose the ~25 ms host floor of an eager step)
+GRAPH_PREFILL_DEFAULT = True
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 SCORE_ROWS = 512  # prompt positions projected onto the vocabulary at once (bounds the fp32 logits' memory)
 UPDATE_RESERVE = 1 << 16  # words of the upload buffer kept for table and parameter updates

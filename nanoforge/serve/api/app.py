@@ -169,7 +169,8 @@ def engine_config(args) -> EngineConfig:
                         enable_prefix_caching=not args.no_prefix_caching, device=args.device, dtype=args.dtype,
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         async_scheduling=getattr(args, "async_scheduling", None),
-                        graph_prefill=getattr(args, "graph_prefill", None))
+                        graph_prefill=getattr(args, "graph_prefill", None),
+                        kv_pool_workers=getattr(args, "kv_pool_workers", 4))
 
 
 def served_model_name(args) -> str:

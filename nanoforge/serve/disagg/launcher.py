@@ -45,7 +45,8 @@ def _say(line: str) -> None:
 
 # `nanoforge serve` flags the instances get as they were given to the launcher
 _PASSED = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "kv_cache_memory", "max_waiting",
-           "max_request_bytes", "shutdown_timeout", "log_level", "device", "dtype", "pool_memory")
+           "max_request_bytes", "shutdown_timeout", "log_level", "device", "dtype", "pool_memory", "kv_pool_workers")
+_SWITCHES = ("graph_prefill", "async_scheduling")  # on/off flags, passed where they were given
 
 
 class _Child:
@@ -89,6 +90,10 @@ def _instance_cmd(args, role: str, master: str, gpu_share: float | None) -> list
         value = getattr(args, name)
         if value is not None:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
+    for name in _SWITCHES:
+        value = getattr(args, name, None)
+        if value is not None:
+            cmd.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
     if args.no_prefix_caching:
         cmd.append("--no-prefix-caching")
     if gpu_share is not None:
