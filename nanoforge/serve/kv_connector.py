@@ -57,7 +57,7 @@ from nanoforge.serve.sequence import Sequence, SequenceGroup
 log = logging.getLogger("nanoforge.serve")
 
 _MAGIC = int.from_bytes(b"NFKV0001", "little")  # a block written in this format
-_STOP = object()
+_STOP = 2  # the priority of a worker's stop: after every job queued before it (loads go first, then saves)
 
 
 class PoolError(RuntimeError):
@@ -176,6 +176,7 @@ class _Job:
     keys: list[str]
     slots: tuple[int, int]  # staging range (start, length)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    copied: object = None  # a put's device-to-staging copy: an event the worker waits on (None: done already)
     done: bool = False  # the worker is finished with its slots (set under the connector's lock)
     abandoned: bool = False  # the engine gave up on it: its slots come back when the worker is done
 
@@ -226,7 +227,10 @@ class KVConnector:
         self.counters = dict.fromkeys(("loaded_blocks", "saved_blocks", "load_misses", "skipped", "collisions"), 0)
         self._pending: dict[str, _Load] = {}  # request id -> its load (engine thread only)
         self._done = threading.Event()  # set by the worker after each job
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # loads before saves: a load holds up a request before its prefill, a save only the hand-over after it
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = 0  # FIFO within a priority
+        self._copying: list[tuple[object, tuple[int, int]]] = []  # (event, slots) of loaded blocks in transit
         self._workers = [threading.Thread(target=self._work, name=f"nanoforge-kv-pool-{i}", daemon=True)
                          for i in range(max(1, workers))]
         for w in self._workers:
@@ -312,14 +316,28 @@ class KVConnector:
             if block is None:  # cached here already, or no free block: the rest is computed
                 break
             blocks.append(block)
-        if blocks:
-            self.runner.write_blocks(blocks, self._kv[start:start + len(blocks)])
+        copied = self.runner.write_blocks(blocks, self._kv[start:start + len(blocks)]) if blocks else None
         with self._lock:
             for h in load.hashes[:len(blocks)]:
                 self._remember(h)
             self.counters["loaded_blocks"] += len(blocks)
             self.counters["load_misses"] += not blocks
-            self._ranges.release(*load.job.slots)
+            if copied is None:
+                self._ranges.release(*load.job.slots)
+        if copied is not None:  # the staging slots come back once the copy into the cache has run
+            self._copying.append((copied, load.job.slots))
+
+    def _reclaim(self) -> None:
+        """Release the staging slots of loads whose copy into the cache has run (engine thread)."""
+        if not self._copying:
+            return
+        done, waiting = [], []
+        for c in self._copying:
+            (done if c[0].query() else waiting).append(c)  # one query each: an event may finish meanwhile
+        self._copying = waiting
+        with self._lock:
+            for _, slots in done:
+                self._ranges.release(*slots)
 
     # --- saving ----------------------------------------------------------------------------------------
 
@@ -343,8 +361,8 @@ class KVConnector:
         start = slots[0]
         for j, i in enumerate(todo):
             self._write_header(start + j, hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs])
-        self.runner.read_blocks([seq.block_table[i] for i in todo], self._kv[start:start + len(todo)])
-        job = _Job("put", [block_key(self.namespace, hashes[i]) for i in todo], slots)
+        copied = self.runner.read_blocks([seq.block_table[i] for i in todo], self._kv[start:start + len(todo)])
+        job = _Job("put", [block_key(self.namespace, hashes[i]) for i in todo], slots, copied=copied)
         stored: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(f: concurrent.futures.Future):  # on the worker thread
@@ -373,16 +391,19 @@ class KVConnector:
 
     def close(self) -> None:
         """Stop the workers (after the jobs in hand) and hand the staging buffer back; the pool stays open."""
-        for _ in self._workers:
-            self._jobs.put(_STOP)
+        for i, _ in enumerate(self._workers):
+            self._jobs.put((_STOP, i, None))
         deadline = time.monotonic() + 10
         for w in self._workers:
             w.join(timeout=max(0.0, deadline - time.monotonic()))
+        for copied, _ in self._copying:
+            copied.synchronize()
         if not any(w.is_alive() for w in self._workers):
             self.pool.unregister_buffer(self._base)
 
     def _reserve(self, want: int) -> tuple[int, int]:
         """Staging slots for a job of up to `want` blocks, or (0, 0) when the pool is down or busy."""
+        self._reclaim()
         with self._lock:
             if not self.breaker.up or self._backlog >= self.max_backlog:
                 self.counters["skipped"] += 1
@@ -429,13 +450,16 @@ class KVConnector:
     def _submit(self, job: _Job) -> None:
         with self._lock:
             self._backlog += 1
-        self._jobs.put(job)
+            self._seq += 1
+            self._jobs.put((job.kind != "get", self._seq, job))
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not _STOP:
+        while (job := self._jobs.get()[2]) is not None:
             start, n = job.slots
             ptrs = [self._base + (start + i) * self.slot_bytes for i in range(n)]
             try:
+                if job.copied is not None:
+                    job.copied.synchronize()  # the blocks are in the staging slots
                 call = self.pool.get_into if job.kind == "get" else self.pool.put_from
                 result, error = call(job.keys, ptrs, self.slot_bytes), None
             except PoolError as e:

@@ -234,19 +234,36 @@ class ModelRunner:
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
 
-    def read_blocks(self, blocks: list[int], out: torch.Tensor) -> None:
-        """Copy whole blocks out of the cache: out[i] = (K, V) of every layer of blocks[i], shape
-        (len(blocks), 2, n_layers, block_size, n_kv_heads, head_dim) (the KV connector's staging buffer)."""
-        idx = torch.tensor(blocks, device=self.device)
-        out.copy_(torch.stack((self.k_cache[:, idx], self.v_cache[:, idx])).permute(2, 0, 1, 3, 4, 5))
+    # Whole blocks between the cache and the KV connector's staging buffer: out[i] / kv[i] = (K, V) of every layer
+    # of blocks[i], shape (len(blocks), 2, n_layers, block_size, n_kv_heads, head_dim). Each slot's KV is contiguous
+    # in the staging buffer but the slots are not (a header sits between them), and copy_ between a device tensor
+    # and a strided host view goes through a pageable temporary, synchronously (~30-60 ms for a long prompt on the
+    # H200's host, on the engine thread): so the blocks are gathered on the device and moved a slot at a time,
+    # asynchronously from page-locked memory. On a GPU both return an event recorded after the copies: the staging
+    # slots are ready (read) or free again (write) once it has happened. On the CPU the copies are done on return.
 
-    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
-        """Fill whole blocks of the cache from `kv`, laid out as `read_blocks` writes it. The copy is done when
-        this returns (`kv` may be reused at once)."""
+    def read_blocks(self, blocks: list[int], out: torch.Tensor) -> torch.cuda.Event | None:
         idx = torch.tensor(blocks, device=self.device)
-        kv = kv.to(self.device)
-        self.k_cache[:, idx] = kv[:, 0].transpose(0, 1)
-        self.v_cache[:, idx] = kv[:, 1].transpose(0, 1)
+        kv = torch.stack((self.k_cache[:, idx], self.v_cache[:, idx]), dim=1).transpose(0, 2).contiguous()
+        return self._copy_slots(out, kv)
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> torch.cuda.Event | None:
+        idx = torch.tensor(blocks, device=self.device)
+        staged = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
+        copied = self._copy_slots(staged, kv)
+        self.k_cache[:, idx] = staged[:, 0].transpose(0, 1)
+        self.v_cache[:, idx] = staged[:, 1].transpose(0, 1)
+        return copied
+
+    def _copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        cuda = self.device.type == "cuda"
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=cuda)
+        if not cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     # --- uploading a step ------------------------------------------------------------------------------------
 
