@@ -5,13 +5,13 @@
 
 steps   Prefill of 64 prompts of 2,000 tokens on Llama-3.2-1B's shape (random bf16 weights), eager and graphed
         prefill steps, three passes over the same prompts in one engine: the wall ms of every step (synced), and
-        how many matmul autotunings and launch plans it added. A step far slower than its neighbours in the first
+        how many matmul autotunings and GEMM launch plans it added. A step far slower than its neighbours in the first
         passes only is a one-time cost (a kernel compiled or tuned); docs/results/issue14/session7/
         diag_before_fix.json is how it found Triton specializing on per-step values. Also torch.profiler's
         kernels of one eager 16K-token step.
-host    The host time of a small eager step (Qwen3-0.6B's shape, 8 prompts of 8 tokens: the ~23 ms floor of an
-        eager step): its wall ms with Triton's own launches and with launch plans (kernels/launch.py,
-        NANOFORGE_LAUNCH_PLANS=1), then, profiled, each kernel entry point's calls and microseconds per call
+host    The host time of a small prefill step (Qwen3-0.6B's shape, 8 prompts of 8 tokens: the ~25-30 ms floor of
+        an eager step): its wall ms eager and graphed (the default on a GPU), then, profiled, eager, each kernel
+        entry point's calls and microseconds per call
         (every `nanoforge.kernels` function the engine calls wrapped in a profiler range named after it, in
         every module that imported it) beside the aten ops'.
 decode  torch.profiler's kernels over 100 graphed batch-1 decode steps of Llama-3.2-1B's shape, and the step's
@@ -111,11 +111,10 @@ def attribute_kernel_calls() -> list[str]:
     return sorted(w.__name__ for w in wrapped.values())
 
 
-def small_steps_ms(model, c: dict, device, plans: bool, steps: int = 20) -> float:
-    """Wall ms of one eager step of c["prompts"] x c["tokens"] new tokens, unprofiled, launch plans on or off."""
-    os.environ["NANOFORGE_LAUNCH_PLANS"] = "1" if plans else "0"
+def small_steps_ms(model, c: dict, device, graphed: bool, steps: int = 20) -> float:
+    """Wall ms of one prefill step of c["prompts"] x c["tokens"] new tokens, unprofiled, eager or graphed."""
     rng = random.Random(5)
-    eng = make_engine(model, max_num_seqs=c["prompts"], max_len=64, prefix_caching=False, graph_prefill=False,
+    eng = make_engine(model, max_num_seqs=c["prompts"], max_len=64, prefix_caching=False, graph_prefill=graphed,
                       async_scheduling=False)
     vocab = min(1000, model.cfg.vocab_size)
     times = []
@@ -126,7 +125,7 @@ def small_steps_ms(model, c: dict, device, plans: bool, steps: int = 20) -> floa
         t0 = time.perf_counter()
         eng.step()  # all of them in one prefill step (step by step: it is read back at once)
         sync(device)
-        if i >= 3:  # the first ones compile, and make the plans
+        if i >= 3:  # the first ones compile
             times.append(time.perf_counter() - t0)
         drain(eng)
     eng.close()
@@ -135,11 +134,10 @@ def small_steps_ms(model, c: dict, device, plans: bool, steps: int = 20) -> floa
 
 def section_host(c: dict, device, dtype, res: dict) -> None:
     model = build_model(c["preset"], device, dtype, 256)
-    off, on = small_steps_ms(model, c, device, False), small_steps_ms(model, c, device, True)
-    os.environ["NANOFORGE_LAUNCH_PLANS"] = "0"
-    res["launch_plans"] = {"step_ms_without": off, "step_ms_with": on, "ratio": off / on}
-    print(f"\none eager step of {c['prompts']} x {c['tokens']} tokens, {c['preset']} shape: {off:.2f} ms with "
-          f"Triton's launches, {on:.2f} ms with launch plans (NANOFORGE_LAUNCH_PLANS=1): {off / on:.2f}x")
+    eager, graphed = small_steps_ms(model, c, device, False), small_steps_ms(model, c, device, True)
+    res["small_step"] = {"eager_ms": eager, "graphed_ms": graphed, "ratio": eager / graphed}
+    print(f"\none prefill step of {c['prompts']} x {c['tokens']} tokens, {c['preset']} shape: {eager:.2f} ms eager, "
+          f"{graphed:.2f} ms graphed: {eager / graphed:.2f}x")
     names = attribute_kernel_calls()
     rng = random.Random(4)
     eng = make_engine(model, max_num_seqs=c["prompts"], max_len=64, prefix_caching=False, graph_prefill=False)

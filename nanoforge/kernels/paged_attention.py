@@ -33,7 +33,6 @@ import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels.dispatch import use_fast
-from nanoforge.kernels.launch import launch
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
@@ -232,8 +231,7 @@ def _paged_attention_triton(
         tile_starts = _tile_starts(cu_seqlens_q, block_q)
     block_d = max(16, triton.next_power_of_2(d))
     grid = (_grid_tiles(total_q, seq_lens.shape[0], block_q, varlen), hkv, num_splits)
-    launch(
-        _paged_attn_kernel, grid,
+    _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, tile_starts if varlen else cu_seqlens_q,
         out, o_part, lse_part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
@@ -242,8 +240,8 @@ def _paged_attention_triton(
         BLOCK_N=block_n, SPLIT=num_splits > 1, VARLEN=varlen, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        launch(
-            _combine_splits, (total_q, hq), o_part, lse_part, out, out.stride(0), out.stride(1), hq, num_splits,
+        _combine_splits[(total_q, hq)](
+            o_part, lse_part, out, out.stride(0), out.stride(1), hq, num_splits,
             HEAD_D=d, BLOCK_D=block_d, SPLITS_P2=_SPLITS_P2,
         )  # fmt: skip
     return out

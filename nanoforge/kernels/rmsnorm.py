@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels.dispatch import use_fast
-from nanoforge.kernels.launch import launch
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_N = 65536  # one row lives in registers
@@ -148,7 +147,7 @@ def _forward(x, residual, weight, eps):
     else:
         r2, h = x2, x2  # unused pointers
     block, warps = _launch_params(n)
-    launch(_rms_norm_fwd_kernel, (rows,), x2, r2, weight, y, h, rstd, n, x2.stride(0), r2.stride(0), y.stride(0),
+    _rms_norm_fwd_kernel[(rows,)](x2, r2, weight, y, h, rstd, n, x2.stride(0), r2.stride(0), y.stride(0),
                                   h.stride(0), eps, BLOCK_N=block, HAS_RESIDUAL=residual is not None,
                                   num_warps=warps)
     return y.view(x.shape), h, rstd

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels.dispatch import use_fast
-from nanoforge.kernels.launch import launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -43,7 +42,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride() != sin.stride():
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     out = torch.empty(B, T, H, D, device=x.device, dtype=x.dtype)
-    launch(_rope_kernel, (B * T,), x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+    _rope_kernel[(B * T,)](x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
                            cos.stride(1), HALF=D // 2, BLOCK_H=triton.next_power_of_2(H),
                            BLOCK_D=triton.next_power_of_2(D // 2), enable_fp_fusion=False)
     return out
@@ -123,8 +122,8 @@ def _launch_qkv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out=None, qk_
     qs = q if has_q else k  # without q, any tensor: never read
     qw, kw, eps = (qk_norm[0].weight, qk_norm[1].weight, float(qk_norm[0].eps)) if norm else (qs, k, 0.0)
     hq = q.shape[1] if has_q else 0
-    launch(
-        _qkv_rope_write_kv_kernel, (N,), qs, k, v, cos, sin, qw, kw, out if has_q else k, k_cache, v_cache,
+    _qkv_rope_write_kv_kernel[(N,)](
+        qs, k, v, cos, sin, qw, kw, out if has_q else k, k_cache, v_cache,
         slot_mapping, hq, Hkv, qs.stride(0), qs.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), eps,
         HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HKV=triton.next_power_of_2(Hkv),

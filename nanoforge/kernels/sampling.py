@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels.dispatch import use_fast
-from nanoforge.kernels.launch import launch
 
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox-4x32 multipliers
@@ -142,8 +141,8 @@ def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
     where = torch.empty(rows, num_blocks, device=logits.device, dtype=torch.int32)
     direct = out is not None and out.dtype == torch.int64 and out.is_contiguous()  # write the tokens in place
     dst = out if direct else torch.empty(rows, device=logits.device, dtype=torch.int64)
-    launch(_gumbel_max_blocks, (rows, num_blocks), logits, logits.stride(0), temperature.float().contiguous(),
+    _gumbel_max_blocks[(rows, num_blocks)](logits, logits.stride(0), temperature.float().contiguous(),
                                            seeds.long().contiguous(), draws.long().contiguous(), best, where, vocab,
                                            num_blocks, BLOCK=block, num_warps=1 if _interpreting() else 8)
-    launch(_pick_block, (rows,), best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)))
+    _pick_block[(rows,)](best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)))
     return dst if direct or out is None else out.copy_(dst)

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels.dispatch import use_fast
-from nanoforge.kernels.launch import launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
@@ -33,7 +32,7 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(*h.shape[:-1], f, device=h.device, dtype=h.dtype)
-    launch(_silu_mul_kernel, (rows.shape[0], triton.cdiv(f, _BLOCK)), rows, out, f, rows.stride(0), BLOCK=_BLOCK)
+    _silu_mul_kernel[(rows.shape[0], triton.cdiv(f, _BLOCK))](rows, out, f, rows.stride(0), BLOCK=_BLOCK)
     return out
 
 
