@@ -28,10 +28,10 @@ import torch  # noqa: E402
 
 from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore  # noqa: E402
 
-BLOCK = int(os.environ.get("BLOCK", 1835008))
-PER_CALL = int(os.environ.get("PER_CALL", 32))
-CALLS = int(os.environ.get("CALLS", 4))
-SEGMENT = int(float(os.environ.get("SEGMENT_GB", 6)) * 2**30)
+BLOCK = int(os.environ.get("BLOCK", "1835008"))
+PER_CALL = int(os.environ.get("PER_CALL", "32"))
+CALLS = int(os.environ.get("CALLS", "4"))
+SEGMENT = int(float(os.environ.get("SEGMENT_GB", "6")) * 2**30)
 THREADS = (1, 2, 4, 8)
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -54,3 +55,16 @@ def close(a, b, tol: float = 1e-5) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
     return a == b
+
+
+def run_engine(engine, prompts, params, timeout: float = 60.0) -> list:
+    """Step an engine until the requests of `prompts` finish; their final outputs, in order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]

@@ -6,11 +6,10 @@ equal the reference generator's in fp32, and the loaded blocks hold bit for bit 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
-from disagg_helpers import close_all, need_mooncake
+from disagg_helpers import close_all, need_mooncake, run_engine
 from test_serve_engine import make_model, prompts, tok  # noqa: F401  (tok: the fixture)
 
 from nanoforge import SamplingParams
@@ -35,14 +34,7 @@ def stores():
 
 
 def run(engine: LLMEngine, ps, params):
-    ids = [engine.add_request(p, params) for p in ps]
-    done, deadline = {}, time.monotonic() + 120
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return run_engine(engine, ps, params, timeout=120)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from disagg_helpers import SEGMENT, close_all, need_mooncake
+from disagg_helpers import SEGMENT, close_all, need_mooncake, run_engine
 from test_serve_api import model, tok  # noqa: F401  (the same fixtures)
 from test_serve_engine import reference
 
@@ -44,15 +44,7 @@ def engine(model, tok, store, **kw) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts, params=GREEDY):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    deadline = time.monotonic() + 60
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+    return run_engine(engine, prompts, params)
 
 
 def wait_saved(outs):
