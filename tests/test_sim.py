@@ -134,6 +134,30 @@ def test_a_pool_hit_computes_only_the_uncached_tokens_and_pays_the_transfer():
     assert sim.requests[1].cached_tokens == 0
 
 
+def test_the_connector_runs_loads_ahead_of_queued_saves():
+    """As the engine's connector: a load that arrives while saves wait goes next (a load holds a request up
+    before its prefill, a save only its hand-over). Two 10-block puts and a get submitted at once: the first
+    put runs (0.012 s), then the get (nothing found: 0.002), then the second put (0.012)."""
+    from types import SimpleNamespace
+
+    from nanoforge.sim.cluster import Clock
+    from nanoforge.sim.pool import Job, KVPool, SimConnector
+
+    sim = SimpleNamespace(clock=Clock(), transfer_time=lambda n: 0.002 + 0.001 * n)
+    back = []
+    conn = SimConnector(sim, KVPool(None), None, load=True, save=True, staging_blocks=None,
+                        on_ready=lambda now: back.append(now))
+    done = {}
+    jobs = {"put A": Job("put", list(range(10))), "put B": Job("put", list(range(10, 20))),
+            "get C": Job("get", list(range(100, 105)))}
+    for name, job in jobs.items():
+        job.on_done.append(lambda now, name=name: done.setdefault(name, now))
+        conn._submit(job)
+    sim.clock.run()
+    assert done == {"put A": pytest.approx(0.012), "get C": pytest.approx(0.014), "put B": pytest.approx(0.026)}
+    assert back == [pytest.approx(0.014)] and conn.busy_s == pytest.approx(0.026)
+
+
 def test_early_rejection_when_the_predicted_ttft_is_over_the_slo():
     # three requests teach the conductor's cost model prefill = 10 ms + 1 ms/token (exactly: no queueing);
     # then a 2,000-token prompt is predicted at 2.01 s, over the 1 s objective, and a 500-token one at 0.51 s

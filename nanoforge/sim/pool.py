@@ -15,8 +15,10 @@ the pool calls replaced by modelled transfers:
   prefix cache (`BlockManager.add_cached_block`), so the scheduler finds them like any hit;
 - `save_prompt`: once a prompt is computed, its full blocks that the connector does not know the pool to
   hold go to the pool in one batched put (at most the staging buffer);
-- one worker runs the calls one after another, as the engine's connector thread does: a call starts when
-  the one before it is done, and takes `Simulation.transfer_time(blocks moved)` (the profile's).
+- the calls go one after another, loads ahead of saves, as in the engine's connector (its worker threads
+  take loads first; they are several, but Mooncake's rate did not grow with calls at once on the H200's host:
+  `benchmarks/pool_transfer.py`, so the link is modelled as one): a call starts when the one before it is
+  done, and takes `Simulation.transfer_time(blocks moved)` (the profile's).
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ class SimConnector:
         self.load_enabled, self.save_enabled = load, save
         self.staging = staging_blocks  # None: unbounded
         self.known: OrderedDict[int, None] = OrderedDict()
-        self.queue: deque[Job] = deque()
+        self.queue: deque[Job] = deque()  # saves wait here; loads in self.loads, which go first
+        self.loads: deque[Job] = deque()
         self.busy = False
         self.busy_s = 0.0
         self.ready: list[Job] = []  # gets that are back: the instance takes them at its next step
@@ -179,16 +182,16 @@ class SimConnector:
     # --- the worker ----------------------------------------------------------------------------------------
 
     def _submit(self, job: Job) -> None:
-        self.queue.append(job)
+        (self.loads if job.kind == "get" else self.queue).append(job)
         if not self.busy:
             self._next(self.sim.clock.now)
 
     def _next(self, now: float) -> None:
-        if not self.queue:
+        if not self.loads and not self.queue:
             self.busy = False
             return
         self.busy = True
-        job = self.queue.popleft()
+        job = (self.loads or self.queue).popleft()
         if job.kind == "get":
             job.found = self.pool.get(job.hashes)
             seconds = self.sim.transfer_time(job.found)
