@@ -196,10 +196,13 @@ def test_a_decode_instance_killed_mid_stream(cluster, llm):
     decodes = {name: cluster.children[name] for name in ("decode 1", "decode 2")}
     for _, pid in decodes.values():
         os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.3)  # what was on its way to the conductor has arrived
     running = {name: metric(url, "nanoforge_instance_requests_running", {"url": u, "role": "decode"})
                for name, (u, _) in decodes.items()}
     victim = max(running, key=running.get)
-    assert running[victim] >= 1 and sum(running.values()) == len(prompts)
+    # on a busy machine the first stream may have finished before the last one started (230 tokens is the
+    # model's context): the conductor counts exactly the streams still open
+    assert running[victim] >= 1 and sum(running.values()) == sum(t.is_alive() for t in readers)
     os.kill(decodes[victim][1], signal.SIGKILL)
     t0 = time.monotonic()
     for name, (_, pid) in decodes.items():
