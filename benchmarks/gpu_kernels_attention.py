@@ -1,6 +1,7 @@
 """One-shot H200 check of the attention kernels: full-size correctness, then benchmarks.
 
     python benchmarks/gpu_kernels_attention.py [--quick]
+    python benchmarks/gpu_kernels_attention.py --prefill-sweep   # only the chunked-prefill sweep (~1 minute)
 
 1. Correctness at full size, bfloat16, kernel outputs poisoned with NaN, against the float64 reference:
    flash attention forward and backward (causal, GQA, documents with length-1 ones, non-causal),
@@ -208,6 +209,8 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and no launch-configuration sweep")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only the sweep of chunked-prefill launch configurations (it checks each one's output)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -217,6 +220,12 @@ def main() -> int:
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    if args.prefill_sweep:
+        report["paged_prefill_sweep"] = sweep_paged_prefill()
+        path = out_dir / "attention_prefill_sweep.json"
+        path.write_text(json.dumps(report, indent=1))
+        print(f"\nwrote {path}")
+        return 0 if all(r["ok"] for r in report["paged_prefill_sweep"]) else 1
 
     t0 = time.time()
     allocators = fa._empty, pa._empty
