@@ -55,6 +55,35 @@ def device_table(prof, n: int = 14) -> list:
     return [(e.key[:90], e.count, round(e.device_time_total / 1e3, 3)) for e in top]
 
 
+def timeline(intervals: list[tuple[float, float]], steps: int, step_gap_us: float = 20.0) -> dict:
+    """Where a run of `steps` steps spends the device's time, from its kernels' (start, end) in microseconds:
+    busy (the union of kernels), the gaps shorter than `step_gap_us` (between the kernels of a replayed graph:
+    launch latency) and the longer ones (the device waiting for the host: between steps), each per step."""
+    if not intervals or not steps:
+        return {}
+    intervals = sorted(intervals)
+    busy, short, long_, end = 0.0, 0.0, 0.0, intervals[0][0]
+    for start, stop in intervals:
+        if start > end:
+            gap = start - end
+            if gap < step_gap_us:
+                short += gap
+            else:
+                long_ += gap
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - intervals[0][0]
+    return {"kernels_per_step": len(intervals) / steps, "span_us_per_step": span / steps,
+            "busy_us_per_step": busy / steps, "short_gaps_us_per_step": short / steps,
+            "long_gaps_us_per_step": long_ / steps, "step_gap_us": step_gap_us}
+
+
+def kernel_intervals(prof) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every device kernel and memcpy the profiler saw."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -189,6 +218,7 @@ def section_decode(c: dict, device, dtype, res: dict) -> None:
             eng.step()
         sync(device)
     res["decode_kernels"] = device_table(prof, 20)
+    res["decode_timeline"] = timeline(kernel_intervals(prof), c["steps"])
     t0 = time.perf_counter()
     for _ in range(c["steps"]):
         eng.step()
@@ -197,6 +227,11 @@ def section_decode(c: dict, device, dtype, res: dict) -> None:
     eng.close()
     print(f"\nbatch-1 decode, {c['preset']} shape: {res['decode_ms_per_step']:.3f} ms a step; kernels over "
           f"{c['steps']} steps:", *res["decode_kernels"], sep="\n  ")
+    t = res["decode_timeline"]
+    if t:
+        print(f"device timeline a step (profiled): {t['kernels_per_step']:.0f} kernels, span {t['span_us_per_step']:.0f} "
+              f"us = busy {t['busy_us_per_step']:.0f} + gaps under {t['step_gap_us']:.0f} us "
+              f"{t['short_gaps_us_per_step']:.0f} + longer gaps {t['long_gaps_us_per_step']:.0f}")
 
 
 GPU = {"steps": dict(preset="llama3-1b", prompts=64, length=2000), "host": dict(preset="qwen3-0.6b", prompts=8,
