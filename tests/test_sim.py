@@ -322,6 +322,33 @@ def test_profile_measured_on_the_cpu_engine(tmp_path):
     assert math.isfinite(p.step_time(SchedulerOutput()))
 
 
+def test_decode_steps_are_timed_as_a_run():
+    """A run of steps gets its mean time a step (on a GPU, where a step's host work overlaps the device's step
+    before, only a run sees that), each step with the features of what it scheduled."""
+    import time as _time
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanoforge.sim.measure import _Timer
+
+    sleeps = iter([0.0, 0.0, 0.0, 0.04])
+    batches = iter([3, 3, 3, 2])
+
+    def schedule():
+        seqs = [ScheduledSeq(Sequence([1, 2, 3, 4], SamplingParams()), 3, 1, 1) for _ in range(next(batches))]
+        return SchedulerOutput(scheduled=seqs)
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(schedule=schedule),
+                             model=SimpleNamespace(embed=SimpleNamespace(weight=torch.zeros(1))))
+    timer = _Timer(engine)
+    engine.step = lambda: (engine.scheduler.schedule(), _time.sleep(next(sleeps)))
+    timed = timer.run(4)
+    assert [f["batch"] for f, _ in timed] == [3, 3, 3, 2] and all(f["context"] == 3 * 4 for f, _ in timed[:3])
+    assert not any(f["prefill"] for f, _ in timed)
+    assert len({t for _, t in timed}) == 1 and 0.01 <= timed[0][1] < 0.02  # 40 ms over 4 steps
+
+
 def test_profile_budget_leaves_out_the_most_expensive_points():
     from nanoforge.model.config import preset
     from nanoforge.model.transformer import Transformer

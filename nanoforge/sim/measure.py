@@ -9,8 +9,10 @@ prompts chosen to cover the grid the time model needs, and every `step()` is tim
 
 - prefill: a prompt of `cached` tokens is run first (so its blocks are in the prefix cache), then the same
   prefix followed by `tokens` new ones: the timed steps compute `tokens` tokens after `cached` cached ones;
-- decode: `batch` requests with prompts of `context` tokens are prefilled, then a few steps where every one
-  decodes are timed.
+- decode: `batch` requests with prompts of `context` tokens are prefilled, then a run of steps where every one
+  decodes is timed as a whole (no synchronization between its steps), so that on a GPU, where the engine
+  schedules a step ahead, a step costs what it costs a server: its host work overlapped with the device's
+  step before. Prefill steps are timed one at a time, synchronized.
 
 Points run cheapest first (`--budget-s` leaves out the costliest, listed in the JSON). A new prefill chunk size
 runs once more first (compilation, autotuning), decode once before its first point (its CUDA graphs are captured
@@ -41,7 +43,7 @@ PREFILL_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384)
 PREFILL_CACHED = (0, 1024, 4096, 16384, 32768)
 DECODE_BATCH = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXT = (128, 1024, 4096, 16384)
-DECODE_STEPS = 4
+DECODE_STEPS = 8
 DECODE_MAX_TOKENS = 1 << 20  # a decode point prefills batch x context tokens first: at most this many
 TRANSFER_BLOCKS = (1, 4, 16, 64, 256)
 
@@ -92,7 +94,24 @@ class _Timer:
         self.engine.step()  # returns after the sampled tokens reached the host
         if self.cuda:
             torch.cuda.synchronize()  # and anything the step left queued (e.g. block copies) is done too
-        seconds = time.perf_counter() - start
+        return self._features(), time.perf_counter() - start
+
+    def run(self, n: int) -> list[tuple[dict, float]]:
+        """`n` steps timed as one run, the way a server takes them (with asynchronous scheduling, a step's host
+        work overlaps the device's step before it): each step's features with the run's mean seconds a step."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        features = []
+        for _ in range(n):
+            self.engine.step()
+            features.append(self._features())
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / n
+        return [(f, seconds) for f in features]
+
+    def _features(self) -> dict:
         tokens = pairs = batch = context = 0
         for s in self.last.scheduled:
             if s.is_decode:
@@ -101,8 +120,7 @@ class _Timer:
             else:
                 tokens += s.num_tokens
                 pairs += s.num_tokens * s.start + s.num_tokens * (s.num_tokens + 1) // 2
-        return {"tokens": tokens + batch, "pairs": pairs, "batch": batch, "context": context,
-                "prefill": tokens > 0}, seconds
+        return {"tokens": tokens + batch, "pairs": pairs, "batch": batch, "context": context, "prefill": tokens > 0}
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -133,7 +151,7 @@ def decode_points(cfg, batches=DECODE_BATCH, contexts=DECODE_CONTEXT,
                   max_tokens: int = DECODE_MAX_TOKENS) -> list[tuple[int, int]]:
     """(batch, prompt tokens per sequence) that fit the engine, at most `max_tokens` prompt tokens in all (each
     point prefills all of them first), cheapest first."""
-    bs, need = cfg.block_size, DECODE_STEPS + 2
+    bs, need = cfg.block_size, DECODE_STEPS + 4
     points = [(b, c) for c in contexts for b in batches
               if b <= cfg.max_num_seqs and c + need <= cfg.max_model_len and b * c <= max_tokens
               and b * -(-(c + need) // bs) <= cfg.num_gpu_blocks]
@@ -188,12 +206,12 @@ def measure_steps(engine, *, prefill_tokens=PREFILL_TOKENS, prefill_cached=PREFI
         steps = []
         # decode batches replay CUDA graphs captured when the engine started: one warm-up run, for the first point
         for rep in range(repeats + (not warmed)):
-            params = SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True)
+            params = SamplingParams(max_tokens=DECODE_STEPS + 4, ignore_eos=True)  # none ends in the run
             rids = [engine.add_request(_prompt(rng, context, vocab), params) for _ in range(batch)]
             while any(engine.scheduler.get_group(r) and engine.scheduler.get_group(r).seqs[0].num_output_tokens
                       == 0 for r in rids):
                 engine.step()  # the prompts, and each one's first token
-            timed = [timer.step() for _ in range(DECODE_STEPS)]
+            timed = timer.run(DECODE_STEPS)
             while engine.has_unfinished():
                 engine.step()
             if warmed or rep:
