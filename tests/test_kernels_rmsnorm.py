@@ -151,3 +151,32 @@ def test_bad_arguments_raise_clear_errors(call, words):
 def test_gpu_full_size(dtype):
     _check_rms_norm((16384, 4096), dtype, device="cuda")
     _check_add_rms_norm((4096, 4100), dtype, device="cuda")
+
+
+@interpreter
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gpt2"])
+def test_the_serving_forward_fuses_every_residual_add_with_the_next_norm(force_triton, monkeypatch, name):
+    """Outside autograd (serving) the blocks defer their MLP's residual add to the next norm: one fused
+    add + RMSNorm per norm but the first, and the same logits as the training forward (plain adds and norms);
+    GPT-2's LayerNorm keeps the plain add."""
+    import nanoforge.model.transformer as tr
+    from nanoforge.model.config import preset
+
+    torch.manual_seed(0)
+    model = tr.Transformer(preset(name, vocab_size=64, max_seq_len=32)).eval()
+    ids = torch.randint(0, 64, (2, 9))
+    calls = {"fused": 0}
+    fused = tr.add_rms_norm
+
+    def counting(*args):
+        calls["fused"] += 1
+        return fused(*args)
+
+    monkeypatch.setattr(tr, "add_rms_norm", counting)
+    want = model(ids)  # autograd on: every add and norm as written
+    assert calls["fused"] == 0
+    with torch.no_grad():
+        got = model(ids)
+    layers = model.cfg.n_layers
+    assert calls["fused"] == (0 if name == "tiny-gpt2" else 2 * layers)  # all 2L + 1 norms but the first
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)

@@ -123,23 +123,29 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, attn):
-        a = self.attn(self.attn_norm(x), rope, attn)
-        if self._fuse_add_norm(a, x):  # serving: the residual add and the MLP's norm in one pass (one launch)
-            h, x = add_rms_norm(a, x, self.mlp_norm.weight, self.mlp_norm.eps)
-        else:
-            x = x + a
-            h = self.mlp_norm(x)
-        return x + self.mlp(h)
+    def forward(self, x, rope, attn, pending=None, *, defer: bool = False):
+        """x + attention + MLP on the residual stream x. Serving runs the blocks with `defer`: a block returns
+        (its residual stream after attention, its MLP's output) and the next one gets that output as `pending`
+        and adds it inside its first norm, so that every residual add shares a launch with the norm after it."""
+        h, x = add_norm(pending, x, self.attn_norm)
+        h, x = add_norm(self.attn(h, rope, attn), x, self.mlp_norm)
+        m = self.mlp(h)
+        return (x, m) if defer else x + m
 
-    def _fuse_add_norm(self, a, x) -> bool:
-        """Outside autograd and torch.compile (which fuse on their own), for RMSNorm, with one dtype (autocast
-        training keeps an fp32 residual stream), on plain tensors of a norm without hooks (parallel training's
-        DTensors and sequence-parallel hooks take the module)."""
-        n = self.mlp_norm
-        return (isinstance(n, RMSNorm) and a.dtype == x.dtype and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not (n._forward_hooks or n._forward_pre_hooks)
-                and type(a) is type(x) is type(n.weight.data) is torch.Tensor)
+
+def add_norm(a, x, norm: nn.Module):
+    """(norm(x + a), x + a), or (norm(x), x) without `a`; one launch (kernels/rmsnorm.py) outside autograd and
+    torch.compile (which fuse on their own), for RMSNorm, with one dtype (autocast training keeps an fp32
+    residual stream), on plain tensors of a norm without hooks (parallel training's DTensors and
+    sequence-parallel hooks take the module)."""
+    if a is None:
+        return norm(x), x
+    if (isinstance(norm, RMSNorm) and a.dtype == x.dtype and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not (norm._forward_hooks or norm._forward_pre_hooks)
+            and type(a) is type(x) is type(norm.weight.data) is torch.Tensor):
+        return add_rms_norm(a, x, norm.weight, norm.eps)
+    x = x + a
+    return norm(x), x
 
 
 # --- the model ---------------------------------------------------------------------------------
@@ -196,9 +202,13 @@ class Transformer(nn.Module):
             attn = DenseAttention()
         x = self.embed_inputs(input_ids, positions)
         rope = self.rotary(positions, x.dtype)
+        defer, pending = not torch.is_grad_enabled(), None  # serving: each residual add fused with the next norm
         for layer in self.layers:
-            x = layer(x, rope, attn)
-        x = self.norm(x)
+            if defer:
+                x, pending = layer(x, rope, attn, pending, defer=True)
+            else:
+                x = layer(x, rope, attn)
+        x = add_norm(pending, x, self.norm)[0]
         return x if return_hidden else self.lm_head(x)
 
     # The forward pass in pieces, for a pipeline stage that runs only some of them.
