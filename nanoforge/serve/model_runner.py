@@ -244,13 +244,15 @@ class ModelRunner:
 
     def read_blocks(self, blocks: list[int], out: torch.Tensor) -> torch.cuda.Event | None:
         idx = torch.tensor(blocks, device=self.device)
-        kv = torch.stack((self.k_cache[:, idx], self.v_cache[:, idx]), dim=1).transpose(0, 2).contiguous()
+        kv = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        kv[:, 0] = self.k_cache[:, idx].transpose(0, 1)
+        kv[:, 1] = self.v_cache[:, idx].transpose(0, 1)
         return self._copy_slots(out, kv)
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> torch.cuda.Event | None:
         idx = torch.tensor(blocks, device=self.device)
-        staged = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
-        copied = self._copy_slots(staged, kv)
+        staged = torch.empty(kv.shape, dtype=kv.dtype, device=self.device) if kv.device != self.device else kv
+        copied = self._copy_slots(staged, kv) if staged is not kv else None
         self.k_cache[:, idx] = staged[:, 0].transpose(0, 1)
         self.v_cache[:, idx] = staged[:, 1].transpose(0, 1)
         return copied
@@ -454,21 +456,18 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
-        sampled = self.sampled.clone()  # a step in flight's tokens, which the next step may read on the device
         side = torch.cuda.Stream() if cuda else None
         if cuda:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # (None: a no-op on the CPU)
             run()  # warm up on the idle inputs (on the CPU too: what the tests check): compile, autotune
         if not cuda:
-            self.sampled.copy_(sampled)
             self.graphs[(decode, t)] = run
             return
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        # thread_local: a KV connector's worker thread may be copying blocks meanwhile
+        # thread_local: another engine's KV connector worker in this process may wait on a CUDA event meanwhile
         with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
             run()
         self._graph_pool = g.pool()
-        self.sampled.copy_(sampled)
         self.graphs[(decode, t)] = g.replay

@@ -170,7 +170,7 @@ def engine_config(args) -> EngineConfig:
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         async_scheduling=getattr(args, "async_scheduling", None),
                         graph_prefill=getattr(args, "graph_prefill", None),
-                        kv_pool_workers=getattr(args, "kv_pool_workers", 4))
+                        kv_pool_workers=getattr(args, "kv_pool_workers", EngineConfig.kv_pool_workers))
 
 
 def served_model_name(args) -> str:
