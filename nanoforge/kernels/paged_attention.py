@@ -318,24 +318,15 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        block = tl.load(TABLE + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
-        kv_mask = n_ok[None, :] & d_ok[:, None]
-        k_ptrs = K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
-        kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (BLOCK_D, BLOCK_N)
-        s = _dot(q, kt, None) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
-        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+    # Keys before the tile's first position + 1 are seen by every row: whole blocks of them need no causal or
+    # bounds mask (most of a long prompt's blocks); the rest (the diagonal, the split's ragged end) are masked.
+    full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D, False)
+    for n0 in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D, True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
     o = acc / l_safe[:, None]
@@ -348,6 +339,43 @@ def _paged_attn_kernel(
         tl.store(O_PART + part[:, None] * HEAD_D + offs_d[None, :], o, mask=io_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(LSE_PART + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 EVEN_D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One online-softmax step of a tile over keys n0 .. n0 + BLOCK_N, gathered through the block table;
+    MASKED: the block may hold keys past `hi` or past a row's position (else every row sees all of them);
+    EVEN_D: the head dimension fills BLOCK_D (no mask along it)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    slot = offs_n % BLOCK_SIZE
+    if MASKED:
+        n_ok = offs_n < hi
+        block = tl.load(TABLE + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[None, :] & d_ok[:, None]
+    else:
+        block = tl.load(TABLE + offs_n // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_ok[:, None] & (offs_n[None, :] >= 0)
+    k_ptrs = K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
+    v_ptrs = V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
+    if EVEN_D and not MASKED:
+        kt = tl.load(k_ptrs)  # (BLOCK_D, BLOCK_N)
+    else:
+        kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    s = _dot(q, kt, None) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if EVEN_D and not MASKED:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=["num_splits"])
