@@ -29,6 +29,7 @@ import triton
 
 from nanoforge.kernels import flash_attention as fa
 from nanoforge.kernels import paged_attention as pa
+from nanoforge.kernels.bench import time_ms
 
 
 def nan_empty(*shape, like, dtype=None):
@@ -115,7 +116,7 @@ def sweep_paged_decode() -> list[dict]:
                 num_splits=splits, num_warps=warps, num_stages=stages,
             )  # fmt: skip
 
-        ms = fa.time_ms(decode)
+        ms = time_ms(decode)
         row = dict(splits=splits, block_n=block_n, warps=warps, stages=stages, ms=ms, gbps=kv / ms / 1e6)
         row["hbm_fraction"] = row["gbps"] / (pa.HBM_COPY_TBPS * 1000)
         print(f"  splits {splits:2d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms:.3f} ms "
@@ -140,7 +141,7 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
     """TFLOP/s of chunked-prefill attention (`prompts` fresh prompts of `length` tokens in one step, causal, as a
     16K-token engine step holds them) across launch configurations, per model shape; the engine's default
     (`_tile_config`) is marked. The attention pairs' FLOPs: 4 * head_dim per query head per causal pair."""
-    timer = timer or fa.time_ms
+    timer = timer or time_ms
     rows = []
     for name, hq, hkv, d in PREFILL_SHAPES:
         group = hq // hkv

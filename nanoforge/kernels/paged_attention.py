@@ -172,7 +172,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> 
 # ----------------------------------------------------------------------------------------------
 
 _PROGRAMS_PER_SM = 8  # split the context until there are about this many programs per SM...
-_MIN_SPLIT_TOKENS = 1024  # ...but give every split at least this much context (of the cache's capacity)
+_MIN_SPLIT_TOKENS = 256  # ...but give every split at least this much context (of the cache's capacity)
 _MAX_SPLITS = 32
 _SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: one variant for any split count
 
