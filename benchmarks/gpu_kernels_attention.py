@@ -106,7 +106,7 @@ def sweep_paged_decode() -> list[dict]:
     b = pa.make_paged_batch(ctx, [1] * 64, 32, 8, 128, 16, torch.bfloat16, "cuda")
     kv = pa._kv_bytes(ctx, 8, 128, torch.bfloat16)
     block_m, block_q, block_n, warps, stages = pa._tile_config(1, 4)
-    default_splits = pa._num_splits(64 * 8, b["block_tables"].shape[1] * 16, b["q"].device)
+    default_splits = pa._num_splits(64 * 8, 64 * 8, b["block_tables"].shape[1] * 16, b["q"].device)
     rows = []
 
     def run(splits, block_n, warps, stages):

@@ -122,6 +122,29 @@ def test_chunked_prefill_matches_float64(poisoned, ctx, qlens, hq, hkv, d, bs):
 
 
 @interpreter
+@pytest.mark.parametrize("splits", [2, 3])
+def test_chunked_prefill_with_split_contexts_matches_float64(poisoned, splits):
+    """Each query tile's keys cut into `splits` pieces and combined: chunks after long cached prefixes (whole
+    unmasked key blocks, then the diagonal), a whole prompt and a decode, beside padding sequences."""
+    ctx, qlens = [90, 20, 9, 70, 1], [3, 20, 1, 17, 0]
+    b = batch(ctx, qlens, 4, 2, 16, 8, seed=splits)
+    block_m, block_q, block_n, warps, stages = pa._tile_config(20, 2)
+    out = pa._paged_attention_triton(
+        **b, scale=1 / math.sqrt(16), max_q_len=20, block_m=block_m, block_q=block_q, block_n=block_n,
+        num_splits=splits, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    check(b, out)
+
+
+def test_split_count_ignores_padding_sequences():
+    """A graphed 16-token prefill step has a program bound per sequence slot (256) but one busy tile per kv
+    head: its context is split as a decode's would be, not walked by one program."""
+    assert pa._busy_tiles(16, 256, 32, varlen=True) == 1
+    assert pa._busy_tiles(8192, 1, 32, varlen=True) == 256
+    assert pa._busy_tiles(1, 7, 1, varlen=False) == 7
+
+
+@interpreter
 def test_ragged_tiles_with_padding_sequences_and_shared_starts(poisoned):
     """Query tiles handed out ragged (one program per tile of each sequence, found by binary search):
     decodes around a long chunk, zero-length padding sequences (a graphed step's) between and after them,

@@ -69,6 +69,10 @@ def test_step_time_of_prefill_decode_and_mixed_steps():
     mixed = SchedulerOutput([chunk(30, 10, samples=0), chunk(99, 1)])
     assert p.step_time(mixed) == pytest.approx(0.01 + 11e-3 + 355e-6 + 100e-5)
     assert p.prefill_time(10, cached=30) == pytest.approx(0.01 + 10e-3 + 355e-6)
+    # the prefix term: each chunk's start (the context its attention walks), in both forms; older profiles lack it
+    q = Profile.from_dict({**SIMPLE, "prefill": {**p.prefill, "per_prefix_s": 1e-4}, "decode": p.decode})
+    assert q.step_time(mixed) == pytest.approx(0.01 + 11e-3 + 355e-6 + 30e-4 + 100e-5)
+    assert q.prefill_time(10, cached=30) == pytest.approx(0.01 + 10e-3 + 355e-6 + 30e-4)
 
 
 # --- hand-computed timelines ----------------------------------------------------------------------------------

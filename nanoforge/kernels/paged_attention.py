@@ -68,8 +68,10 @@ def paged_attention(
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)
     max_q_len = q.shape[0] if max_q_len is None else int(max_q_len)
     block_m, block_q, block_n, num_warps, num_stages = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2])
-    tiles = _grid_tiles(q.shape[0], seq_lens.shape[0], block_q, max_q_len > 1) * k_cache.shape[2]
-    num_splits = _num_splits(tiles, block_tables.shape[1] * k_cache.shape[1], q.device)
+    varlen, hkv = max_q_len > 1, k_cache.shape[2]
+    num_splits = _num_splits(_busy_tiles(q.shape[0], seq_lens.shape[0], block_q, varlen) * hkv,
+                             _grid_tiles(q.shape[0], seq_lens.shape[0], block_q, varlen) * hkv,
+                             block_tables.shape[1] * k_cache.shape[1], q.device)
     return _paged_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
         block_m=block_m, block_q=block_q, block_n=block_n, num_splits=num_splits,
@@ -97,6 +99,14 @@ def _grid_tiles(total_q: int, num_seqs: int, block_q: int, varlen: bool) -> int:
     """Programs along the query axis: one per sequence for decode, else an upper bound of
     sum_i cdiv(q_len_i, block_q) from shapes alone."""
     return triton.cdiv(total_q, block_q) + num_seqs if varlen else num_seqs
+
+
+def _busy_tiles(total_q: int, num_seqs: int, block_q: int, varlen: bool) -> int:
+    """The query tiles that do work, as the split count sees them: one per sequence for decode; for prefill and
+    mixed steps, those of the query tokens, cdiv(total_q, block_q), not the grid's bound (which adds one per
+    sequence: a graphed step's padding slots would count, and a short chunk after a long cached prefix, alone
+    with hundreds of empty slots, would walk its whole context in one program per kv head)."""
+    return triton.cdiv(total_q, block_q) if varlen else num_seqs
 
 
 def paged_attention_ref(
@@ -174,6 +184,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> 
 _PROGRAMS_PER_SM = 8  # split the context until there are about this many programs per SM...
 _MIN_SPLIT_TOKENS = 256  # ...but give every split at least this much context (of the cache's capacity)
 _MAX_SPLITS = 32
+_MAX_PROGRAMS = 16384  # ...and the grid under this (programs that exit at once still pass the block scheduler)
 _SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: one variant for any split count
 
 
@@ -198,12 +209,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _num_splits(programs: int, max_context: int, device: torch.device) -> int:
-    """How many pieces to cut each context into, from launch shapes only (never from tensor values)."""
+def _num_splits(busy: int, programs: int, max_context: int, device: torch.device) -> int:
+    """How many pieces to cut each context into, from launch shapes only (never from tensor values): enough for
+    `busy` working programs to fill the GPU, while the grid (`programs` per split, most of them empty in a
+    graphed step's padding) stays under _MAX_PROGRAMS."""
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), programs)
-    return max(1, min(want, triton.cdiv(max_context, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+    want = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), busy)
+    return max(1, min(want, triton.cdiv(max_context, _MIN_SPLIT_TOKENS), _MAX_SPLITS, _MAX_PROGRAMS // programs))
 
 
 def _paged_attention_triton(
@@ -323,10 +336,12 @@ def _paged_attn_kernel(
     full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
     for n0 in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D, False)
+                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
+                                     HEAD_D == BLOCK_D, False)
     for n0 in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D, True)
+                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
+                                     HEAD_D == BLOCK_D, True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
     o = acc / l_safe[:, None]

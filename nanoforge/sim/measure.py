@@ -61,6 +61,9 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+PREFILL_FEATURES = ("tokens", "pairs", "prefix")  # profile.py's prefill form
+
+
 def fit(samples: list[dict], features: tuple[str, ...]) -> tuple[list[float], dict]:
     """Coefficients of y = c0 + c1 * f1 + ... over `samples` ({features..., "seconds"}), relative errors."""
     x = np.array([[1.0] + [s[f] for f in features] for s in samples], dtype=np.float64)
@@ -112,7 +115,7 @@ class _Timer:
         return [(f, seconds) for f in features]
 
     def _features(self) -> dict:
-        tokens = pairs = batch = context = 0
+        tokens = pairs = prefix = batch = context = 0
         for s in self.last.scheduled:
             if s.is_decode:
                 batch += 1
@@ -120,7 +123,9 @@ class _Timer:
             else:
                 tokens += s.num_tokens
                 pairs += s.num_tokens * s.start + s.num_tokens * (s.num_tokens + 1) // 2
-        return {"tokens": tokens + batch, "pairs": pairs, "batch": batch, "context": context, "prefill": tokens > 0}
+                prefix += s.start
+        return {"tokens": tokens + batch, "pairs": pairs, "prefix": prefix, "batch": batch, "context": context,
+                "prefill": tokens > 0}
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -422,7 +427,7 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
         raise NanoforgeError(f"the engine's context ({cfg.max_model_len} tokens) or cache ({cfg.num_gpu_blocks} "
                              f"blocks) is too small to measure a profile: give --max-model-len or --num-gpu-blocks",
                              param="max_model_len")
-    (pa, pt, pp), prefill_fit = fit(prefill, ("tokens", "pairs"))
+    (pa, pt, pp, px), prefill_fit = fit(prefill, PREFILL_FEATURES)
     (da, db, dc), decode_fit = fit(decode, ("batch", "context"))
     if pool:
         transfer = measure_transfer(slot, repeats=repeats, progress=progress)
@@ -437,7 +442,7 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Profile(
         name=name, status="measured",
-        prefill={"a_s": pa, "per_token_s": pt, "per_pair_s": pp},
+        prefill={"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px},
         decode={"a_s": da, "per_seq_s": db, "per_context_s": dc},
         transfer=transfer_section,
         engine={"num_gpu_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
@@ -558,7 +563,8 @@ def run_cli(args) -> int:
     profile.save(out)
     fits = profile.meta["fit"]
     print(f"prefill step = {1000 * profile.prefill['a_s']:.3f} ms + {1e6 * profile.prefill['per_token_s']:.3f} us/token "
-          f"+ {1e9 * profile.prefill['per_pair_s']:.4f} ns/query-key pair (mean error "
+          f"+ {1e9 * profile.prefill['per_pair_s']:.4f} ns/query-key pair "
+          f"+ {1e9 * profile.prefill.get('per_prefix_s', 0):.1f} ns/prefix token (mean error "
           f"{100 * fits['prefill']['mean_rel_error']:.1f}%)")
     print(f"decode step = {1000 * profile.decode['a_s']:.3f} ms + {1e6 * profile.decode['per_seq_s']:.2f} us/seq "
           f"+ {1e9 * profile.decode['per_context_s']:.3f} ns/context token (mean error "

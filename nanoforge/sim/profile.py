@@ -2,11 +2,13 @@
 
 A profile is a JSON file (`profiles/NAME.json`, or any path) holding small fitted forms:
 
-    prefill step   a + per_token * T + per_pair * P + decode.per_context * C_d
+    prefill step   a + per_token * T + per_pair * P + per_prefix * X + decode.per_context * C_d
                    T: tokens computed in the step (every chunk, decodes included); P: the query-key pairs that
                    the prompt chunks attend, sum of n * (start + (n + 1) / 2) over chunks of n tokens after `start`
-                   cached or computed ones (a cached prefix costs attention, not compute); C_d: the context of
-                   the decodes batched with them
+                   cached or computed ones (a cached prefix costs attention, not compute); X: the chunks' prefixes,
+                   sum of `start` (the context each chunk's attention walks however few its queries: a short
+                   chunk after a long cached prefix is bound by that walk, not by its pairs; optional, 0 in
+                   older profiles); C_d: the context of the decodes batched with them
     decode step    a + per_seq * B + per_context * C      (a step of B one-token decodes over C context tokens)
     KV transfer    latency + per_block * n                 (one batched pool call moving n blocks)
 
@@ -38,7 +40,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = "h200-qwen3-0.6b"
 
 # what each section must hold (seconds, or counts for `engine`)
-_FIELDS = {
+_FIELDS = {  # optional fields (per_prefix_s) are not listed
     "prefill": ("a_s", "per_token_s", "per_pair_s"),
     "decode": ("a_s", "per_seq_s", "per_context_s"),
     "transfer": ("latency_s", "per_block_s", "block_bytes"),
@@ -63,7 +65,7 @@ class Profile:
         # the step-time coefficients as plain floats, for the hot path
         self.frontend = {**_NO_FRONTEND, **self.frontend}  # every field optional
         p, d, t = self.prefill, self.decode, self.transfer
-        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"])
+        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p.get("per_prefix_s", 0.0))
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
         self._t = (t["latency_s"], t["per_block_s"])
         self._per_output = self.frontend["per_token_s"]
@@ -73,7 +75,7 @@ class Profile:
     def step_time(self, out: SchedulerOutput) -> float:
         """Seconds the serving engine takes to run `out`: the model, plus the server's work per sampled token
         (block copies and swaps are not modelled)."""
-        tokens = pairs = batch = context = samples = 0
+        tokens = pairs = prefix = batch = context = samples = 0
         prefill = False
         for s in out.scheduled:
             n = s.num_tokens
@@ -84,18 +86,21 @@ class Profile:
                 prefill = True
                 tokens += n
                 pairs += n * s.start + n * (n + 1) // 2
+                prefix += s.start
                 samples += s.num_samples
         served = self._per_output * (batch + samples)
         if prefill:
-            a, per_token, per_pair = self._p
-            return a + per_token * (tokens + batch) + per_pair * pairs + self._d[2] * context + served
+            a, per_token, per_pair, per_prefix = self._p
+            return (a + per_token * (tokens + batch) + per_pair * pairs + per_prefix * prefix + self._d[2] * context
+                    + served)
         a, per_seq, per_context = self._d
         return a + per_seq * batch + per_context * context + served
 
     def prefill_time(self, tokens: int, cached: int = 0) -> float:
         """One prompt chunk of `tokens` tokens after `cached` ones, alone in its step (and sampling at its end)."""
-        a, per_token, per_pair = self._p
-        return a + per_token * tokens + per_pair * (tokens * cached + tokens * (tokens + 1) // 2) + self._per_output
+        a, per_token, per_pair, per_prefix = self._p
+        return (a + per_token * tokens + per_pair * (tokens * cached + tokens * (tokens + 1) // 2) + per_prefix * cached
+                + self._per_output)
 
     def decode_time(self, batch: int, context: int) -> float:
         """One step of `batch` decodes over `context` tokens in all (with the server's work per token)."""
