@@ -116,6 +116,23 @@ def test_two_requests_queue_behind_each_other():
     assert (a.ttft_ms, b.ttft_ms) == (ms(0.522 + 0.034), ms(2 * 0.522 + 0.034))
 
 
+def test_scheduling_a_step_ahead_delays_a_new_request_by_the_step_in_line():
+    """The engine's asynchronous scheduling (on a GPU): two steps in flight, so a request that arrives during step
+    n starts in step n + 2. A: 100 tokens at 0, 3 out; B: 50 tokens at 50 ms, 2 out."""
+    rows = [row(0, 100, 3, [0, 1]), row(50, 50, 2, [2])]
+    # one step at a time: A's prompt 0-110 (0.010 + 100 x 0.001); A's decode + B's prompt 110-171 (a prefill step
+    # of 51 tokens); A's and B's decodes 171-178 (0.005 + 2 x 0.001)
+    a, b = run(rows, colocated=1, schedule_ahead=False).results
+    assert (a.ttft_ms, a.e2e_ms, b.ttft_ms, b.e2e_ms) == (ms(0.110), ms(0.178), ms(0.121), ms(0.128))
+    # a step ahead: A's first decode is scheduled behind its prompt at once (110-116); B, arriving during the
+    # prompt, goes into the step scheduled when the prompt ends (A's last decode + B's prompt, 116-177), and its
+    # decode into the one scheduled at 116 (177-183)
+    a, b = run(rows, colocated=1, schedule_ahead=True).results
+    assert (a.ttft_ms, a.e2e_ms, b.ttft_ms, b.e2e_ms) == (ms(0.110), ms(0.177), ms(0.127), ms(0.133))
+    # the default follows the profile's device: this one names none, so one step at a time
+    assert run(rows, colocated=1).results[1].ttft_ms == ms(0.121)
+
+
 def test_a_pool_hit_computes_only_the_uncached_tokens_and_pays_the_transfer():
     # B shares A's first 3 trace blocks (192 tokens = 12 KV blocks) and goes to the other prefill instance
     rows = [row(0, 256, 2, [0, 1, 2, 3]), row(10_000, 256, 2, [0, 1, 2, 9])]
@@ -324,6 +341,38 @@ def test_profile_measured_on_the_cpu_engine(tmp_path):
     for s in samples["decode"]:
         assert p.decode_time(s["batch"], s["context"]) == pytest.approx(s["seconds"], rel=0.6)
     assert math.isfinite(p.step_time(SchedulerOutput()))
+
+
+def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_path, capsys):
+    """`simulate profile --refit`: samples made from known coefficients (prefill samples of an older profile,
+    without the prefix feature, which comes from `cached`) give those coefficients back, and the frontend's
+    request latency is the line through the two prompt lengths' TTFT less their prefill steps."""
+    pre = {"a_s": 0.002, "per_token_s": 3e-6, "per_pair_s": 5e-10, "per_prefix_s": 1e-6}
+    dec = {"a_s": 0.0015, "per_seq_s": 4e-6, "per_context_s": 2e-8}
+    truth = Profile.from_dict({**SIMPLE, "prefill": pre, "decode": dec})
+    prefill = [{"tokens": n, "pairs": n * c + n * (n + 1) // 2, "cached": c,
+                "seconds": truth.prefill_time(n, cached=c)} for n in (16, 256, 2048) for c in (0, 1024, 8192)]
+    decode = [{"batch": b, "context": b * c, "seconds": truth.decode_time(b, b * c)}
+              for b in (1, 8, 64) for c in (128, 2048)]
+    frontend = {"prompt_len": 512, "output_len": 32, "long_prompt_len": 4096,
+                "ttft_s": 0.004 + 512e-6 + truth.prefill_time(512),  # request 4 ms + 1 us a prompt token
+                "long_ttft_s": 0.004 + 4096e-6 + truth.prefill_time(4096),
+                "tpot_s": {str(k): truth.decode_time(k, k * 528) + k * 5e-6 for k in (1, 4, 16)}}  # 5 us a token
+    old = {**SIMPLE, "status": "measured", "prefill": {**pre, "per_prefix_s": 0.0}, "decode": dec,
+           "samples": {"prefill": prefill, "decode": decode, "frontend": frontend}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert main(["simulate", "profile", "--refit", str(path), "--out", str(tmp_path / "new.json")]) == 0
+    p = Profile.load(tmp_path / "new.json")
+    for k, v in {**pre}.items():
+        assert p.prefill[k] == pytest.approx(v, rel=1e-6), k
+    for k, v in dec.items():
+        assert p.decode[k] == pytest.approx(v, rel=1e-6), k
+    assert p.frontend["request_s"] == pytest.approx(0.004, rel=1e-6)
+    assert p.frontend["per_prompt_token_s"] == pytest.approx(1e-6, rel=1e-6)
+    assert p.frontend["per_token_s"] == pytest.approx(5e-6, rel=1e-6)
+    assert p.request_time(1000) == pytest.approx(0.005)
+    assert "refit" in p.meta["source"] and "wrote" in capsys.readouterr().out
 
 
 def test_decode_steps_are_timed_as_a_run():

@@ -2,7 +2,7 @@
 
 A request's life, as the real conductor (`serve/disagg/conductor.py`) runs it, with the same `Router`:
 
-    arrival      (+ frontend.request_s) the conductor checks it (`check_request`), computes its block keys,
+    arrival      (+ Profile.request_time) the conductor checks it (`check_request`), computes its block keys,
                  asks the pool how many leading blocks it holds, and lets the Router choose the instances or
                  reject it early (its 429); `Router.prefill_started`
     prefill      (+ frontend.handover_s) the prefill instance computes what neither its prefix cache nor the
@@ -82,6 +82,7 @@ class ClusterConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: long enough for every request of the trace
     shared_gpu: bool = False  # every instance on one GPU, stepping one at a time
+    schedule_ahead: bool | None = None  # asynchronous scheduling where the engine allows it; None: on a GPU profile
     seed: int = 0
 
     @property
@@ -188,14 +189,18 @@ class Simulation:
             self.pool = None
         gpu = SharedGPU() if config.shared_gpu else None
         cfg = self.scheduler_config
+        ahead = config.schedule_ahead
+        if ahead is None:  # the engine's default: on a GPU
+            ahead = str(profile.meta.get("device") or "cpu").lower() != "cpu"
+
+        def make(name, role):
+            return SimInstance(self, name, role, cfg, self.pool, staging, gpu, ahead=ahead)
+
         if config.colocated:
-            self.instances = [SimInstance(self, f"both{i}", "both", cfg, self.pool, staging, gpu)
-                              for i in range(config.colocated)]
+            self.instances = [make(f"both{i}", "both") for i in range(config.colocated)]
         else:
-            self.instances = [SimInstance(self, f"prefill{i}", "prefill", cfg, self.pool, staging, gpu)
-                              for i in range(config.prefill)]
-            self.instances += [SimInstance(self, f"decode{i}", "decode", cfg, self.pool, staging, gpu)
-                               for i in range(config.decode)]
+            self.instances = [make(f"prefill{i}", "prefill") for i in range(config.prefill)]
+            self.instances += [make(f"decode{i}", "decode") for i in range(config.decode)]
         info = {"block_size": bs, "num_gpu_blocks": num_blocks,
                 "kv_block_bytes": self.block_bytes if self.pool is not None else None}
         self.views = {inst.name: Instance(inst.name, "decode" if inst.role == "decode" else "prefill", dict(info))
@@ -243,7 +248,7 @@ class Simulation:
             self.clock.at(replay.arrival_s(i + 1), self._arrive, i + 1)
         req = SimRequest(i, now, replay.input_len(i), replay.output_len(i), token=1 + i % 250)
         self.requests.append(req)
-        self.clock.at(now + self.profile.frontend["request_s"], self._route, req)
+        self.clock.at(now + self.profile.request_time(req.input_len), self._route, req)
 
     def _route(self, now: float, req: SimRequest) -> None:
         cfg, bs = self.scheduler_config, self.scheduler_config.block_size

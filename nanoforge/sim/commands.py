@@ -84,6 +84,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shape: bool = True) -> 
                    help="the context; longer requests fail (default: long enough for every request)")
     g.add_argument("--shared-gpu", action="store_true",
                    help="all instances share one GPU and step one at a time (1P+1D on one GPU)")
+    g.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="instances that the engine lets schedule a step ahead (no pool saves) do (default: on "
+                        "where the profile was measured on a GPU, as the engine does there)")
 
 
 def replay_from_args(args) -> TraceReplay:
@@ -107,7 +110,8 @@ def config_from_args(args, **shape) -> ClusterConfig:
                            early_reject=args.early_reject, pool_gib=args.pool_gib, staging_gib=args.staging_gib,
                            link_gbs=args.link_gbs, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           max_model_len=args.max_model_len, shared_gpu=args.shared_gpu, seed=args.seed)
+                           max_model_len=args.max_model_len, shared_gpu=args.shared_gpu,
+                           schedule_ahead=args.schedule_ahead, seed=args.seed)
     config.check()
     return config
 

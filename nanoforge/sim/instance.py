@@ -8,10 +8,17 @@ request runs to its `max_tokens`.
 
 Instances that share a GPU (`gpu`, a `SharedGPU`) run their steps one at a time: a step starts when the GPU
 is free (two processes on one GPU time-slice it; no overlap is modelled).
+
+An instance that schedules a step ahead (`ahead`: the engine's asynchronous scheduling, on a GPU wherever no
+pool saves block it: colocated without a pool, decode instances) keeps two steps in flight as the engine does:
+when step n ends it schedules step n + 2, which runs after n + 1. A request that arrives during step n so
+waits for n + 1 as well, and starts in n + 2; an idle instance starts a step at once and schedules the next
+one behind it straight away.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from nanoforge.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -26,7 +33,7 @@ class SharedGPU:
 
 class SimInstance:
     def __init__(self, sim, name: str, role: str, config: SchedulerConfig, pool: KVPool | None,
-                 staging_blocks: int | None, gpu: SharedGPU | None = None):
+                 staging_blocks: int | None, gpu: SharedGPU | None = None, ahead: bool = False):
         self.sim, self.name, self.role = sim, name, role
         self.scheduler = Scheduler(config)
         self.connector = None
@@ -35,7 +42,8 @@ class SimInstance:
                                           load=role == "decode" or pool.cache, save=role != "decode",
                                           staging_blocks=staging_blocks, on_ready=self.kick)
         self.gpu = gpu
-        self.busy = False
+        self.in_flight: deque[float] = deque()  # the end times of the steps launched and not yet collected
+        self.depth = 1 + (ahead and (pool is None or role == "decode"))  # steps in flight at most
         self.requests: dict[str, object] = {}  # request id -> the simulator's request state
         self.busy_s = 0.0
         self.steps = self.prefill_steps = self.prefill_tokens = self.decode_tokens = self.peak_blocks = 0
@@ -50,8 +58,9 @@ class SimInstance:
         self.kick(now)
 
     def kick(self, now: float) -> None:
-        """Start a step if idle and there is work (a new request, a load back)."""
-        if not self.busy:
+        """Start a step if idle and there is work (a new request, a load back); a busy engine takes it up when
+        its step ends."""
+        if not self.in_flight:
             self._step(now)
 
     @property
@@ -61,6 +70,11 @@ class SimInstance:
     # --- the step ------------------------------------------------------------------------------------------
 
     def _step(self, now: float) -> None:
+        """Launch steps until `depth` are in flight or there is nothing to schedule."""
+        while len(self.in_flight) < self.depth and self._launch(now):
+            pass
+
+    def _launch(self, now: float) -> bool:
         connector = self.connector
         if connector is not None and connector.ready:  # KVConnector.ready_loads
             for job in connector.ready:
@@ -71,21 +85,22 @@ class SimInstance:
         for group in out.finished:  # can never fit: finished with reason "error"
             self.sim.on_error(now, self, self.requests.pop(group.request_id), group.error)
         if out.is_empty:
-            self.busy = False
-            return
+            return False
         seconds = self.sim.profile.step_time(out)
-        start = now
+        start = self.in_flight[-1] if self.in_flight else now  # after the step ahead of it
         if self.gpu is not None:
-            start = max(now, self.gpu.free_at)
+            start = max(start, self.gpu.free_at)
             self.gpu.free_at = start + seconds
-        self.busy = True
+        self.in_flight.append(start + seconds)
         self.busy_s += seconds
         self.steps += 1
         used = self.scheduler.block_manager.num_used_blocks
         self.peak_blocks = max(self.peak_blocks, used)
         self.sim.clock.at(start + seconds, self._end_step, out)
+        return True
 
     def _end_step(self, now: float, out: SchedulerOutput) -> None:
+        self.in_flight.popleft()
         sampled = {}
         prefill = False
         for item in out.scheduled:

@@ -355,17 +355,12 @@ def _latencies(url: str, vocab: int, prompt_len: int, output_len: int, k: int, r
 
 
 def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args: list[str], disagg: bool = True,
-                     prompt_len: int = 512, output_len: int = 32, concurrency=(1, 4, 16), repeats: int = 3,
-                     progress=None) -> tuple[dict, dict]:
+                     prompt_len: int = 512, long_prompt_len: int | None = 4096, output_len: int = 32,
+                     concurrency=(1, 4, 16), repeats: int = 3, progress=None) -> tuple[dict, dict]:
     """The frontend section of `profile` (whose engine sections are measured), from the real server on loopback:
-
-    - request_s: a lone request's TTFT through `nanoforge serve` less the engine's prefill step for its prompt;
-    - per_token_s: k requests sent at once decode in lock-step, so each one's TPOT is a decode step of batch k plus
-      the server's work for the k tokens it streams: fitted (through 0) to TPOT - decode_time(k, context) over k;
-    - handover_s (`disagg`): a lone request's TTFT through `nanoforge serve --disagg --prefill 1 --decode 1` less
-      request_s, the prefill step, the sampled token and saving the prompt's blocks to the pool.
-
-    Returns the section and the samples."""
+    lone requests of `prompt_len` and `long_prompt_len` tokens (TTFT), k requests at once (TPOT), and with
+    `disagg` lone requests through `nanoforge serve --disagg --prefill 1 --decode 1`. `frontend_section` turns
+    what was measured (the samples) into the section. Returns the section and the samples."""
     rng = random.Random(1)
     common = ["--model", model_dir, "--served-model-name", "m", *serve_args]
     samples: dict = {"prompt_len": prompt_len, "output_len": output_len}
@@ -381,17 +376,16 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
             if progress:
                 progress(f"through the server, {k} at once: TPOT {1000 * tpot[k]:.2f} ms"
                          + (f", TTFT {1000 * statistics.median(ttft):.2f} ms" if k == 1 else ""))
+        samples.update(ttft_s=statistics.median(ttft), tpot_s={str(k): v for k, v in tpot.items()})
+        if long_prompt_len:
+            _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)  # its prefill shape, compiled outside the timing
+            got = [r for _ in range(repeats) for r in _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)]
+            samples.update(long_prompt_len=long_prompt_len, long_ttft_s=statistics.median(r.ttft_ms / 1000 for r in got))
+            if progress:
+                progress(f"through the server, a {long_prompt_len}-token prompt: TTFT "
+                         f"{1000 * samples['long_ttft_s']:.2f} ms")
     finally:
         server.close()
-    prefill = profile.prefill_time(prompt_len)
-    request_s = max(0.0, statistics.median(ttft) - prefill)
-    context = prompt_len + output_len // 2  # per sequence, mid-way through its output
-    num = sum(k * (tpot[k] - profile.decode_time(k, k * context)) for k in tpot)
-    per_token_s = max(0.0, num / sum(k * k for k in tpot))
-    samples.update(ttft_s=statistics.median(ttft), engine_prefill_s=prefill,
-                   tpot_s={str(k): v for k, v in tpot.items()},
-                   engine_decode_s={str(k): profile.decode_time(k, k * context) for k in tpot})
-    handover_s = 0.0
     if disagg:
         server = _Server([*common, "--disagg", "--prefill", "1", "--decode", "1", "--policy", "round-robin"],
                          "nanoforge conductor:")
@@ -400,13 +394,61 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
             got = [r for _ in range(repeats + 2) for r in _latencies(server.url, vocab, prompt_len, output_len, 1, rng)]
         finally:
             server.close()
-        ttft_d = statistics.median(r.ttft_ms / 1000 for r in got)
-        blocks = prompt_len // profile.engine["block_size"]
-        handover_s = max(0.0, ttft_d - request_s - prefill - per_token_s - profile.transfer_time(blocks))
-        samples.update(disagg_ttft_s=ttft_d, disagg_save_s=profile.transfer_time(blocks))
+        samples["disagg_ttft_s"] = statistics.median(r.ttft_ms / 1000 for r in got)
         if progress:
-            progress(f"through the conductor (1 prefill + 1 decode): TTFT {1000 * ttft_d:.2f} ms")
-    return {"request_s": request_s, "handover_s": handover_s, "per_token_s": per_token_s}, samples
+            progress(f"through the conductor (1 prefill + 1 decode): TTFT {1000 * samples['disagg_ttft_s']:.2f} ms")
+    return frontend_section(profile, samples), samples
+
+
+def frontend_section(profile: Profile, samples: dict) -> dict:
+    """What serving adds, from `measure_frontend`'s samples and the profile's engine sections:
+
+    - request_s + per_prompt_token_s * L: a lone request's TTFT through `nanoforge serve` less the engine's prefill
+      step for its prompt of L tokens, a line through the two prompt lengths measured (the server's own work on a
+      prompt: parsing, checks, block hashes, the prefix lookup; one length: per_prompt_token_s 0);
+    - per_token_s: k requests sent at once decode in lock-step, so each one's TPOT is a decode step of batch k plus
+      the server's work for the k tokens it streams: fitted (through 0) to TPOT - decode_time(k, context) over k;
+    - handover_s: a lone request's TTFT through the conductor (1 prefill + 1 decode) less the request's latency,
+      the prefill step, the sampled token and saving the prompt's blocks to the pool."""
+    n = samples["prompt_len"]
+    short = samples["ttft_s"] - profile.prefill_time(n)
+    per_prompt_token_s = 0.0
+    if samples.get("long_ttft_s") is not None:
+        m = samples["long_prompt_len"]
+        long = samples["long_ttft_s"] - profile.prefill_time(m)
+        per_prompt_token_s = max(0.0, (long - short) / (m - n))
+    request_s = max(0.0, short - per_prompt_token_s * n)
+    tpot = {int(k): v for k, v in samples["tpot_s"].items()}
+    context = n + samples["output_len"] // 2  # per sequence, mid-way through its output
+    num = sum(k * (tpot[k] - profile.decode_time(k, k * context)) for k in tpot)
+    per_token_s = max(0.0, num / sum(k * k for k in tpot))
+    section = {"request_s": request_s, "per_prompt_token_s": per_prompt_token_s, "handover_s": 0.0,
+               "per_token_s": per_token_s}
+    if samples.get("disagg_ttft_s") is not None:
+        save = profile.transfer_time(n // profile.engine["block_size"])
+        section["handover_s"] = max(0.0, samples["disagg_ttft_s"] - request_s - per_prompt_token_s * n
+                                    - profile.prefill_time(n) - per_token_s - save)
+    return section
+
+
+def refit(profile: Profile) -> Profile:
+    """`profile`'s time models fitted again from the samples it holds, in today's forms (a profile measured before a
+    form gained a term gets the term; samples of prefill steps from before the prefix feature have it from their
+    cached prefix: each was one chunk after `cached` tokens)."""
+    samples = profile.meta["samples"]
+    prefill = [{**s, "prefix": s.get("prefix", s["cached"])} for s in samples["prefill"]]
+    (pa, pt, pp, px), prefill_fit = fit(prefill, PREFILL_FEATURES)
+    (da, db, dc), decode_fit = fit(samples["decode"], ("batch", "context"))
+    d = profile.to_dict()
+    d["prefill"] = {"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px}
+    d["decode"] = {"a_s": da, "per_seq_s": db, "per_context_s": dc}
+    d["samples"] = {**samples, "prefill": prefill}
+    d["fit"] = {**d.get("fit", {}), "prefill": prefill_fit, "decode": decode_fit}
+    d["frontend"] = {}  # the frontend is what the measured latencies add to the engine alone
+    out = Profile.from_dict(d, profile.name)
+    if samples.get("frontend"):
+        out = Profile.from_dict({**d, "frontend": frontend_section(out, samples["frontend"])}, profile.name)
+    return out
 
 
 # --- the profile -------------------------------------------------------------------------------------------------
@@ -462,6 +504,9 @@ def add_cli_arguments(p) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--model", metavar="DIR", help="a model directory (its weights are used as they are)")
     g.add_argument("--model-preset", metavar="NAME", help="a model preset's shape, random weights")
+    g.add_argument("--refit", metavar="PROFILE.json",
+                   help="measure nothing: fit a profile's time models again from the samples it holds, in today's "
+                        "forms (a profile measured before a form gained a term), and write it to --out")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -494,6 +539,18 @@ QUICK_GRID = {"prefill_tokens": (16, 32, 64), "prefill_cached": (0, 32), "decode
 
 def run_cli(args) -> int:
     from pathlib import Path
+
+    if args.refit:
+        old = Profile.load(args.refit)
+        if not old.meta.get("samples", {}).get("prefill"):
+            raise NanoforgeError(f"{args.refit} holds no samples to fit (a derived profile?)", param="refit")
+        profile = refit(old)
+        profile.meta["source"] = (f"{old.meta.get('source', '')}; refit by `nanoforge simulate profile --refit` "
+                                  f"from its samples").lstrip("; ")
+        profile.save(args.out)
+        _print_fits(profile)
+        print(f"wrote {args.out}")
+        return 0
 
     from nanoforge.model.config import preset
     from nanoforge.model.hf import load_model
@@ -545,14 +602,17 @@ def run_cli(args) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        serve_len = min(max_len, 8192)
         serve_args = ["--device", str(device), "--dtype", str(dtype).removeprefix("torch."), "--max-model-len",
-                      str(min(max_len, 4096)), "--block-size", str(args.block_size), "--max-num-seqs",
+                      str(serve_len), "--block-size", str(args.block_size), "--max-num-seqs",
                       str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--gpu-memory-utilization", "0.5"]  # a few requests: any KV cache does; leave this process room
         output_len = min(32, max_len // 4)  # a 512-token prompt and 32 tokens, or what the context holds
         prompt_len = min(512, (max_len - output_len - 1) // args.block_size * args.block_size)
+        long_len = min(4096, args.max_num_batched_tokens, (serve_len - 3) // args.block_size * args.block_size)
         frontend, samples = measure_frontend(args.model, profile, vocab=vocab, serve_args=serve_args,
                                              disagg=args.pool, repeats=args.repeats, prompt_len=prompt_len,
+                                             long_prompt_len=long_len if long_len >= 2 * prompt_len else None,
                                              output_len=output_len,
                                              progress=lambda line: print("  " + line, flush=True))
         profile.frontend = frontend
@@ -561,6 +621,12 @@ def run_cli(args) -> int:
                                                                 "frontend latencies measured through nanoforge serve")
         profile = Profile.from_dict(profile.to_dict(), profile.name)  # the time models with the frontend in them
     profile.save(out)
+    _print_fits(profile, frontend=args.frontend)
+    print(f"wrote {out}")
+    return 0
+
+
+def _print_fits(profile: Profile, frontend: bool = True) -> None:
     fits = profile.meta["fit"]
     print(f"prefill step = {1000 * profile.prefill['a_s']:.3f} ms + {1e6 * profile.prefill['per_token_s']:.3f} us/token "
           f"+ {1e9 * profile.prefill['per_pair_s']:.4f} ns/query-key pair "
@@ -570,10 +636,8 @@ def run_cli(args) -> int:
           f"+ {1e9 * profile.decode['per_context_s']:.3f} ns/context token (mean error "
           f"{100 * fits['decode']['mean_rel_error']:.1f}%)")
     print(f"KV transfer = {1000 * profile.transfer['latency_s']:.3f} ms + {1000 * profile.transfer['per_block_s']:.3f} "
-          f"ms/block ({'measured' if profile.transfer['measured'] else 'assumed'})")
+          f"ms/block ({'measured' if profile.transfer.get('measured') else 'assumed'})")
     f = profile.frontend
-    print(f"frontend: request {1000 * f['request_s']:.2f} ms, conductor hop {1000 * f['handover_s']:.2f} ms, "
-          f"{1e6 * f['per_token_s']:.1f} us per streamed token"
-          + ("" if args.frontend else " (not measured: --frontend)"))
-    print(f"wrote {out}")
-    return 0
+    print(f"frontend: request {1000 * f['request_s']:.2f} ms + {1e6 * f['per_prompt_token_s']:.2f} us per prompt "
+          f"token, conductor hop {1000 * f['handover_s']:.2f} ms, {1e6 * f['per_token_s']:.1f} us per streamed token"
+          + ("" if frontend else " (not measured: --frontend)"))

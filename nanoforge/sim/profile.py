@@ -15,8 +15,9 @@ A profile is a JSON file (`profiles/NAME.json`, or any path) holding small fitte
 A step that holds any chunk other than a plain decode (`ScheduledSeq.is_decode`) is a prefill step: the engine
 runs those eagerly, while plain decode batches replay CUDA graphs.
 
-`frontend` holds what serving adds around the engine: `request_s`, the latency between the client and the
-server (HTTP, queueing into the engine thread, the first SSE chunk); `handover_s`, one conductor hop in a
+`frontend` holds what serving adds around the engine: `request_s` + `per_prompt_token_s` x prompt tokens, the
+latency between the client and the server (HTTP, queueing into the engine thread, the server's work on the
+prompt, the first SSE chunk; the per-token part is optional, 0 in older profiles); `handover_s`, one conductor hop in a
 disaggregated cluster; and `per_token_s`, the server's own work per streamed token (the output, the
 detokenizer, the event loop, SSE or NDJSON), which runs in the engine's process, under the same GIL, and so
 lengthens every step by `per_token_s` for each chunk that samples a token. A small model on a fast GPU spends
@@ -40,14 +41,15 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = "h200-qwen3-0.6b"
 
 # what each section must hold (seconds, or counts for `engine`)
-_FIELDS = {  # optional fields (per_prefix_s) are not listed
-    "prefill": ("a_s", "per_token_s", "per_pair_s"),
+_FIELDS = {
+    "prefill": ("a_s", "per_token_s", "per_pair_s", "per_prefix_s"),
     "decode": ("a_s", "per_seq_s", "per_context_s"),
     "transfer": ("latency_s", "per_block_s", "block_bytes"),
     "engine": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
-    "frontend": ("request_s", "handover_s", "per_token_s"),
+    "frontend": ("request_s", "per_prompt_token_s", "handover_s", "per_token_s"),
 }
-_NO_FRONTEND = {"request_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0}
+_OPTIONAL = {"prefill": {"per_prefix_s": 0.0}}  # fields that older profiles lack, and their value there
+_NO_FRONTEND = {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0}
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Profile:
         # the step-time coefficients as plain floats, for the hot path
         self.frontend = {**_NO_FRONTEND, **self.frontend}  # every field optional
         p, d, t = self.prefill, self.decode, self.transfer
-        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p.get("per_prefix_s", 0.0))
+        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p.get("per_prefix_s", 0.0))  # (older: no prefix)
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
         self._t = (t["latency_s"], t["per_block_s"])
         self._per_output = self.frontend["per_token_s"]
@@ -107,6 +109,10 @@ class Profile:
         a, per_seq, per_context = self._d
         return a + (per_seq + self._per_output) * batch + per_context * context
 
+    def request_time(self, prompt_tokens: int) -> float:
+        """From the client to the engine's queue, for a prompt of `prompt_tokens` tokens."""
+        return self.frontend["request_s"] + self.frontend["per_prompt_token_s"] * prompt_tokens
+
     def transfer_time(self, blocks: int) -> float:
         """One pool call moving `blocks` KV blocks (to or from the pool)."""
         return self._t[0] + self._t[1] * blocks
@@ -130,6 +136,8 @@ class Profile:
             values = d.get(section)
             if section == "frontend" and (values is None or isinstance(values, dict)):  # optional, field by field
                 values = {**_NO_FRONTEND, **(values or {})}
+            elif section in _OPTIONAL and isinstance(values, dict):
+                values = {**_OPTIONAL[section], **values}
             if not isinstance(values, dict):
                 raise NanoforgeError(f"{where}: needs a {section!r} object with {', '.join(names)}", param="profile")
             for name in names:
