@@ -456,7 +456,7 @@ def test_validate_replays_the_runs_requests(tmp_path):
             assert v["rel_error"] == pytest.approx(0, abs=1e-9)
     assert "8 of 8 within 15%" in table(report)
     # a different time scale is a different workload: the check would see it
-    settings["time_scale"] = 0.1
+    settings["time_scale"] = 3.0
     for name in ("colocated", "2p1d-ca-slo"):
         path = tmp_path / "run" / name / "serve.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "config": settings}))

@@ -81,7 +81,7 @@ class ClusterConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: long enough for every request of the trace
-    shared_gpu: bool = False  # every instance on one GPU, stepping one at a time
+    shared_gpu: bool = False  # every instance on one GPU, time-sliced: the steps on it share it equally
     schedule_ahead: bool | None = None  # asynchronous scheduling where the engine allows it; None: on a GPU profile
     seed: int = 0
 
@@ -187,7 +187,7 @@ class Simulation:
             self.pool = KVPool(None, cache=False)  # only the medium from prefill to decode instances
         else:
             self.pool = None
-        gpu = SharedGPU() if config.shared_gpu else None
+        gpu = SharedGPU(self.clock) if config.shared_gpu else None
         cfg = self.scheduler_config
         ahead = config.schedule_ahead
         if ahead is None:  # the engine's default: on a GPU

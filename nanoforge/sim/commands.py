@@ -83,7 +83,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shape: bool = True) -> 
     g.add_argument("--max-model-len", type=int, default=None,
                    help="the context; longer requests fail (default: long enough for every request)")
     g.add_argument("--shared-gpu", action="store_true",
-                   help="all instances share one GPU and step one at a time (1P+1D on one GPU)")
+                   help="all instances share one GPU, which time-slices between their steps (1P+1D on one GPU)")
     g.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="instances that the engine lets schedule a step ahead (no pool saves) do (default: on "
                         "where the profile was measured on a GPU, as the engine does there)")

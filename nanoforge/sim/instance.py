@@ -6,8 +6,9 @@ code), let the step take `Profile.step_time(out)` seconds, then save the prompts
 report one token per chunk that samples (`Scheduler.update`). The token is the request's own non-end id, so a
 request runs to its `max_tokens`.
 
-Instances that share a GPU (`gpu`, a `SharedGPU`) run their steps one at a time: a step starts when the GPU
-is free (two processes on one GPU time-slice it; no overlap is modelled).
+Instances that share a GPU (`gpu`, a `SharedGPU`: processes on one GPU, which time-slices between them) share
+it equally while more than one has a step on it (processor sharing): a step of s seconds alone takes 2s beside
+another instance's step for as long as both run.
 
 An instance that schedules a step ahead (`ahead`: the engine's asynchronous scheduling, on a GPU wherever no
 pool saves block it: colocated without a pool, decode instances) keeps two steps in flight as the engine does:
@@ -19,16 +20,49 @@ one behind it straight away.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from nanoforge.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoforge.serve.sequence import SequenceGroup
 from nanoforge.sim.pool import KVPool, SimConnector
 
 
-@dataclass
 class SharedGPU:
-    free_at: float = 0.0
+    """One GPU under the instances' steps: each running step gets 1/k of it while k run (each instance has at
+    most one step on the GPU; a step scheduled ahead waits for its instance's step before it)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.running: dict = {}  # instance -> [seconds of the whole GPU left, its SchedulerOutput]
+        self.t = 0.0  # when `running` was last brought up to date
+        self.version = 0  # the planned completion event that is still valid
+
+    def start(self, now: float, inst, seconds: float, out) -> None:
+        self._advance(now)
+        self.running[inst] = [seconds, out]
+        self._plan(now)
+
+    def _advance(self, now: float) -> None:
+        if self.running:
+            share = (now - self.t) / len(self.running)
+            for step in self.running.values():
+                step[0] -= share
+        self.t = now
+
+    def _plan(self, now: float) -> None:
+        """Set the event for the step that finishes first at today's shares (any earlier plan is void)."""
+        self.version += 1
+        if self.running:
+            inst = min(self.running, key=lambda i: self.running[i][0])
+            left = max(0.0, self.running[inst][0])
+            self.clock.at(now + left * len(self.running), self._finish, inst, self.version)
+
+    def _finish(self, now: float, inst, version: int) -> None:
+        if version != self.version:
+            return
+        self._advance(now)
+        _, out = self.running.pop(inst)
+        self._plan(now)
+        inst._end_step(now, out)
 
 
 class SimInstance:
@@ -42,7 +76,7 @@ class SimInstance:
                                           load=role == "decode" or pool.cache, save=role != "decode",
                                           staging_blocks=staging_blocks, on_ready=self.kick)
         self.gpu = gpu
-        self.in_flight: deque[float] = deque()  # the end times of the steps launched and not yet collected
+        self.in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # launched, not yet collected (+ seconds)
         self.depth = 1 + (ahead and (pool is None or role == "decode"))  # steps in flight at most
         self.requests: dict[str, object] = {}  # request id -> the simulator's request state
         self.busy_s = 0.0
@@ -87,20 +121,27 @@ class SimInstance:
         if out.is_empty:
             return False
         seconds = self.sim.profile.step_time(out)
-        start = self.in_flight[-1] if self.in_flight else now  # after the step ahead of it
-        if self.gpu is not None:
-            start = max(start, self.gpu.free_at)
-            self.gpu.free_at = start + seconds
-        self.in_flight.append(start + seconds)
+        self.in_flight.append((out, seconds))
+        if len(self.in_flight) == 1:  # else it starts when the step ahead of it ends
+            self._run(now)
         self.busy_s += seconds
         self.steps += 1
         used = self.scheduler.block_manager.num_used_blocks
         self.peak_blocks = max(self.peak_blocks, used)
-        self.sim.clock.at(start + seconds, self._end_step, out)
         return True
+
+    def _run(self, now: float) -> None:
+        """The oldest step in flight goes onto the device."""
+        out, seconds = self.in_flight[0]
+        if self.gpu is None:
+            self.sim.clock.at(now + seconds, self._end_step, out)
+        else:
+            self.gpu.start(now, self, seconds, out)
 
     def _end_step(self, now: float, out: SchedulerOutput) -> None:
         self.in_flight.popleft()
+        if self.in_flight:  # the step scheduled ahead runs on as this one's results come back
+            self._run(now)
         sampled = {}
         prefill = False
         for item in out.scheduled:
