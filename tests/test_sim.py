@@ -468,12 +468,17 @@ def json_rows(path):
 
 
 def test_early_rejection_on_tpot_never_locks_an_idle_cluster_out():
-    # long prompts with 2-4 output tokens first: their TPOT is mostly the KV load from the pool, so the conductor's
-    # cost model predicts a TPOT over the objective for everything after them; an idle decode instance still takes
-    # requests, and the model learns from them (it used to reject all of them, for good)
+    # long prompts with 2 output tokens first: their TPOT is all hand-over (the KV load from the pool), 133 ms
+    # against an objective of 10 ms; then short prompts with 20 tokens, whose TPOT is ~7 ms. The conductor's cost
+    # model keeps the two parts apart, so it rejects none of the short ones (a single fit of TPOT against load
+    # predicted 133 ms for everything after the long ones, and an idle decode instance was all that let them in)
     rows = [row(i * 1000, 2000, 2, list(range(100 * i, 100 * i + 32))) for i in range(3)]
     rows += [row(10_000 + i * 1000, 100, 20, [1000 + i, 2000 + i]) for i in range(10)]
     sim = run(rows, profile(), prefill=1, decode=1, tpot_slo=0.01, early_reject=True)
-    assert sim.router.decode_fit.predict(1) > 0.01  # what it predicts for a lone request: over the objective
     assert all(r.error is None for r in sim.results) and sim.router.rejected["tpot"] == 0
-    assert sim.router.decode_fit.n == 13  # and it kept learning from every request
+    router, decode = sim.router, sim.router.decode[0]
+    assert (router.handover_fit.n, router.step_fit.n) == (13, 10)  # every first decode token; every later run
+    # what each kind of request is predicted, and what it measured
+    measured = [r.tpot_ms / 1000 for r in sim.results]
+    assert router.predict_tpot(decode, 2000, 2) == pytest.approx(measured[0], rel=1e-6)  # over the objective
+    assert router.predict_tpot(decode, 100, 20) == pytest.approx(measured[-1], rel=1e-6)  # under it

@@ -11,7 +11,7 @@ A request's life, as the real conductor (`serve/disagg/conductor.py`) runs it, w
                  `Router.prefill_done` with the instance's own prefill time and computed tokens
     decode       `Router.decode_started`; (+ handover_s) the decode instance loads the blocks from the pool,
                  computes the prompt's last partial block and generates the rest; `Router.decode_done` with
-                 the request's time per output token
+                 its first decode token's delay after the hand-over and the time per token after it
 
 With colocated instances ("both", the vLLM-style baseline) the Router is built with `colocated=True`: one
 instance runs the whole request, the first token leaves at the end of the step that sampled it, and the
@@ -146,6 +146,8 @@ class SimRequest:
     reached_prefill: float = 0.0
     engine_first_token: float | None = None  # on the instance that computed the prompt
     first_token: float | None = None  # at the client
+    decode_start: float | None = None  # the conductor hands it to its decode instance (colocated: first token)
+    decode_first: float | None = None  # that instance's first token
     finish: float | None = None
     answered: bool = False
     missed: bool = False  # counted as missing an SLO or failing
@@ -261,7 +263,7 @@ class Simulation:
                 raise NanoforgeError(f"prompt is {len(prompt)} tokens; the context is {cfg.max_model_len}")
             hashes = req.hashes[:(len(prompt) - 1) // bs]
             pool_blocks = self.pool.leading(hashes) if self.pool is not None else 0
-            req.plan = self.router.plan(len(prompt), hashes, pool_blocks)
+            req.plan = self.router.plan(len(prompt), hashes, pool_blocks, req.output_len)
         except NanoforgeError as e:
             kind = "rejected" if e.status == 429 else "invalid"
             self._end(now, req, f"{kind}: {e}")
@@ -291,13 +293,15 @@ class Simulation:
     # --- what instances report ------------------------------------------------------------------------------
 
     def on_token(self, now: float, inst: SimInstance, req: SimRequest, seq) -> None:
-        if req.engine_first_token is not None or inst is not req.prefill:
-            return
-        req.engine_first_token = now
-        req.cached_tokens = seq.num_cached_tokens
-        if self.config.colocated:  # the token leaves at once, and the same instance goes on
-            self._first_token(now, req)
-            req.batch = self.router.decode_started(req.plan.decode)
+        if req.engine_first_token is None and inst is req.prefill:
+            req.engine_first_token = now
+            req.cached_tokens = seq.num_cached_tokens
+            if self.config.colocated:  # the token leaves at once, and the same instance goes on
+                self._first_token(now, req)
+                req.batch = self.router.decode_started(req.plan.decode)
+                req.decode_start = now
+        elif req.decode_first is None and req.decode_start is not None and inst is req.decode:
+            req.decode_first = now
 
     def on_finished(self, now: float, inst: SimInstance, req: SimRequest, group: SequenceGroup) -> None:
         if inst is req.prefill and self.config.disaggregated:  # the prompt is done: answer once it is saved
@@ -308,7 +312,11 @@ class Simulation:
                 job.on_done.append(lambda t: self._answer(t, req))
                 self.clock.at(now + SAVE_TIMEOUT_S, self._answer, req)
             return
-        self.router.decode_done(req.plan.decode, req.batch, self._tpot(now, req))
+        first = step = None
+        if req.decode_first is not None:  # as the conductor sees the stream: the first decode token, then the rest
+            first = req.decode_first - req.decode_start
+            step = (now - req.decode_first) / (req.output_len - 2) if req.output_len > 2 else None
+        self.router.decode_done(req.plan.decode, req.batch, first, step, req.input_len)
         req.finish = now
         self._end(now, req, None)
 
@@ -331,6 +339,7 @@ class Simulation:
             self._end(now, req, None)
             return
         req.batch = self.router.decode_started(req.plan.decode)
+        req.decode_start = now
         self.clock.at(now + self.profile.frontend["handover_s"], self._start_decode, req)
 
     def _first_token(self, now: float, req: SimRequest) -> None:

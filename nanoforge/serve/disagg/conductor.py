@@ -253,7 +253,7 @@ class Conductor:
         for prompt in prompts:
             hashes = prefix_block_hashes(prompt, self.block_size, (len(prompt) - 1) // self.block_size)
             pool_blocks = await self.pool.leading_blocks(hashes)
-            plans.append((self.router.plan(len(prompt), hashes, pool_blocks), pool_blocks))
+            plans.append((self.router.plan(len(prompt), hashes, pool_blocks, params.max_tokens), pool_blocks))
         stream = RemoteStream(rids, [self._run(rid, prompt, params, plan, pool_blocks, arrival)
                                      for rid, prompt, (plan, pool_blocks) in zip(rids, prompts, plans)],
                               self.streams.discard)
@@ -339,7 +339,7 @@ class Conductor:
         while True:
             inst = plan.decode
             batch = self.router.decode_started(inst)
-            start, tpot, events = time.monotonic(), None, 0
+            start, first, step, events, done = time.monotonic(), None, None, 0, False
             try:
                 async with self.client.stream("POST", inst.url + "/disagg/decode", json=body) as r:
                     if r.status_code != 200:
@@ -356,9 +356,13 @@ class Conductor:
                             raise _relayed(inst, event, event["status"])
                         events += 1
                         out = decoder.apply(event)
+                        if events == 1:  # the first decode token: the hand-over's delay
+                            first, first_at = time.monotonic() - start, time.monotonic()
+                            first_tokens = max(len(c.token_ids) for c in out.outputs)
                         if out.finished:
-                            generated = max(len(c.token_ids) for c in out.outputs) - 1
-                            tpot = (time.monotonic() - start) / generated if generated > 0 else None
+                            later = max(len(c.token_ids) for c in out.outputs) - first_tokens
+                            step = (time.monotonic() - first_at) / later if later > 0 else None
+                            done = True
                         yield out
                         if out.finished:
                             return
@@ -369,7 +373,7 @@ class Conductor:
                     raise NanoforgeError(f"the decode instance {inst.url} failed during the request "
                                          f"({type(e).__name__}); retry it", status=503) from None
             finally:
-                self.router.decode_done(inst, batch, tpot)
+                self.router.decode_done(inst, batch, *((first, step) if done else (None, None)), len(prompt))
             tried.append(inst)
             self.counters["retries"] += 1
             plan.decode = self.router.choose_decode(exclude=tuple(tried))

@@ -20,16 +20,22 @@ least recently used forgotten), and the pool's exactly, by asking it.
 
 Time is predicted by `CostModel`, fitted online from what instances report:
 the seconds a prefill instance took from arrival to first token against the
-tokens it had to compute (its own, and those queued before it), and the time
-per output token of decode instances against their requests in flight. A
-cost model that has seen fewer than `MIN_OBSERVATIONS` requests predicts
-nothing, so **early rejection** (`--ttft-slo`, `--tpot-slo`: answer 429 at
-once when the predicted TTFT or TPOT of the best choice exceeds its
-objective) starts once the model has data. TPOT is predicted from the decode
-instance's load, so a request whose decode instance is idle is never rejected
-for TPOT (a cost model misled by a few slow requests would otherwise reject
-everything after them, and, seeing nothing more, never recover: the cluster
-simulator found this).
+tokens it had to compute (its own, and those queued before it); and a request's
+time per output token in its two parts, as a decode instance delivers them: the
+first decode token's delay (the hand-over: loading the prompt's KV from the
+pool, the instance's first step), against the prompt's length, and the time
+per token after it, against the decode instance's requests in flight. A
+request of n tokens is predicted TPOT = (delay + (n - 2) x per-token) / (n - 1)
+with n its max_tokens: a short answer to a long prompt has a high TPOT because
+of its hand-over, not because the decode instance is busy (a single fit of
+TPOT against load mistook the one for the other and turned away requests that
+met their SLOs). A cost model that has seen fewer than `MIN_OBSERVATIONS`
+requests predicts nothing, so **early rejection** (`--ttft-slo`, `--tpot-slo`:
+answer 429 at once when the predicted TTFT or TPOT of the best choice exceeds
+its objective) starts once the model has data. A request whose decode instance
+is idle is never rejected for TPOT (a cost model misled by a few slow requests
+would otherwise reject everything after them, and, seeing nothing more, never
+recover: the cluster simulator found this).
 """
 
 from __future__ import annotations
@@ -123,22 +129,25 @@ class Router:
         self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
         self.rng = random.Random(seed)
         self.turn = {"prefill": 0, "decode": 0}
-        self.prefill_fit, self.decode_fit = LinearFit(), LinearFit()
+        self.prefill_fit = LinearFit()
+        self.handover_fit, self.step_fit = LinearFit(), LinearFit()  # first decode token vs prompt; then vs batch
         self.pool_bandwidth = pool_bandwidth
         self.rejected = {"ttft": 0, "tpot": 0}
         self.colocated = colocated
 
     # --- choosing ---------------------------------------------------------------------------------
 
-    def plan(self, prompt_len: int, hashes: list[int], pool_blocks: int) -> Plan:
-        """Instances for a prompt of `prompt_len` tokens whose first `pool_blocks` blocks the pool holds;
-        NanoforgeError 503 if no instance is up, 429 (with Retry-After) if an SLO cannot be met."""
+    def plan(self, prompt_len: int, hashes: list[int], pool_blocks: int, max_tokens: int | None = None) -> Plan:
+        """Instances for a prompt of `prompt_len` tokens whose first `pool_blocks` blocks the pool holds, and at
+        most `max_tokens` tokens out (None: unknown, TPOT taken as its per-token part); NanoforgeError 503 if no
+        instance is up, 429 (with Retry-After) if an SLO cannot be met."""
         prefill = self.choose_prefill(prompt_len, hashes, pool_blocks)
         decode = prefill if self.colocated else self.choose_decode()
         cached = max(prefill.cached_prefix(hashes), pool_blocks)
         uncached = prompt_len - cached * prefill.info.get("block_size", 16)
         plan = Plan(prefill, decode, hashes, cached, uncached,
-                    self.predict_ttft(prefill, hashes, pool_blocks, prompt_len), self.predict_tpot(decode))
+                    self.predict_ttft(prefill, hashes, pool_blocks, prompt_len),
+                    self.predict_tpot(decode, prompt_len, max_tokens))
         if self.ttft_slo is not None and plan.ttft_s is not None and plan.ttft_s > self.ttft_slo:
             self.rejected["ttft"] += 1
             raise NanoforgeError(f"the cluster is busy: the predicted time to first token, {plan.ttft_s:.3g} s, is "
@@ -207,8 +216,18 @@ class Router:
         transfer = max(0, pool_blocks - local) * (inst.info.get("kv_block_bytes") or 0) / self.pool_bandwidth
         return compute + transfer
 
-    def predict_tpot(self, inst: Instance) -> float | None:
-        return self.decode_fit.predict(inst.running + 1)
+    def predict_tpot(self, inst: Instance, prompt_len: int = 0, max_tokens: int | None = None) -> float | None:
+        """A request's time per output token on `inst`: its first decode token's delay for a prompt of
+        `prompt_len` tokens, then `max_tokens` - 2 tokens at the per-token time of `inst` with one more request."""
+        step = self.step_fit.predict(inst.running + 1)
+        if max_tokens is None or step is None:
+            return step
+        if max_tokens < 2:
+            return None  # one token: no TPOT
+        first = self.handover_fit.predict(prompt_len)
+        if first is None:
+            return step
+        return (first + (max_tokens - 2) * step) / (max_tokens - 1)
 
     # --- bookkeeping --------------------------------------------------------------------------------
 
@@ -236,7 +255,12 @@ class Router:
             inst.routed += 1
         return inst.running
 
-    def decode_done(self, inst: Instance, batch: int, tpot_s: float | None) -> None:
+    def decode_done(self, inst: Instance, batch: int, first_s: float | None = None, step_s: float | None = None,
+                    prompt_len: int = 0) -> None:
+        """It finished (or failed: nothing observed): its first decode token came `first_s` after the hand-over
+        (None: it made none), the later ones `step_s` apart on average (None: fewer than two)."""
         inst.running -= 1
-        if tpot_s is not None:
-            self.decode_fit.observe(batch, tpot_s)
+        if first_s is not None:
+            self.handover_fit.observe(prompt_len, first_s)
+        if step_s is not None:
+            self.step_fit.observe(batch, step_s)
