@@ -199,6 +199,8 @@ def rel_error(got, want):
     [
         ([4096, 1, 777, 20000, 8191, 16], [1] * 6),  # decode, long and ragged contexts
         ([3000, 512, 9000], [256, 512, 1]),  # chunked prefill mixed with a decode
+        # a short chunk after a long cached prefix beside a graphed step's padding slots: its context is split
+        ([20000] + [1] * 255, [16] + [0] * 255),
     ],
 )
 def test_gpu_full_size_bf16(poisoned, ctx, qlens):
