@@ -346,8 +346,8 @@ def _add_kernels(sub):
     p.add_argument("--out", default="runs/kernels")
     p.set_defaults(func=lambda a: _run_inspect(a))
     p = verbs.add_parser("bench", help="each kernel beside its library baseline: table, JSON, roofline PNG")
-    p.add_argument("--kinds", nargs="+", default=["gemm", "streamk", "rmsnorm", "flash", "paged"],
-                   choices=["gemm", "streamk", "rmsnorm", "flash", "paged"])
+    kinds = ["gemm", "streamk", "rmsnorm", "flash", "paged", "gemv"]  # kernels.bench.KINDS (not imported here)
+    p.add_argument("--kinds", nargs="+", default=kinds, choices=kinds)
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--out", default="runs/kernels")
     p.set_defaults(func=lambda a: _run_kernels_bench(a))

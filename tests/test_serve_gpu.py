@@ -63,6 +63,18 @@ def test_gpu_engine_greedy_equals_the_reference_fp32(tok, name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_gpu_engine_with_the_skinny_matmul_equals_the_reference_fp32(tok, name, monkeypatch):
+    """NANOFORGE_GEMV=1 (kernels/gemv.py for the decode-sized projections, SwiGLU in MLP-down's prologue):
+    the same tokens as the reference generator run without it, with async scheduling and graphed prefill."""
+    model = make_model(tok, name).cuda()
+    ps = workload(3)
+    want = [generate(model, p, max_new_tokens=24) for p in ps]
+    monkeypatch.setenv("NANOFORGE_GEMV", "1")
+    got, _ = engine_tokens(model, tok, ps, GREEDY, async_scheduling=True, graph_prefill=True, max_num_seqs=24)
+    assert got == want, name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_engine_greedy_in_bf16_parts_from_the_reference_only_at_near_ties(tok, name):
     model32 = make_model(tok, name).cuda()
     model = make_model(tok, name).cuda().to(torch.bfloat16)

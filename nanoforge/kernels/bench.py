@@ -13,8 +13,8 @@
 - "streamk": shapes whose tile count lands just past a multiple of the SM
   count; Stream-K and the hybrid vs our data-parallel tiled kernel.
 - "rmsnorm": rms_norm vs F.rms_norm, add_rms_norm vs torch add + F.rms_norm.
-- "flash", "paged": rows from `bench_rows(quick)` in
-  nanoforge/kernels/flash_attention.py and paged_attention.py, when present.
+- "flash", "paged", "gemv": rows from `bench_rows(quick)` in
+  nanoforge/kernels/flash_attention.py, paged_attention.py and gemv.py, when present.
 
 A row: {"kernel", "shape", "ours_ms", "base_ms", "baseline", "ratio" (base_ms /
 ours_ms, > 1 means ours is faster), "flops", "bytes" (compulsory traffic),
@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
 
-KINDS = ("gemm", "streamk", "rmsnorm", "flash", "paged")
+KINDS = ("gemm", "streamk", "rmsnorm", "flash", "paged", "gemv")
 TOKENS = 16384  # M of the model-shaped GEMMs
-_EXTERNAL = {"flash": "flash_attention", "paged": "paged_attention"}
+_EXTERNAL = {"flash": "flash_attention", "paged": "paged_attention", "gemv": "gemv"}
 
 
 # --------------------------------------------------------------------------- measuring

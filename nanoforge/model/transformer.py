@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import gemv
 from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
 from nanoforge.kernels.swiglu import silu_mul
 from nanoforge.model.attention import AttentionBackend, DenseAttention
@@ -87,13 +88,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, attn: AttentionBackend):
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q, k, v = linear(x, self.wqkv).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None  # Qwen3: applied by the backend
         o = attn.attend_rotary(self.layer_idx, q, k, v, rope, qk_norm)
-        return self.dropout(self.wo(o.reshape(B, T, -1)))
+        return self.dropout(linear(o.reshape(B, T, -1), self.wo))
 
 
 class MLP(nn.Module):
@@ -107,12 +108,10 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        h = self.w_in(x)
-        if self.swiglu:
-            h = silu_mul(h)  # silu(gate) * up: one kernel when serving
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.dropout(self.w_out(h))
+        h = linear(x, self.w_in)
+        if self.swiglu:  # silu(gate) * up: one kernel when serving, or the prologue of a decode's w_out
+            return self.dropout(linear(h, self.w_out, swiglu=True))
+        return self.dropout(linear(F.gelu(h, approximate="tanh"), self.w_out))
 
 
 class Block(nn.Module):
@@ -131,6 +130,17 @@ class Block(nn.Module):
         h, x = add_norm(self.attn(h, rope, attn), x, self.mlp_norm)
         m = self.mlp(h)
         return (x, m) if defer else x + m
+
+
+def linear(x, layer: nn.Module, *, swiglu: bool = False):
+    """layer(x), after silu(gate) * up of x's two halves with `swiglu`. Where NANOFORGE_GEMV=1, a decode's few
+    rows through a plain nn.Linear outside autograd (`kernels.gemv.fits`) take the skinny matmul, SwiGLU in its
+    prologue; layers with hooks or sharded weights (parallel training, tensor-parallel serving) never do."""
+    w = layer.weight if type(layer) is nn.Linear else None
+    if (w is not None and gemv.enabled() and not (layer._forward_hooks or layer._forward_pre_hooks)
+            and type(w.data) is torch.Tensor and gemv.fits(x, w)):
+        return gemv.gemv(x, w, layer.bias, swiglu=swiglu)
+    return layer(silu_mul(x) if swiglu else x)
 
 
 def add_norm(a, x, norm: nn.Module):
