@@ -25,6 +25,11 @@ def triton_available() -> bool:
     return _TRITON
 
 
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1): kernels pick small fixed configurations."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def kernel_mode() -> str:
     mode = os.environ.get("NANOFORGE_KERNELS", "auto").lower()
     if mode not in ("auto", "torch", "triton"):

@@ -30,7 +30,6 @@ Causal query blocks are launched last-first (the longest rows first), which shor
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.dispatch import interpreting, use_fast
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 
 LOG2E = 1.4426950408889634
@@ -207,7 +206,7 @@ def _doc_bounds_op(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, T = doc_ids.shape
     starts = _empty(B, T, like=doc_ids, dtype=torch.int32)
     ends = _empty(B, T, like=doc_ids, dtype=torch.int32)
-    _doc_bounds_kernel[(B,)](doc_ids, starts, ends, T, BLOCK=1024 if os.environ.get("TRITON_INTERPRET") != "1" else 16)
+    _doc_bounds_kernel[(B,)](doc_ids, starts, ends, T, BLOCK=16 if interpreting() else 1024)
     return starts, ends
 
 
@@ -334,7 +333,7 @@ _flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _configs(names: tuple[str, str], shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     """Autotune candidates (block sizes, warps, stages); one small config under the CPU interpreter."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         shapes = [(16, 16, 1, 1)]
     return [triton.Config({names[0]: a, names[1]: b}, num_warps=w, num_stages=s) for a, b, w, s in shapes]
 

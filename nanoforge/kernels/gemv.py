@@ -24,11 +24,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.dispatch import interpreting, use_fast
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
-from nanoforge.kernels.paged_attention import _interpreting
 from nanoforge.kernels.swiglu import silu_mul_ref
 
 MAX_ROWS = 16  # rows of x the kernel takes (one tl.dot tile); more is a GEMM's work
@@ -60,7 +59,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (rows, weight, bias if bias is not None else out, out, m, n, k, rows.stride(0), weight.stride(0),
             out.stride(0))
     meta = {"HAS_BIAS": bias is not None, "SWIGLU": swiglu, "BLOCK_M": block_m}
-    if _interpreting():  # one small configuration: the autotuner would run every one of them on the CPU
+    if interpreting():  # one small configuration: the autotuner would run every one of them on the CPU
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, **meta, BLOCK_N=16, BLOCK_K=32, num_warps=1)
     else:
         _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta)

@@ -66,14 +66,13 @@ directly, without the autotuner's or Triton's per-call argument handling.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.dispatch import interpreting, use_fast
 
 ACTIVATIONS = (None, "gelu_tanh", "silu", "relu")
 SCHEDULES = ("auto", "tiled", "persistent", "streamk", "hybrid")
@@ -159,7 +158,7 @@ def _check_args(a, b, bias, activation, schedule, out) -> None:
 # Triton's CPU interpreter keeps bfloat16 as raw 16-bit integers (numpy has no
 # bfloat16) and its tl.dot multiplies those bits. Under the interpreter only,
 # bfloat16 tiles are widened to float32 (exactly) before the dot.
-_WIDEN_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_WIDEN_BF16_DOT = tl.constexpr(interpreting())
 
 
 @triton.jit
@@ -471,13 +470,10 @@ _persistent_tuned = triton.autotune(
 )(_matmul_persistent_kernel)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def _autotuned(device: torch.device) -> bool:
     """Compiled and autotuned kernels (a GPU); else the interpreter's one fixed config."""
-    return device.type == "cuda" and not _interpreting()
+    return device.type == "cuda" and not interpreting()
 
 
 @functools.cache

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.dispatch import interpreting, use_fast
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
@@ -188,13 +187,10 @@ _MAX_PROGRAMS = 16384  # ...and the grid under this (programs that exit at once 
 _SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: one variant for any split count
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def _tile_config(max_q_len: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_Q, BLOCK_N keys, num_warps, num_stages)."""
-    if _interpreting():
+    if interpreting():
         block_m = max(16, triton.next_power_of_2(group))
         return block_m, 1 if max_q_len == 1 else block_m // group, 16, 1, 1
     if max_q_len == 1:  # decode: one token's heads; memory-bound, so small tiles and deep pipelining

@@ -18,13 +18,12 @@ batch 1 is not one program's loop.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.dispatch import interpreting, use_fast
 
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox-4x32 multipliers
@@ -32,9 +31,6 @@ _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # and Weyl key increments
 _ROUNDS = 10
 _UNIFORM_SCALE = 4.6566127342e-10  # Triton's: the largest x with (2**31 - 1) * x < 1 in float32
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # --------------------------------------------------------------------------- reference
@@ -135,7 +131,7 @@ def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block = 16 if _interpreting() else 4096
+    block = 16 if interpreting() else 4096
     num_blocks = triton.cdiv(vocab, block)
     best = torch.empty(rows, num_blocks, device=logits.device, dtype=torch.float32)
     where = torch.empty(rows, num_blocks, device=logits.device, dtype=torch.int32)
@@ -143,6 +139,6 @@ def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
     dst = out if direct else torch.empty(rows, device=logits.device, dtype=torch.int64)
     _gumbel_max_blocks[(rows, num_blocks)](logits, logits.stride(0), temperature.float().contiguous(),
                                            seeds.long().contiguous(), draws.long().contiguous(), best, where, vocab,
-                                           num_blocks, BLOCK=block, num_warps=1 if _interpreting() else 8)
+                                           num_blocks, BLOCK=block, num_warps=1 if interpreting() else 8)
     _pick_block[(rows,)](best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)))
     return dst if direct or out is None else out.copy_(dst)

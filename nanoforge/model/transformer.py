@@ -132,27 +132,31 @@ class Block(nn.Module):
         return (x, m) if defer else x + m
 
 
+def _bypassable(module: nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether a serving kernel may stand in for `module` on these tensors: outside autograd and torch.compile
+    (which fuse on their own), a module without hooks, plain tensors (parallel training's DTensors and
+    sequence-parallel hooks take the module)."""
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not (module._forward_hooks or module._forward_pre_hooks)
+            and all(type(t) is torch.Tensor for t in tensors))
+
+
 def linear(x, layer: nn.Module, *, swiglu: bool = False):
     """layer(x), after silu(gate) * up of x's two halves with `swiglu`. Where NANOFORGE_GEMV=1, a decode's few
-    rows through a plain nn.Linear outside autograd (`kernels.gemv.fits`) take the skinny matmul, SwiGLU in its
-    prologue; layers with hooks or sharded weights (parallel training, tensor-parallel serving) never do."""
-    w = layer.weight if type(layer) is nn.Linear else None
-    if (w is not None and gemv.enabled() and not (layer._forward_hooks or layer._forward_pre_hooks)
-            and type(w.data) is torch.Tensor and gemv.fits(x, w)):
-        return gemv.gemv(x, w, layer.bias, swiglu=swiglu)
+    rows (`kernels.gemv.fits`) through a bypassable nn.Linear take the skinny matmul, SwiGLU in its prologue;
+    tensor-parallel serving's row-parallel layers (not nn.Linear) never do."""
+    if (type(layer) is nn.Linear and gemv.enabled() and _bypassable(layer, x, layer.weight.data)
+            and gemv.fits(x, layer.weight)):
+        return gemv.gemv(x, layer.weight, layer.bias, swiglu=swiglu)
     return layer(silu_mul(x) if swiglu else x)
 
 
 def add_norm(a, x, norm: nn.Module):
-    """(norm(x + a), x + a), or (norm(x), x) without `a`; one launch (kernels/rmsnorm.py) outside autograd and
-    torch.compile (which fuse on their own), for RMSNorm, with one dtype (autocast training keeps an fp32
-    residual stream), on plain tensors of a norm without hooks (parallel training's DTensors and
-    sequence-parallel hooks take the module)."""
+    """(norm(x + a), x + a), or (norm(x), x) without `a`; one launch (kernels/rmsnorm.py) for a bypassable
+    RMSNorm with one dtype (autocast training keeps an fp32 residual stream)."""
     if a is None:
         return norm(x), x
-    if (isinstance(norm, RMSNorm) and a.dtype == x.dtype and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and not (norm._forward_hooks or norm._forward_pre_hooks)
-            and type(a) is type(x) is type(norm.weight.data) is torch.Tensor):
+    if isinstance(norm, RMSNorm) and a.dtype == x.dtype and _bypassable(norm, a, x, norm.weight.data):
         return add_rms_norm(a, x, norm.weight, norm.eps)
     x = x + a
     return norm(x), x

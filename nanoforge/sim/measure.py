@@ -380,7 +380,8 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
         if long_prompt_len:
             _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)  # its prefill shape, compiled outside the timing
             got = [r for _ in range(repeats) for r in _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)]
-            samples.update(long_prompt_len=long_prompt_len, long_ttft_s=statistics.median(r.ttft_ms / 1000 for r in got))
+            samples.update(long_prompt_len=long_prompt_len,
+                           long_ttft_s=statistics.median(r.ttft_ms / 1000 for r in got))
             if progress:
                 progress(f"through the server, a {long_prompt_len}-token prompt: TTFT "
                          f"{1000 * samples['long_ttft_s']:.2f} ms")
@@ -431,19 +432,24 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
     return section
 
 
+def fit_steps(prefill: list[dict], decode: list[dict]) -> tuple[dict, dict, dict]:
+    """The prefill and decode sections of a profile fitted to step samples, and each fit's residuals."""
+    (pa, pt, pp, px), prefill_fit = fit(prefill, PREFILL_FEATURES)
+    (da, db, dc), decode_fit = fit(decode, ("batch", "context"))
+    return ({"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px},
+            {"a_s": da, "per_seq_s": db, "per_context_s": dc}, {"prefill": prefill_fit, "decode": decode_fit})
+
+
 def refit(profile: Profile) -> Profile:
     """`profile`'s time models fitted again from the samples it holds, in today's forms (a profile measured before a
     form gained a term gets the term; samples of prefill steps from before the prefix feature have it from their
     cached prefix: each was one chunk after `cached` tokens)."""
     samples = profile.meta["samples"]
     prefill = [{**s, "prefix": s.get("prefix", s["cached"])} for s in samples["prefill"]]
-    (pa, pt, pp, px), prefill_fit = fit(prefill, PREFILL_FEATURES)
-    (da, db, dc), decode_fit = fit(samples["decode"], ("batch", "context"))
     d = profile.to_dict()
-    d["prefill"] = {"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px}
-    d["decode"] = {"a_s": da, "per_seq_s": db, "per_context_s": dc}
+    d["prefill"], d["decode"], fits = fit_steps(prefill, samples["decode"])
     d["samples"] = {**samples, "prefill": prefill}
-    d["fit"] = {**d.get("fit", {}), "prefill": prefill_fit, "decode": decode_fit}
+    d["fit"] = {**d.get("fit", {}), **fits}
     d["frontend"] = {}  # the frontend is what the measured latencies add to the engine alone
     out = Profile.from_dict(d, profile.name)
     if samples.get("frontend"):
@@ -469,8 +475,7 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
         raise NanoforgeError(f"the engine's context ({cfg.max_model_len} tokens) or cache ({cfg.num_gpu_blocks} "
                              f"blocks) is too small to measure a profile: give --max-model-len or --num-gpu-blocks",
                              param="max_model_len")
-    (pa, pt, pp, px), prefill_fit = fit(prefill, PREFILL_FEATURES)
-    (da, db, dc), decode_fit = fit(decode, ("batch", "context"))
+    prefill_section, decode_section, fits = fit_steps(prefill, decode)
     if pool:
         transfer = measure_transfer(slot, repeats=repeats, progress=progress)
         (ta, tb), transfer_fit = fit(transfer, ("blocks",))
@@ -484,8 +489,7 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Profile(
         name=name, status="measured",
-        prefill={"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px},
-        decode={"a_s": da, "per_seq_s": db, "per_context_s": dc},
+        prefill=prefill_section, decode=decode_section,
         transfer=transfer_section,
         engine={"num_gpu_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens},
@@ -493,7 +497,7 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
                         f"CUDA graphs {'on' if getattr(engine.runner, 'graphs', None) else 'off'}; frontend latencies "
                         f"are not measured here (0)",
               "model": model, "device": device_name, "max_model_len": cfg.max_model_len,
-              "fit": {"prefill": prefill_fit, "decode": decode_fit, "transfer": transfer_fit},
+              "fit": {**fits, "transfer": transfer_fit},
               "samples": {"prefill": prefill, "decode": decode, "transfer": transfer},
               "skipped_by_budget": skipped, "budget_s": budget_s})
 
@@ -628,9 +632,10 @@ def run_cli(args) -> int:
 
 def _print_fits(profile: Profile, frontend: bool = True) -> None:
     fits = profile.meta["fit"]
-    print(f"prefill step = {1000 * profile.prefill['a_s']:.3f} ms + {1e6 * profile.prefill['per_token_s']:.3f} us/token "
-          f"+ {1e9 * profile.prefill['per_pair_s']:.4f} ns/query-key pair "
-          f"+ {1e9 * profile.prefill.get('per_prefix_s', 0):.1f} ns/prefix token (mean error "
+    p = profile.prefill
+    print(f"prefill step = {1000 * p['a_s']:.3f} ms + {1e6 * p['per_token_s']:.3f} us/token "
+          f"+ {1e9 * p['per_pair_s']:.4f} ns/query-key pair + {1e9 * p.get('per_prefix_s', 0):.1f} ns/prefix token "
+          f"(mean error "
           f"{100 * fits['prefill']['mean_rel_error']:.1f}%)")
     print(f"decode step = {1000 * profile.decode['a_s']:.3f} ms + {1e6 * profile.decode['per_seq_s']:.2f} us/seq "
           f"+ {1e9 * profile.decode['per_context_s']:.3f} ns/context token (mean error "

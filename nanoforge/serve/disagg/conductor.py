@@ -357,7 +357,8 @@ class Conductor:
                         events += 1
                         out = decoder.apply(event)
                         if events == 1:  # the first decode token: the hand-over's delay
-                            first, first_at = time.monotonic() - start, time.monotonic()
+                            first_at = time.monotonic()
+                            first = first_at - start
                             first_tokens = max(len(c.token_ids) for c in out.outputs)
                         if out.finished:
                             later = max(len(c.token_ids) for c in out.outputs) - first_tokens
