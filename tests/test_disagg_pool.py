@@ -180,6 +180,31 @@ def test_a_full_pool_means_not_cached(model, tok):
             close_all([filler, *users])
 
 
+def test_a_full_pool_turns_puts_away_until_leases_run_out():
+    """What the simulator's pool assumes of Mooncake (`sim/pool.py`): a full pool evicts nothing touched within
+    its lease (the master's default_kv_lease_ttl, 1 s here) and turns new puts away; once the leases have run
+    out it evicts the least recently touched and takes puts again."""
+    size = 1 << 20
+    with MooncakeMaster(extra=["-default_kv_lease_ttl=1000"]) as small:
+        store = MooncakeStore(small.address, segment_bytes=SEGMENT)
+        buf = torch.zeros(size, dtype=torch.uint8)
+        store.register_buffer(buf.data_ptr(), buf.numel())
+        try:
+            put = (lambda key: store.put_from([key], [buf.data_ptr()], size)[0])
+            held = []
+            while put(f"old/{len(held)}"):  # one at a time, until the pool turns one away
+                held.append(f"old/{len(held)}")
+                assert len(held) <= SEGMENT // size
+            assert len(held) >= SEGMENT // size // 2
+            assert not put("new/0") and all(store.contains(held))  # leased: nothing evicted for the newcomer
+            time.sleep(1.5)
+            assert put("new/1") and store.contains(["new/1"]) == [True]
+            assert not all(store.contains(held))  # the leases ran out: old objects made room
+        finally:
+            store.unregister_buffer(buf.data_ptr())
+            close_all([store])
+
+
 def test_collisions_are_detected_and_aborted_loads_free_everything(model, tok, stores):
     a, b = engine(model, tok, stores[0]), engine(model, tok, stores[1])
     try:

@@ -179,6 +179,26 @@ def test_the_connector_runs_loads_ahead_of_queued_saves():
     assert back == [pytest.approx(0.014)] and conn.busy_s == pytest.approx(0.026)
 
 
+def test_the_pool_admits_and_evicts_as_mooncake_does():
+    """Hand-computed (LEASE_S 10 s): 4 blocks fill a 4-block pool at t=0; a put at t=1 is turned away (every
+    lease live); a lookup at t=5 renews block 1's lease; a get at t=6 renews block 2's; at t=10.5 a put of two
+    blocks evicts block 0 (the least recently touched, lease out) and, with one eviction per round (5% of 4,
+    at least 1), block 3 next, never 1 or 2; a block being written is not readable until its put ends."""
+    from nanoforge.sim.pool import KVPool
+
+    pool = KVPool(4)
+    written, held = pool.start_put([0, 1, 2, 3], 0.0)
+    assert (written, held) == ([0, 1, 2, 3], []) and pool.get([0], 0.0) == 0  # pending until the put ends
+    pool.end_put(written, 0.0)
+    assert pool.start_put([9], 1.0) == ([], []) and pool.counters["turned_away"] == 1
+    assert pool.start_put([2], 1.0) == ([], [2])  # held already: no transfer
+    assert pool.leading([1], 5.0) == 1 and pool.get([2], 6.0) == 1
+    written, _ = pool.start_put([7, 8], 10.5)
+    assert written == [7, 8] and sorted(pool._blocks) == [1, 2, 7, 8] and pool.counters["evictions"] == 2
+    pool.end_put(written, 10.5)
+    assert pool.leading([7, 8], 11.0) == 2 and pool.start_put([5], 12.0) == ([], [])  # 1's lease runs to 15
+
+
 def test_early_rejection_when_the_predicted_ttft_is_over_the_slo():
     # three requests teach the conductor's cost model prefill = 10 ms + 1 ms/token (exactly: no queueing);
     # then a 2,000-token prompt is predicted at 2.01 s, over the 1 s objective, and a 500-token one at 0.51 s

@@ -37,7 +37,7 @@ from nanoforge.serve.sampling_params import SamplingParams
 from nanoforge.serve.scheduler import SchedulerConfig, check_request
 from nanoforge.serve.sequence import SequenceGroup
 from nanoforge.sim.instance import SharedGPU, SimInstance
-from nanoforge.sim.pool import KVPool
+from nanoforge.sim.pool import LEASE_S, KVPool
 from nanoforge.sim.profile import Profile, pool_block_bytes
 
 
@@ -74,6 +74,7 @@ class ClusterConfig:
     tpot_slo: float | None = None
     early_reject: bool = False  # the conductor rejects what it predicts would miss an SLO
     pool_gib: float = 0.0  # the KV pool's capacity; 0: no pool (disaggregated: blocks only go P -> D)
+    pool_lease_s: float = LEASE_S  # an object in the pool cannot be evicted until this long after its last use
     staging_gib: float | None = None  # a connector's staging buffer (None: as large as needed)
     link_gbs: float | None = None  # the pool link's bandwidth per call (GB/s); None: the profile's
     block_size: int | None = None  # KV block size (tokens); None: the profile's engine's
@@ -117,6 +118,8 @@ class ClusterConfig:
                 raise NanoforgeError(f"--{name.replace('_', '-')} must be > 0, got {v}", param=name)
         if self.early_reject and self.ttft_slo is None and self.tpot_slo is None:
             raise NanoforgeError("--early-reject needs --ttft-slo or --tpot-slo", param="early_reject")
+        if not self.pool_lease_s >= 0:
+            raise NanoforgeError(f"--pool-lease-s must be >= 0, got {self.pool_lease_s}", param="pool_lease_s")
         if not self.pool_gib >= 0:
             raise NanoforgeError(f"--pool-gib must be >= 0, got {self.pool_gib}", param="pool_gib")
         for name in ("staging_gib", "link_gbs"):
@@ -184,7 +187,7 @@ class Simulation:
         self.transfer_latency = profile.transfer["latency_s"]
         staging = None if config.staging_gib is None else max(1, int(config.staging_gib * 2**30 // self.block_bytes))
         if config.pool_gib:
-            self.pool = KVPool(int(config.pool_gib * 2**30 // self.block_bytes))
+            self.pool = KVPool(int(config.pool_gib * 2**30 // self.block_bytes), lease_s=config.pool_lease_s)
         elif config.disaggregated:
             self.pool = KVPool(None, cache=False)  # only the medium from prefill to decode instances
         else:
@@ -262,7 +265,7 @@ class Simulation:
             if len(prompt) > cfg.max_model_len - 1:
                 raise NanoforgeError(f"prompt is {len(prompt)} tokens; the context is {cfg.max_model_len}")
             hashes = req.hashes[:(len(prompt) - 1) // bs]
-            pool_blocks = self.pool.leading(hashes) if self.pool is not None else 0
+            pool_blocks = self.pool.leading(hashes, now) if self.pool is not None else 0
             req.plan = self.router.plan(len(prompt), hashes, pool_blocks, req.output_len)
         except NanoforgeError as e:
             kind = "rejected" if e.status == 429 else "invalid"

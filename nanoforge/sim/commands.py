@@ -22,6 +22,7 @@ from nanoforge.serve.bench_serve import (
 )
 from nanoforge.serve.disagg.router import POLICIES
 from nanoforge.sim.cluster import ClusterConfig, Simulation
+from nanoforge.sim.pool import LEASE_S
 from nanoforge.sim.profile import DEFAULT_PROFILE, Profile, profiles
 
 
@@ -69,6 +70,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shape: bool = True) -> 
     g.add_argument("--pool-gib", type=float, default=0.0, metavar="G",
                    help="KV pool capacity (GiB, the whole cluster's); 0: no pool (disaggregated: blocks only go "
                         "from prefill to decode instances)")
+    g.add_argument("--pool-lease-s", type=float, default=LEASE_S, metavar="S",
+                   help="how long after its last use a block in the pool cannot be evicted; a full pool turns "
+                        "puts away meanwhile (mooncake_master's default_kv_lease_ttl: 10)")
     g.add_argument("--staging-gib", type=float, default=None, metavar="G",
                    help="each connector's staging buffer, which caps the blocks of one pool call (the engine's "
                         "default on a GPU: 1); default: as large as a call needs")
@@ -107,7 +111,8 @@ def replay_from_args(args) -> TraceReplay:
 def config_from_args(args, **shape) -> ClusterConfig:
     shape = shape or {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}
     config = ClusterConfig(**shape, policy=args.policy, ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo,
-                           early_reject=args.early_reject, pool_gib=args.pool_gib, staging_gib=args.staging_gib,
+                           early_reject=args.early_reject, pool_gib=args.pool_gib, pool_lease_s=args.pool_lease_s,
+                           staging_gib=args.staging_gib,
                            link_gbs=args.link_gbs, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=args.max_model_len, shared_gpu=args.shared_gpu,

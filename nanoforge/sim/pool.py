@@ -1,10 +1,18 @@
 """The KV cache pool and each instance's KV connector, on modelled time.
 
 `KVPool` stands for Mooncake Store: whole KV blocks keyed by the block manager's chained prefix hashes, a
-capacity in blocks, least recently used evicted first when a write needs room (Mooncake evicts by LRU once
-its pool is full; its 10 s write leases are not modelled). With `cache=False` it is only the medium that
-carries a prompt's blocks from its prefill instance to its decode instance ("no pool" in a disaggregated
-cluster): nobody looks anything up, and a block is dropped once no request in flight still needs it.
+capacity in blocks, admitted and evicted the way `mooncake_master` 0.3.13 does it (seen on loopback, with
+`benchmarks/pool_transfer.py`'s clients: a writer filling two 64-block segments, then writing on). A put
+allocates its blocks when it starts (they count against the capacity, and are not readable until it ends); an
+object carries a lease, renewed whenever it is written, read or looked up (`default_kv_lease_ttl`: 10 s), and
+only objects whose lease has run out can be evicted. Once usage is over the high watermark (90%) the master
+evicts up to 5% of the capacity (`eviction_ratio`) of those, least recently touched first; a put that finds no
+room and nothing to evict is turned away, block by block (the connector's "not cached": the blocks are computed
+where they are needed). So a pool that fills faster than leases run out turns saves away, and decode instances
+then find nothing to load, until the first leases end; it never evicts what was touched in the last 10 s.
+With `cache=False` it is only the medium that carries a prompt's blocks from its prefill instance to its
+decode instance ("no pool" in a disaggregated cluster): nobody looks anything up, and a block is dropped once
+no request in flight still needs it.
 
 `SimConnector` mirrors the engine's `KVConnector` (`serve/kv_connector.py`) decision for decision, with
 the pool calls replaced by modelled transfers:
@@ -32,56 +40,100 @@ from nanoforge.serve.sequence import Sequence, SequenceGroup
 KNOWN_KEYS = 1 << 16  # keys a connector remembers as saved or loaded (KVConnector._remember)
 
 
+LEASE_S = 10.0  # mooncake_master's default_kv_lease_ttl
+HIGH_WATERMARK = 0.9  # eviction_high_watermark_ratio
+EVICTION_RATIO = 0.05  # eviction_ratio: of the capacity, at most, per eviction
+
+
 class KVPool:
-    def __init__(self, capacity_blocks: int | None, *, cache: bool = True):
+    def __init__(self, capacity_blocks: int | None, *, cache: bool = True, lease_s: float = LEASE_S):
         self.capacity = capacity_blocks  # None: unbounded
         self.cache = cache
-        self._blocks: OrderedDict[int, int] = OrderedDict()  # key -> requests holding it (transit mode only)
+        self.lease_s = lease_s
+        # key -> requests holding it (transit mode only), least recently touched first
+        self._blocks: OrderedDict[int, int] = OrderedDict()
+        self._touched: dict[int, float] = {}  # key -> when its lease was last renewed
+        self._pending: set[int] = set()  # allocated by a put still in flight: not readable yet
         self.counters = dict.fromkeys(("lookups", "lookup_hit_blocks", "put_blocks", "get_blocks", "got_blocks",
-                                       "evictions"), 0)
+                                       "evictions", "turned_away"), 0)
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def leading(self, hashes: list[int]) -> int:
-        """How many leading blocks of `hashes` the pool holds (the conductor's lookup; touches nothing)."""
+    def _touch(self, h: int, now: float) -> None:
+        self._blocks.move_to_end(h)
+        self._touched[h] = now
+
+    def _found(self, hashes: list[int], now: float) -> int:
+        """How many leading `hashes` are readable; their leases are renewed."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks or h in self._pending:
+                break
+            self._touch(h, now)
+            n += 1
+        return n
+
+    def leading(self, hashes: list[int], now: float) -> int:
+        """How many leading blocks of `hashes` the pool holds (the conductor's lookup, which renews leases)."""
         if not self.cache:
             return 0
         self.counters["lookups"] += 1
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n += 1
+        n = self._found(hashes, now)
         self.counters["lookup_hit_blocks"] += n
         return n
 
-    def get(self, hashes: list[int]) -> int:
-        """Read `hashes`: the number of leading ones found (those are now the most recently used)."""
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            self._blocks.move_to_end(h)
-            n += 1
+    def get(self, hashes: list[int], now: float) -> int:
+        """Read `hashes`: the number of leading ones found."""
+        n = self._found(hashes, now)
         self.counters["get_blocks"] += len(hashes)
         self.counters["got_blocks"] += n
         return n
 
-    def put(self, hashes: list[int]) -> None:
-        """Write `hashes` (most recently used now); evict the least recently used beyond the capacity."""
-        blocks = self._blocks
+    def start_put(self, hashes: list[int], now: float) -> tuple[list[int], list[int]]:
+        """A put starts: (the blocks it writes, the blocks the pool already holds); the rest are turned away."""
+        blocks, written, held = self._blocks, [], []
         for h in hashes:
             if h in blocks:
-                blocks.move_to_end(h)
-                blocks[h] += 1
+                if self.cache:
+                    held.append(h)
+                    if h not in self._pending:
+                        self._touch(h, now)
+                    continue
+                blocks[h] += 1  # transit: one more request holds it (and it is written again)
+            elif self.capacity is not None and len(blocks) >= self.capacity and not self._evict(now):
+                self.counters["turned_away"] += 1
+                continue
             else:
                 blocks[h] = 1
-        self.counters["put_blocks"] += len(hashes)
-        if self.capacity is not None:
-            while len(blocks) > self.capacity:
-                blocks.popitem(last=False)
-                self.counters["evictions"] += 1
+            self._pending.add(h)
+            self._touched[h] = now
+            written.append(h)
+        self.counters["put_blocks"] += len(written)
+        if self.capacity is not None and len(blocks) > HIGH_WATERMARK * self.capacity:
+            self._evict(now)
+        return written, held
+
+    def end_put(self, written: list[int], now: float) -> None:
+        """The put's blocks are readable now (and their leases start again)."""
+        for h in written:
+            if h in self._pending:
+                self._pending.discard(h)
+                self._touch(h, now)
+
+    def _evict(self, now: float) -> int:
+        """Evict up to EVICTION_RATIO of the capacity among objects whose lease has run out, least recently
+        touched first; the number evicted."""
+        blocks, n = self._blocks, 0
+        limit = max(1, int(EVICTION_RATIO * self.capacity))
+        while n < limit and blocks:
+            h = next(iter(blocks))
+            if h in self._pending or self._touched[h] + self.lease_s > now:
+                break  # the least recently touched is still leased: so is everything after it
+            del blocks[h], self._touched[h]
+            n += 1
+        self.counters["evictions"] += n
+        return n
 
     def release(self, hashes: list[int]) -> None:
         """Transit mode: a request no longer needs the blocks it put; drop those nobody else needs."""
@@ -93,6 +145,8 @@ class KVPool:
                 continue
             if left <= 1:
                 del self._blocks[h]
+                self._touched.pop(h, None)
+                self._pending.discard(h)
             else:
                 self._blocks[h] = left - 1
 
@@ -108,6 +162,8 @@ class Job:
     found: int = 0  # get: leading blocks found
     done: bool = False
     on_done: list = field(default_factory=list)  # callbacks(now) once it is done
+    written: list[int] = field(default_factory=list)  # put: the blocks it writes (the pool had room for them)
+    stored: list[int] = field(default_factory=list)  # put: those and the ones the pool held already
 
 
 class SimConnector:
@@ -193,19 +249,21 @@ class SimConnector:
         self.busy = True
         job = (self.loads or self.queue).popleft()
         if job.kind == "get":
-            job.found = self.pool.get(job.hashes)
+            job.found = self.pool.get(job.hashes, now)
             seconds = self.sim.transfer_time(job.found)
-        else:
-            seconds = self.sim.transfer_time(len(job.hashes))
+        else:  # what the pool turns away costs no transfer
+            job.written, held = self.pool.start_put(job.hashes, now)
+            job.stored = job.written + held
+            seconds = self.sim.transfer_time(len(job.written))
         self.busy_s += seconds
         self.sim.clock.at(now + seconds, self._done, job)
 
     def _done(self, now: float, job: Job) -> None:
         job.done = True
-        if job.kind == "put":
-            self.pool.put(job.hashes)
-            self._remember(job.hashes)
-            self.counters["saved_blocks"] += len(job.hashes)
+        if job.kind == "put":  # what was turned away is not remembered: a later save tries it again
+            self.pool.end_put(job.written, now)
+            self._remember(job.stored)
+            self.counters["saved_blocks"] += len(job.stored)
         else:
             self.ready.append(job)
             self.on_ready(now)
