@@ -97,6 +97,35 @@ def test_the_model_sends_decode_rows_through_it_when_enabled(poisoned, monkeypat
     assert not calls
 
 
+@interpreter
+def test_auto_takes_the_way_measured_fastest_once_per_shape(poisoned, monkeypatch):
+    """NANOFORGE_GEMV=auto (the default): each projection shape is timed once (here a stand-in timer that makes
+    the fused prologue fastest for MLP-down and cuBLAS for everything else but Q/K/V) and then always takes the
+    way found; the logits stay the layers' own; where nothing can be timed (inside a capture, or no GPU) it is
+    cuBLAS, and nothing is remembered."""
+    from nanoforge.model.config import preset
+    from nanoforge.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-llama")).eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 3))
+    monkeypatch.delenv("NANOFORGE_GEMV", raising=False)
+    monkeypatch.setattr(gv, "_CHOICES", {})
+    with torch.no_grad():
+        want = model(ids)
+        assert gv._CHOICES == {}  # no GPU to time on: cuBLAS, nothing remembered
+        timed, calls = [], []
+        real, qkv = gv.gemv, model.layers[0].attn.wqkv.out_features
+        monkeypatch.setattr(gv, "_can_time", lambda x: True)
+        monkeypatch.setattr(gv, "_fastest", lambda x, w, b, swiglu: timed.append(tuple(w.shape)) or (
+            "fused" if swiglu else "ours" if w.shape[0] == qkv else "cublas"))
+        monkeypatch.setattr(gv, "gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or real(*a, **k))
+        for _ in range(2):
+            torch.testing.assert_close(model(ids), want, rtol=1e-4, atol=1e-4)
+        assert len(timed) == len(set(timed)) == 4  # the four shapes (every layer has the same), once each
+        assert calls.count(True) == calls.count(False) == 2 * model.cfg.n_layers  # fused MLP-down, ours Q/K/V
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048),  # Llama-3.2-1B
                                  (1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)])  # Qwen3-0.6B
@@ -111,3 +140,26 @@ def test_gpu_model_shapes_bf16(poisoned, k, n):
             got = gv.gemv(x, w, swiglu=swiglu).double()
             want = reference(x, w, None, swiglu)
             assert ((got - want).norm() / want.norm()).item() < 1e-2, (rows, swiglu)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_times_each_shape_once_and_every_way_is_right(monkeypatch):
+    """On the GPU the choice is timed (a real measurement: some way wins), once per shape, and whichever way
+    it picks gives F.linear's answer to bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
+    monkeypatch.delenv("NANOFORGE_GEMV", raising=False)
+    monkeypatch.setattr(gv, "_CHOICES", {})
+    timed = []
+    real = gv._fastest
+    monkeypatch.setattr(gv, "_fastest", lambda *a: timed.append(a[1].shape) or real(*a))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k, n, swiglu in ((2048, 1024, False), (3072, 1024, True), (2048, 3072, False)):
+        w = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).bfloat16()
+        x = torch.randn(1, 2 * k if swiglu else k, generator=gen, device="cuda").bfloat16()
+        for _ in range(2):
+            got = gv.skinny_linear(x, w, swiglu=swiglu).double()
+            want = reference(x, w, None, swiglu)
+            assert ((got - want).norm() / want.norm()).item() < 1e-2, (k, n, swiglu)
+        assert gv.choose(x, w, None, swiglu) in (("cublas", "ours", "fused") if swiglu else ("cublas", "ours"))
+    assert len(timed) == 3

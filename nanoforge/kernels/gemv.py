@@ -11,8 +11,15 @@ computed in the prologue as `swiglu.silu_mul` does it (silu rounded to the dtype
 without the separate SwiGLU launch.
 
 The reference is `F.linear` (after `silu_mul_ref` for swiglu). The fast path runs outside autograd, for at most
-MAX_ROWS rows of a 16/32-bit float dtype; anything else takes the reference. The model routes its decode-sized
-linear layers here only where NANOFORGE_GEMV=1 (`enabled`), until the H200 has measured it against cuBLAS.
+MAX_ROWS rows of a 16/32-bit float dtype; anything else takes the reference.
+
+Neither this kernel nor cuBLAS wins every decode shape (one H200 run of `kernels bench --kinds gemv`, in CUDA
+graphs: Qwen3-0.6B's attention-out at one row 4.2 us against cuBLAS's 12.3; Llama-3.2-1B's QKV 5.3 against 5.1;
+the fused SwiGLU prologue 0.17-0.26x, as every program recomputes the whole activation). So the model's
+decode-sized projections go through `skinny_linear`, which takes, per shape, the fastest of cuBLAS, this kernel
+and (MLP-down) the fused prologue, timed once on the device in CUDA graphs the first time the shape is seen
+outside a graph capture (the engine's warm-up before it captures). NANOFORGE_GEMV picks the mode: `auto` (that
+choice; the default), `1` (this kernel wherever it fits, the prologue fused), `0` (cuBLAS only).
 """
 
 from __future__ import annotations
@@ -66,9 +73,85 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out.reshape(*x.shape[:-1], n)
 
 
-def enabled() -> bool:
-    """Whether the model sends its decode-sized linear layers here (NANOFORGE_GEMV=1; off by default)."""
-    return os.environ.get("NANOFORGE_GEMV", "0") == "1"
+def mode() -> str:
+    """NANOFORGE_GEMV: "auto" (per shape, the fastest way, measured), "1" (this kernel) or "0" (cuBLAS)."""
+    m = os.environ.get("NANOFORGE_GEMV", "auto").lower()
+    if m not in ("auto", "1", "0"):
+        from nanoforge.errors import NanoforgeError
+
+        raise NanoforgeError(f"NANOFORGE_GEMV must be auto, 1 or 0, not {m!r}", param="NANOFORGE_GEMV")
+    return m
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  swiglu: bool = False) -> torch.Tensor:
+    """F.linear(silu_mul(x) if swiglu else x, weight, bias) for operands that `fits`, by the way `mode` chooses:
+    "cublas", "ours" (this kernel after silu_mul) or "fused" (SwiGLU in its prologue)."""
+    from nanoforge.kernels.swiglu import silu_mul
+
+    way = choose(x, weight, bias, swiglu)
+    if way == "fused":
+        return gemv(x, weight, bias, swiglu=True)
+    h = silu_mul(x) if swiglu else x
+    return gemv(h, weight, bias) if way == "ours" else F.linear(h, weight, bias)
+
+
+_CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu) -> the fastest way, once timed
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> str:
+    m = mode()
+    if m != "auto":
+        return "cublas" if m == "0" else ("fused" if swiglu else "ours")
+    rows = x.numel() // x.shape[-1]
+    key = (str(x.device), x.dtype, rows, *weight.shape[::-1], bias is not None, swiglu)
+    way = _CHOICES.get(key)
+    if way is None:
+        if not _can_time(x):
+            return "cublas"  # nothing to time here (the interpreter; inside a capture): the library's
+        way = _CHOICES[key] = _fastest(x, weight, bias, swiglu)
+    return way
+
+
+def _can_time(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def _fastest(x, weight, bias, swiglu) -> str:
+    """Time each way on copies of the operands (W rotated through enough copies that L2 holds none of them, as a
+    model's layers stream theirs from HBM) and return the fastest."""
+    from nanoforge.kernels.swiglu import silu_mul
+
+    copies = max(1, min(16, -(-(96 << 20) // (weight.numel() * weight.element_size()))))
+    ws = [weight.clone() for _ in range(copies)]
+    xs = x.reshape(-1, x.shape[-1]).clone()
+    ways = {"cublas": lambda w: F.linear(silu_mul(xs) if swiglu else xs, w, bias),
+            "ours": lambda w: gemv(silu_mul(xs) if swiglu else xs, w, bias)}
+    if swiglu:
+        ways["fused"] = lambda w: gemv(xs, w, bias, swiglu=True)
+    times = {name: _graph_us(lambda f=f: [f(w) for w in ws]) / copies for name, f in ways.items()}
+    return min(times, key=times.get)
+
+
+def _graph_us(fn, replays: int = 5) -> float:
+    """Microseconds of fn() replayed from a CUDA graph (best of `replays`); one eager call first (autotuning)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, 1000 * start.elapsed_time(end))
+    return best
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -142,12 +142,13 @@ def _bypassable(module: nn.Module, *tensors: torch.Tensor) -> bool:
 
 
 def linear(x, layer: nn.Module, *, swiglu: bool = False):
-    """layer(x), after silu(gate) * up of x's two halves with `swiglu`. Where NANOFORGE_GEMV=1, a decode's few
-    rows (`kernels.gemv.fits`) through a bypassable nn.Linear take the skinny matmul, SwiGLU in its prologue;
-    tensor-parallel serving's row-parallel layers (not nn.Linear) never do."""
-    if (type(layer) is nn.Linear and gemv.enabled() and _bypassable(layer, x, layer.weight.data)
+    """layer(x), after silu(gate) * up of x's two halves with `swiglu`. A decode's few rows (`kernels.gemv.fits`)
+    through a bypassable nn.Linear take the fastest way for their shape (`kernels.gemv.skinny_linear`: cuBLAS or
+    the skinny matmul, measured; NANOFORGE_GEMV); tensor-parallel serving's row-parallel layers (not nn.Linear)
+    never do."""
+    if (type(layer) is nn.Linear and gemv.mode() != "0" and _bypassable(layer, x, layer.weight.data)
             and gemv.fits(x, layer.weight)):
-        return gemv.gemv(x, layer.weight, layer.bias, swiglu=swiglu)
+        return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
     return layer(silu_mul(x) if swiglu else x)
 
 
