@@ -42,6 +42,13 @@ STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default stag
 METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
            ("throughput (req/s)", "request_throughput", None))
 _INSTANCE = re.compile(r"context (\d+) tokens, (\d+) KV blocks")
+_LOADED = re.compile(r"^nanoforge_kv_pool_loaded_blocks_total (\S+)$", re.M)
+
+
+def measured_decode_loads(run_dir: Path) -> int | None:
+    """Blocks the run's decode instances loaded from the pool (their /metrics at the end), or None."""
+    values = [float(v) for f in sorted(run_dir.glob("metrics-decode*.txt")) for v in _LOADED.findall(f.read_text())]
+    return int(sum(values)) if values else None
 
 
 def _value(summary: dict, key: str, sub: str | None) -> float | None:
@@ -102,7 +109,10 @@ def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str
             err = (p - m) / m if m and p is not None else None
             metrics[label] = {"measured": m, "predicted": p, "rel_error": err,
                               "ok": err is not None and abs(err) <= tolerance}
+        predicted_loads = sum(i.get("loaded_blocks", 0) for i in sim.instance_stats() if i["role"] == "decode")
+        loads = {"measured": measured_decode_loads(d), "predicted": predicted_loads if config.disaggregated else None}
         rows.append({"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
+                     "decode_pool_loaded_blocks": loads,
                      "ok": all(v["ok"] for v in metrics.values()),
                      "measured_summary": measured, "predicted_summary": predicted})
     if not rows:
@@ -124,6 +134,11 @@ def table(report: dict) -> str:
             err = "-" if v["rel_error"] is None else f"{100 * v['rel_error']:+.1f}%"
             lines.append(f"{r['config']:<13}{label:<20}{fmt(v['measured']):>10}{fmt(v['predicted']):>11}{err:>9}  "
                          f"{'yes' if v['ok'] else 'NO'}")
+        loads = r.get("decode_pool_loaded_blocks") or {}
+        if loads.get("measured") is not None and loads.get("predicted") is not None:
+            lines.append(f"{r['config']:<13}{'pool blocks loaded':<20}{loads['measured']:>10}{loads['predicted']:>11}"
+                         f"{100 * (loads['predicted'] - loads['measured']) / max(1, loads['measured']):>+8.1f}%  "
+                         "(not judged: the decode instances' loads)")
     passed = sum(v["ok"] for r in report["rows"] for v in r["metrics"].values())
     total = sum(len(r["metrics"]) for r in report["rows"])
     lines.append(f"{passed} of {total} within {100 * tol:.0f}%")
