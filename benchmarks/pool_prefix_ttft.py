@@ -1,7 +1,7 @@
 """The pool skips prefill across instances: a request that shares a long prefix with an earlier one, routed to the
 *other* prefill instance, computes only its uncached tokens, and its time to first token falls accordingly.
 
-    python benchmarks/pool_prefix_ttft.py [--preset gpt2-124m] [--device cpu] [--prefix 1024] [--suffix 16]
+    python benchmarks/pool_prefix_ttft.py [--preset gpt2-124m] [--device cpu] [--prefix 992] [--suffix 16]
                                           [--rounds 4] [--out DIR]
 
 Starts `nanoforge serve --disagg --prefill 2 --decode 1 --policy round-robin` on a random model of the preset
@@ -13,7 +13,8 @@ round sends, one after the other, with a fresh random prefix P of `--prefix` tok
 
 both streamed (TTFT = the first token at the client; `usage.prompt_tokens_details.cached_tokens` from the usage
 chunk) with 4 output tokens. Prints a table; writes pool_prefix_ttft.json and pool_prefix_ttft.png under --out
-(default out/). The expected fall: the hit computes suffix / (prefix + suffix) of the prompt, and pays the load.
+(default out/). The expected fall: the hit computes only the share of the prompt it did not get from the pool
+(the suffix, the prefix's partial block, and what one load's staging buffer could not carry), and pays the load.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -41,7 +43,11 @@ def stream(url: str, prompt: list[int], max_tokens: int = 4) -> dict:
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     start = time.perf_counter()
     ttft, usage, text = None, None, ""
-    with urllib.request.urlopen(req, timeout=600) as r:
+    try:
+        r = urllib.request.urlopen(req, timeout=600)
+    except urllib.error.HTTPError as e:  # e.g. a prompt longer than the model's context: the server's message
+        sys.exit(f"pool_prefix_ttft: the server answered {e.code}: {e.read().decode()[:500]}")
+    with r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -78,7 +84,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2-124m")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--prefix", type=int, default=992)  # GPT-2: 1,024 positions
     p.add_argument("--suffix", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", default="out")
@@ -122,7 +128,9 @@ def main() -> int:
     cold = statistics.median(r["cold"]["ttft_s"] for r in rounds)
     hit = statistics.median(r["hit"]["ttft_s"] for r in rounds)
     n = args.prefix + args.suffix
-    share = args.suffix / n + (args.prefix % 16) / n  # what the hit computes: the suffix and P's partial block
+    # what the hit computed: all but what it took from the pool (the suffix, P's partial block, and whatever one
+    # load could not carry: a load is capped by the connector's staging buffer, 64 MiB on a CPU, 1 GiB on a GPU)
+    share = 1 - statistics.median(r["hit"]["cached_tokens"] for r in rounds) / n
     result = {"preset": args.preset, "device": args.device, "prefix": args.prefix, "suffix": args.suffix,
               "rounds": rounds, "cold_ttft_s": cold, "hit_ttft_s": hit, "ratio": hit / cold,
               "computed_share": share,
