@@ -141,7 +141,7 @@ def _graph_us(fn, replays: int = 5) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a KV connector's thread may use CUDA meanwhile
         fn()
     best = float("inf")
     for _ in range(replays):
