@@ -16,23 +16,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from nanoforge.serve.bench_serve import metric_values  # noqa: E402
+
 
 def scrape(path: Path) -> dict[str, float]:
     """Unlabelled samples of a Prometheus text file (the labelled early-rejection counter summed)."""
-    values: dict[str, float] = {}
     if not path.is_file():
-        return values
-    for line in path.read_text().splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        if name.startswith("nanoforge_early_rejections_total"):
-            name = "nanoforge_early_rejections_total"
-        try:
-            values[name] = values.get(name, 0.0) + float(value) if "{" in line else float(value)
-        except ValueError:
-            pass
-    return values
+        return {}
+    return metric_values(path.read_text(), totals=("nanoforge_early_rejections_total",))
 
 
 def main(root: Path, configs: list[str]) -> None:

@@ -191,3 +191,21 @@ def test_cli_poisson_and_text_prompts(server_url, tmp_path):
                  "--vocab-size", "60", "--out", str(tmp_path / "bad")]) == 1
     recs = json.loads((tmp_path / "bad" / "serve.json").read_text())["requests"]
     assert all(r["error"].startswith("HTTP 404") for r in recs)
+
+
+def test_metric_values_reads_unlabelled_samples_and_sums_the_families_asked_for():
+    from nanoforge.serve.bench_serve import metric_values
+
+    text = """# HELP nanoforge_kv_pool_loaded_blocks_total blocks
+# TYPE nanoforge_kv_pool_loaded_blocks_total counter
+nanoforge_kv_pool_loaded_blocks_total 11064.0
+nanoforge_early_rejections_total{slo="ttft"} 3.0
+nanoforge_early_rejections_total{slo="tpot"} 4.0
+nanoforge_time_to_first_token_seconds_bucket{le="0.1"} 7.0
+process_cpu_seconds_total 1.5
+nanoforge_broken NaN-ish
+"""
+    assert metric_values(text) == {"nanoforge_kv_pool_loaded_blocks_total": 11064.0}
+    assert metric_values(text, totals=("nanoforge_early_rejections_total",)) == {
+        "nanoforge_kv_pool_loaded_blocks_total": 11064.0, "nanoforge_early_rejections_total": 7.0}
+    assert metric_values(text, prefix="process_") == {"process_cpu_seconds_total": 1.5}

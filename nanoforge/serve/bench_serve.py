@@ -296,23 +296,32 @@ async def run_requests(base_url: str, model: str, requests: list[Request], *, te
         return list(results), time.perf_counter() - t0
 
 
+def metric_values(text: str, prefix: str = "nanoforge_", totals: tuple[str, ...] = ()) -> dict[str, float]:
+    """Unlabelled samples named `prefix*` of a Prometheus text exposition; a labelled family named in `totals`
+    is summed over its labels under its bare name (e.g. early rejections by SLO)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        bare = name.partition("{")[0]
+        if not bare.startswith(prefix) or ("{" in name and bare not in totals):
+            continue
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        values[bare] = values.get(bare, 0.0) + v if "{" in name else v
+    return values
+
+
 def scrape_metrics(base_url: str, prefix: str = "nanoforge_") -> dict[str, float]:
-    """Unlabelled gauges and counters named `prefix*` from the server's Prometheus /metrics ({} if none)."""
+    """`metric_values` of the server's Prometheus /metrics ({} if it does not answer)."""
     import httpx
 
     try:
         text = httpx.get(_root(base_url) + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith(prefix) and "{" not in name:
-            try:
-                values[name] = float(value)
-            except ValueError:
-                pass
-    return values
+    return metric_values(text, prefix)
 
 
 # --- the numbers ---------------------------------------------------------------------------------------

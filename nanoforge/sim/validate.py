@@ -24,6 +24,7 @@ from nanoforge.serve.bench_serve import (
     MOONCAKE_BLOCK_TOKENS,
     TraceReplay,
     Vocab,
+    metric_values,
     read_trace,
     summarize,
 )
@@ -42,12 +43,13 @@ STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default stag
 METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
            ("throughput (req/s)", "request_throughput", None))
 _INSTANCE = re.compile(r"context (\d+) tokens, (\d+) KV blocks")
-_LOADED = re.compile(r"^nanoforge_kv_pool_loaded_blocks_total (\S+)$", re.M)
 
 
 def measured_decode_loads(run_dir: Path) -> int | None:
     """Blocks the run's decode instances loaded from the pool (their /metrics at the end), or None."""
-    values = [float(v) for f in sorted(run_dir.glob("metrics-decode*.txt")) for v in _LOADED.findall(f.read_text())]
+    values = [metric_values(f.read_text()).get("nanoforge_kv_pool_loaded_blocks_total")
+              for f in sorted(run_dir.glob("metrics-decode*.txt"))]
+    values = [v for v in values if v is not None]
     return int(sum(values)) if values else None
 
 
