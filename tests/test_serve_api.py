@@ -138,6 +138,9 @@ def test_models_health_and_metrics(served, client):
     e2e = "nanoforge_e2e_request_latency_seconds"
     count, total = metric(url, e2e + "_count"), metric(url, e2e + "_sum")
     tokens = metric(url, "nanoforge_generation_tokens_total")
+    steps = "nanoforge_engine_step_seconds"
+    decode_steps = metric(url, steps + "_count", {"kind": "decode"})
+    decode_tokens = metric(url, "nanoforge_engine_step_tokens_total", {"kind": "decode"})
     t0 = time.monotonic()
     client.completions.create(model=MODEL, prompt="the fox", max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
@@ -147,6 +150,10 @@ def test_models_health_and_metrics(served, client):
     assert metric(url, "nanoforge_time_to_first_token_seconds_count") == count + 1
     assert metric(url, "nanoforge_time_per_output_token_seconds_count") == count + 1
     assert metric(url, "nanoforge_generation_tokens_total") == tokens + 5
+    # 4 decode tokens after the prefill's first, in 4 decode steps, each in the +Inf bucket of the step histogram
+    assert metric(url, "nanoforge_engine_step_tokens_total", {"kind": "decode"}) == decode_tokens + 4
+    assert metric(url, steps + "_count", {"kind": "decode"}) == decode_steps + 4
+    assert metric(url, steps + "_bucket", {"kind": "decode", "le": "+Inf"}) == decode_steps + 4
     assert metric(url, "nanoforge_kv_blocks_total") == 1500
     assert metric(url, "nanoforge_kv_blocks_used") == metric(url, "nanoforge_num_requests_running") == 0
     for name in ("nanoforge_num_requests_waiting", "nanoforge_prefix_cache_hit_rate", "nanoforge_preemptions_total",

@@ -85,6 +85,45 @@ def test_shared_prefix_is_computed_once(tok):
     assert llm.engine.stats()["prefix_cache_hit_rate"] > 0.5
 
 
+def test_step_stats_count_every_computed_token_by_step_kind(tok):
+    """The engine's always-on step statistics (`/metrics`' nanoforge_engine_step_seconds): every prompt token it
+    computed and every decode token are in exactly one step's count, by kind; the histograms are cumulative."""
+    model = make_model(tok)
+    rng = random.Random(4)
+    ps = prompts(6, rng, 20, 50)
+    llm = LLM(model, tok, block_size=16, num_gpu_blocks=100, max_num_batched_tokens=64)
+    outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    steps = llm.engine.stats()["steps"]
+    computed = sum(len(p) - o.num_cached_tokens for p, o in zip(ps, outs)) + 4 * len(ps)  # the 1st token: prefill
+    assert sum(k["tokens"] for k in steps.values()) == computed
+    assert steps["prefill"]["steps"] > 0 and steps["decode"]["steps"] > 0
+    for k in steps.values():
+        assert k["buckets"] == sorted(k["buckets"]) and k["buckets"][-1] <= k["steps"]
+        assert k["seconds"] >= 0 and (k["steps"] == 0) == (k["tokens"] == 0)
+
+
+def test_a_steps_turn_starts_when_the_step_before_it_is_read_back():
+    """Hand-computed: step 1 launched at 0 and read back at 3 ms (turn 3 ms); step 2, launched at 1 ms while 1
+    ran (asynchronous scheduling), read back at 4 ms (turn 1 ms, not 3); an idle engine's step 3, launched at
+    10 ms, read back at 30 ms (turn 20 ms)."""
+    from types import SimpleNamespace as NS
+
+    from nanoforge.serve.step_profile import STEP_BUCKETS, StepStats, step_kind
+
+    decode = NS(scheduled=[NS(start=5, end=6), NS(start=9, end=10)])
+    prefill = NS(scheduled=[NS(start=0, end=7)])
+    mixed = NS(scheduled=[NS(start=0, end=7), NS(start=9, end=10)])
+    assert [step_kind(o) for o in (decode, prefill, mixed, NS(scheduled=[]))] == ["decode", "prefill", "mixed", None]
+    stats = StepStats()
+    stats.record(prefill, 0.0, 0.003)
+    stats.record(decode, 0.001, 0.004)
+    stats.record(decode, 0.010, 0.030)
+    d = stats.snapshot()["decode"]
+    assert (d["steps"], d["tokens"], d["seconds"]) == (2, 4, pytest.approx(0.021))
+    assert d["buckets"] == [int(0.001 <= b) + int(0.020 <= b) for b in STEP_BUCKETS]
+    assert stats.snapshot()["prefill"]["buckets"] == [int(0.003 <= b) for b in STEP_BUCKETS]
+
+
 def test_parallel_sampling_and_seeds(tok):
     model = make_model(tok)
     p = prompts(1, random.Random(4), 30, 30)[0]

@@ -54,6 +54,7 @@ from nanoforge.serve.scheduler import (
     check_request,
 )
 from nanoforge.serve.sequence import Sequence, SequenceGroup
+from nanoforge.serve.step_profile import StepStats
 from nanoforge.serve.tensor_parallel import (
     TensorParallel,
     check_tensor_parallel,
@@ -158,7 +159,8 @@ class LLMEngine:
             eos_token_ids=tuple(sorted(eos)), vocab_size=cfg.vocab_size))
         self.runner = make_runner(model, config, self.max_model_len, num_gpu_blocks, num_cpu_blocks, self.tp)
         self.async_scheduling = check_async_scheduling(config, self.runner.device, kv_pool)
-        self._in_flight: collections.deque[tuple[SchedulerOutput, Launched]] = collections.deque()
+        self._in_flight: collections.deque[tuple[SchedulerOutput, Launched, float]] = collections.deque()
+        self.step_stats = StepStats()
         self.connector: KVConnector | None = None
         if kv_pool is not None:
             dtype = model.embed.weight.dtype
@@ -250,6 +252,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = self.scheduler.stats()
+        stats["steps"] = self.step_stats.snapshot()
         if self.connector is not None:
             stats["kv_pool"] = self.connector.stats()
             stats["num_waiting"] += stats["kv_pool"]["pending_loads"]
@@ -274,11 +277,13 @@ class LLMEngine:
                 self.scheduler.enqueue(group)
         out = self.scheduler.schedule()
         if not out.is_empty or out.finished:
-            self._in_flight.append((out, self.runner.launch(out)))
+            launched_at = time.monotonic()
+            self._in_flight.append((out, self.runner.launch(out), launched_at))
         if not self._in_flight or (len(self._in_flight) <= self.async_scheduling and not out.is_empty):
             return []  # nothing launched before this step: nothing to read back yet
-        out, launched = self._in_flight.popleft()
+        out, launched, launched_at = self._in_flight.popleft()
         sampled, logprobs, prompt_logprobs = self.runner.collect(launched)
+        self.step_stats.record(out, launched_at, time.monotonic())
         if self.connector is not None:
             self._save_prompts(out)
         finished = {g.request_id: g for g in self.scheduler.update(out, sampled, logprobs, prompt_logprobs)}

@@ -25,6 +25,45 @@ import torch
 from nanoforge.runtime import peak_flops, peak_hbm_bandwidth
 
 KINDS = ("prefill", "decode", "mixed")
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)  # seconds: the step-time histogram's bounds
+
+
+def step_kind(out) -> str | None:
+    """"prefill" (every scheduled sequence computes several tokens), "decode" (one each), "mixed"; None: empty."""
+    q = [it.end - it.start for it in out.scheduled]
+    if not q:
+        return None
+    return "decode" if max(q) == 1 else "prefill" if min(q) > 1 else "mixed"
+
+
+class StepStats:
+    """Always on, cheap: per step kind, the steps an engine read back, their tokens, and each step's *turn*:
+    from when it could run (launched, and the step before it read back) to when its tokens were read back, as
+    a histogram over STEP_BUCKETS. In a busy engine a step's turn is its time on the device, whatever the
+    scheduling; `/metrics` exports it (nanoforge_engine_step_seconds{kind}), so a serving run shows what its
+    steps cost (e.g. a decode instance's steps beside a prefill process on the same GPU)."""
+
+    def __init__(self):
+        self.kinds = {k: {"steps": 0, "tokens": 0, "seconds": 0.0, "buckets": [0] * len(STEP_BUCKETS)}
+                      for k in KINDS}
+        self._last: float | None = None  # when the last step was read back
+
+    def record(self, out, launched_at: float, read_at: float) -> None:
+        start = launched_at if self._last is None else max(launched_at, self._last)
+        self._last = read_at
+        kind = step_kind(out)
+        if kind is None:
+            return
+        k, seconds = self.kinds[kind], max(0.0, read_at - start)
+        k["steps"] += 1
+        k["tokens"] += sum(it.end - it.start for it in out.scheduled)
+        k["seconds"] += seconds
+        for i, bound in enumerate(STEP_BUCKETS):
+            if seconds <= bound:
+                k["buckets"][i] += 1
+
+    def snapshot(self) -> dict:
+        return {k: {**v, "buckets": list(v["buckets"])} for k, v in self.kinds.items()}
 
 
 @dataclass
@@ -72,8 +111,7 @@ class StepProfiler:
         if not items:
             return
         q = [it.end - it.start for it in items]
-        kind = "decode" if max(q) == 1 else "prefill" if min(q) > 1 else "mixed"
-        k = self._cur = self.kinds[kind]
+        k = self._cur = self.kinds[step_kind(out)]
         k.steps += 1
         tokens = sum(q)
         k.tokens += tokens

@@ -10,9 +10,10 @@ conductor's own (instances, routing, the pool).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from nanoforge.serve.llm_engine import RequestOutput
+from nanoforge.serve.step_profile import STEP_BUCKETS
 
 
 def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -50,6 +51,18 @@ class EngineCollector(StatsCollector):
         yield counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache", s.get("prompt_tokens", 0))
         yield counter("prefix_cache_hits", "prompt tokens found in the prefix cache", s.get("cached_prompt_tokens", 0))
         yield counter("preemptions", "requests preempted to free KV-cache blocks", s.get("preemptions", 0))
+        if "steps" in s:  # StepStats: each step's turn, from when it could run to its tokens read back
+            h = HistogramMetricFamily("nanoforge_engine_step_seconds", "engine steps by kind: from when a step could "
+                                      "run (launched, the step before read back) to its tokens read back",
+                                      labels=["kind"])
+            t = CounterMetricFamily("nanoforge_engine_step_tokens", "tokens computed by engine steps, by kind",
+                                    labels=["kind"])
+            for kind, k in s["steps"].items():
+                h.add_metric([kind], [(str(b), n) for b, n in zip(STEP_BUCKETS, k["buckets"])]
+                             + [("+Inf", k["steps"])], k["seconds"])
+                t.add_metric([kind], k["tokens"])
+            yield h
+            yield t
         if "kv_pool" in s:  # an engine with a KV connector: what moved between its cache and the pool
             p = s["kv_pool"]
             yield gauge("kv_pool_up", "1 while the KV cache pool answers, 0 while it is skipped", p["up"])
