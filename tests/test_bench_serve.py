@@ -209,3 +209,4 @@ nanoforge_broken NaN-ish
     assert metric_values(text, totals=("nanoforge_early_rejections_total",)) == {
         "nanoforge_kv_pool_loaded_blocks_total": 11064.0, "nanoforge_early_rejections_total": 7.0}
     assert metric_values(text, prefix="process_") == {"process_cpu_seconds_total": 1.5}
+    assert metric_values(text, labelled=True)['nanoforge_early_rejections_total{slo="tpot"}'] == 4.0

@@ -470,14 +470,23 @@ def test_validate_replays_the_runs_requests(tmp_path):
         (d / "serve.json").write_text(json.dumps({"config": settings, "summary": summarize(sim.results, sim.makespan,
                                                                                             slo)}))
         loaded = sum(i.get("loaded_blocks", 0) for i in sim.instance_stats() if i["role"] == "decode")
+        decoder = next(i for i in sim.instance_stats() if i["role"] != "prefill")
+        steps = (f'nanoforge_engine_step_seconds_count{{kind="decode"}} 4.0\n'
+                 f'nanoforge_engine_step_seconds_sum{{kind="decode"}} {4 * decoder["step_ms"]["decode"] / 1000!r}\n')
         if name != "colocated":  # the decode instance's /metrics at the end of the run
-            (d / "metrics-decode1.txt").write_text(f"nanoforge_kv_pool_loaded_blocks_total {loaded}.0\n")
+            (d / "metrics-decode1.txt").write_text(f"nanoforge_kv_pool_loaded_blocks_total {loaded}.0\n" + steps)
+        else:
+            (d / "metrics.txt").write_text(steps)
     report = validate(tmp_path / "run", profile(), pool_memory=0.01, device="cpu", progress=False)
     assert [r["config"] for r in report["rows"]] == ["colocated", "2p1d-ca-slo"] and report["ok"]
     loads = report["rows"][1]["decode_pool_loaded_blocks"]
     assert loads["measured"] == loads["predicted"] > 0 and report["rows"][0]["decode_pool_loaded_blocks"] == {
         "measured": None, "predicted": None}
     assert f"pool blocks loaded  {loaded:>10}{loaded:>11}" in table(report)
+    for r in report["rows"]:  # the decoding instance's mean decode step, from its step histogram
+        step = r["decode_step_ms"]
+        assert step["predicted"] > 0 and step["measured"] == pytest.approx(step["predicted"])
+    assert table(report).count("decode step (ms)") == 2
     for r in report["rows"]:
         for v in r["metrics"].values():
             assert v["rel_error"] == pytest.approx(0, abs=1e-9)

@@ -296,14 +296,23 @@ async def run_requests(base_url: str, model: str, requests: list[Request], *, te
         return list(results), time.perf_counter() - t0
 
 
-def metric_values(text: str, prefix: str = "nanoforge_", totals: tuple[str, ...] = ()) -> dict[str, float]:
+def metric_values(text: str, prefix: str = "nanoforge_", totals: tuple[str, ...] = (),
+                  labelled: bool = False) -> dict[str, float]:
     """Unlabelled samples named `prefix*` of a Prometheus text exposition; a labelled family named in `totals`
-    is summed over its labels under its bare name (e.g. early rejections by SLO)."""
+    is summed over its labels under its bare name (e.g. early rejections by SLO); with `labelled`, the other
+    labelled samples too, each under its name as written (e.g. 'x_sum{kind="decode"}')."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
         bare = name.partition("{")[0]
-        if not bare.startswith(prefix) or ("{" in name and bare not in totals):
+        if not bare.startswith(prefix) or line.startswith("#"):
+            continue
+        if "{" in name and bare not in totals:
+            if labelled:
+                try:
+                    values[name] = float(value)
+                except ValueError:
+                    pass
             continue
         try:
             v = float(value)

@@ -420,6 +420,7 @@ class Simulation:
                    "busy": inst.busy_s / span, "steps": inst.steps, "prefill_steps": inst.prefill_steps,
                    "prefill_tokens": inst.prefill_tokens, "decode_tokens": inst.decode_tokens,
                    "tokens_per_step": (inst.prefill_tokens + inst.decode_tokens) / inst.steps if inst.steps else 0.0,
+                   "step_ms": {k: 1000 * t / n for k, (n, t) in inst.turns.items() if n},
                    "peak_kv_blocks": inst.peak_blocks, "kv_blocks": inst.scheduler.config.num_gpu_blocks,
                    "preemptions": s["preemptions"], "prefix_cache_hit_rate": s["prefix_cache_hit_rate"]}
             if inst.connector is not None:

@@ -23,6 +23,7 @@ from collections import deque
 
 from nanoforge.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoforge.serve.sequence import SequenceGroup
+from nanoforge.serve.step_profile import KINDS, step_kind
 from nanoforge.sim.pool import KVPool, SimConnector
 
 
@@ -80,6 +81,8 @@ class SimInstance:
         self.depth = 1 + (ahead and (pool is None or role == "decode"))  # steps in flight at most
         self.requests: dict[str, object] = {}  # request id -> the simulator's request state
         self.busy_s = 0.0
+        self.turns = {k: [0, 0.0] for k in KINDS}  # per step kind: steps, seconds from going on the device to done
+        self._on_device_at = 0.0
         self.steps = self.prefill_steps = self.prefill_tokens = self.decode_tokens = self.peak_blocks = 0
 
     # --- requests ----------------------------------------------------------------------------------------
@@ -133,6 +136,7 @@ class SimInstance:
     def _run(self, now: float) -> None:
         """The oldest step in flight goes onto the device."""
         out, seconds = self.in_flight[0]
+        self._on_device_at = now
         if self.gpu is None:
             self.sim.clock.at(now + seconds, self._end_step, out)
         else:
@@ -140,6 +144,9 @@ class SimInstance:
 
     def _end_step(self, now: float, out: SchedulerOutput) -> None:
         self.in_flight.popleft()
+        turn = self.turns[step_kind(out)]  # as the engine's StepStats: the step's time on the (shared) device
+        turn[0] += 1
+        turn[1] += now - self._on_device_at
         if self.in_flight:  # the step scheduled ahead runs on as this one's results come back
             self._run(now)
         sampled = {}

@@ -45,6 +45,16 @@ METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p9
 _INSTANCE = re.compile(r"context (\d+) tokens, (\d+) KV blocks")
 
 
+def measured_step_ms(path: Path, kind: str = "decode") -> float | None:
+    """An instance's mean step turn of `kind` in ms (its nanoforge_engine_step_seconds at the end), or None."""
+    if not path.is_file():
+        return None
+    v = metric_values(path.read_text(), labelled=True)
+    name = "nanoforge_engine_step_seconds"
+    n, total = v.get(f'{name}_count{{kind="{kind}"}}'), v.get(f'{name}_sum{{kind="{kind}"}}')
+    return 1000 * total / n if n else None
+
+
 def measured_decode_loads(run_dir: Path) -> int | None:
     """Blocks the run's decode instances loaded from the pool (their /metrics at the end), or None."""
     values = [metric_values(f.read_text()).get("nanoforge_kv_pool_loaded_blocks_total")
@@ -113,7 +123,11 @@ def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str
                               "ok": err is not None and abs(err) <= tolerance}
         predicted_loads = sum(i.get("loaded_blocks", 0) for i in sim.instance_stats() if i["role"] == "decode")
         loads = {"measured": measured_decode_loads(d), "predicted": predicted_loads if config.disaggregated else None}
+        decoder = next(i for i in sim.instance_stats() if i["role"] != "prefill")  # the (first) decoding instance
+        steps = {"measured": measured_step_ms(d / ("metrics.txt" if name == "colocated" else "metrics-decode1.txt")),
+                 "predicted": decoder["step_ms"].get("decode")}
         rows.append({"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
+                     "decode_step_ms": steps,
                      "decode_pool_loaded_blocks": loads,
                      "ok": all(v["ok"] for v in metrics.values()),
                      "measured_summary": measured, "predicted_summary": predicted})
@@ -136,6 +150,11 @@ def table(report: dict) -> str:
             err = "-" if v["rel_error"] is None else f"{100 * v['rel_error']:+.1f}%"
             lines.append(f"{r['config']:<13}{label:<20}{fmt(v['measured']):>10}{fmt(v['predicted']):>11}{err:>9}  "
                          f"{'yes' if v['ok'] else 'NO'}")
+        steps = r.get("decode_step_ms") or {}
+        if steps.get("measured") is not None and steps.get("predicted") is not None:
+            lines.append(f"{r['config']:<13}{'decode step (ms)':<20}{steps['measured']:>10.2f}{steps['predicted']:>11.2f}"
+                         f"{100 * (steps['predicted'] - steps['measured']) / steps['measured']:>+8.1f}%  "
+                         "(not judged: the decoding instance's steps)")
         loads = r.get("decode_pool_loaded_blocks") or {}
         if loads.get("measured") is not None and loads.get("predicted") is not None:
             lines.append(f"{r['config']:<13}{'pool blocks loaded':<20}{loads['measured']:>10}{loads['predicted']:>11}"
