@@ -110,10 +110,11 @@ def test_a_steps_turn_starts_when_the_step_before_it_is_read_back():
 
     from nanoforge.serve.step_profile import STEP_BUCKETS, StepStats, step_kind
 
-    decode = NS(scheduled=[NS(start=5, end=6), NS(start=9, end=10)])
-    prefill = NS(scheduled=[NS(start=0, end=7)])
-    mixed = NS(scheduled=[NS(start=0, end=7), NS(start=9, end=10)])
-    assert [step_kind(o) for o in (decode, prefill, mixed, NS(scheduled=[]))] == ["decode", "prefill", "mixed", None]
+    decode = NS(scheduled=[NS(num_tokens=1), NS(num_tokens=1)])
+    prefill = NS(scheduled=[NS(num_tokens=7)])
+    mixed = NS(scheduled=[NS(num_tokens=7), NS(num_tokens=1)])
+    assert [step_kind([it.num_tokens for it in o.scheduled]) for o in (decode, prefill, mixed, NS(scheduled=[]))] \
+        == ["decode", "prefill", "mixed", None]
     stats = StepStats()
     stats.record(prefill, 0.0, 0.003)
     stats.record(decode, 0.001, 0.004)

@@ -146,8 +146,7 @@ def linear(x, layer: nn.Module, *, swiglu: bool = False):
     through a bypassable nn.Linear take the fastest way for their shape (`kernels.gemv.skinny_linear`: cuBLAS or
     the skinny matmul, measured; NANOFORGE_GEMV); tensor-parallel serving's row-parallel layers (not nn.Linear)
     never do."""
-    if (type(layer) is nn.Linear and gemv.mode() != "0" and _bypassable(layer, x, layer.weight.data)
-            and gemv.fits(x, layer.weight)):
+    if type(layer) is nn.Linear and _bypassable(layer, x, layer.weight.data) and gemv.fits(x, layer.weight):
         return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
     return layer(silu_mul(x) if swiglu else x)
 

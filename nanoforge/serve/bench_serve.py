@@ -305,20 +305,18 @@ def metric_values(text: str, prefix: str = "nanoforge_", totals: tuple[str, ...]
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
         bare = name.partition("{")[0]
-        if not bare.startswith(prefix) or line.startswith("#"):
-            continue
-        if "{" in name and bare not in totals:
-            if labelled:
-                try:
-                    values[name] = float(value)
-                except ValueError:
-                    pass
+        if line.startswith("#") or not bare.startswith(prefix):
             continue
         try:
             v = float(value)
         except ValueError:
             continue
-        values[bare] = values.get(bare, 0.0) + v if "{" in name else v
+        if "{" not in name:
+            values[name] = v
+        elif bare in totals:
+            values[bare] = values.get(bare, 0.0) + v
+        elif labelled:
+            values[name] = v
     return values
 
 

@@ -28,12 +28,12 @@ KINDS = ("prefill", "decode", "mixed")
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)  # seconds: the step-time histogram's bounds
 
 
-def step_kind(out) -> str | None:
-    """"prefill" (every scheduled sequence computes several tokens), "decode" (one each), "mixed"; None: empty."""
-    q = [it.end - it.start for it in out.scheduled]
-    if not q:
+def step_kind(lengths: list[int]) -> str | None:
+    """A step whose scheduled sequences compute `lengths` tokens each: "prefill" (several each), "decode" (one
+    each) or "mixed"; None: nothing scheduled."""
+    if not lengths:
         return None
-    return "decode" if max(q) == 1 else "prefill" if min(q) > 1 else "mixed"
+    return "decode" if max(lengths) == 1 else "prefill" if min(lengths) > 1 else "mixed"
 
 
 class StepStats:
@@ -51,12 +51,13 @@ class StepStats:
     def record(self, out, launched_at: float, read_at: float) -> None:
         start = launched_at if self._last is None else max(launched_at, self._last)
         self._last = read_at
-        kind = step_kind(out)
+        lengths = [it.num_tokens for it in out.scheduled]
+        kind = step_kind(lengths)
         if kind is None:
             return
         k, seconds = self.kinds[kind], max(0.0, read_at - start)
         k["steps"] += 1
-        k["tokens"] += sum(it.end - it.start for it in out.scheduled)
+        k["tokens"] += sum(lengths)
         k["seconds"] += seconds
         for i, bound in enumerate(STEP_BUCKETS):
             if seconds <= bound:
@@ -111,7 +112,7 @@ class StepProfiler:
         if not items:
             return
         q = [it.end - it.start for it in items]
-        k = self._cur = self.kinds[step_kind(out)]
+        k = self._cur = self.kinds[step_kind(q)]
         k.steps += 1
         tokens = sum(q)
         k.tokens += tokens

@@ -144,7 +144,7 @@ class SimInstance:
 
     def _end_step(self, now: float, out: SchedulerOutput) -> None:
         self.in_flight.popleft()
-        turn = self.turns[step_kind(out)]  # as the engine's StepStats: the step's time on the (shared) device
+        turn = self.turns[step_kind([it.num_tokens for it in out.scheduled])]  # as the engine's StepStats: the step's time on the (shared) device
         turn[0] += 1
         turn[1] += now - self._on_device_at
         if self.in_flight:  # the step scheduled ahead runs on as this one's results come back

@@ -634,7 +634,7 @@ def _print_fits(profile: Profile, frontend: bool = True) -> None:
     fits = profile.meta["fit"]
     p = profile.prefill
     print(f"prefill step = {1000 * p['a_s']:.3f} ms + {1e6 * p['per_token_s']:.3f} us/token "
-          f"+ {1e9 * p['per_pair_s']:.4f} ns/query-key pair + {1e9 * p.get('per_prefix_s', 0):.1f} ns/prefix token "
+          f"+ {1e9 * p['per_pair_s']:.4f} ns/query-key pair + {1e9 * p['per_prefix_s']:.1f} ns/prefix token "
           f"(mean error "
           f"{100 * fits['prefill']['mean_rel_error']:.1f}%)")
     print(f"decode step = {1000 * profile.decode['a_s']:.3f} ms + {1e6 * profile.decode['per_seq_s']:.2f} us/seq "

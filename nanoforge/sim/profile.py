@@ -48,8 +48,9 @@ _FIELDS = {
     "engine": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
     "frontend": ("request_s", "per_prompt_token_s", "handover_s", "per_token_s"),
 }
-_OPTIONAL = {"prefill": {"per_prefix_s": 0.0}}  # fields that older profiles lack, and their value there
-_NO_FRONTEND = {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0}
+# fields a profile may lack (older ones; the frontend, wholly), and their value then
+_OPTIONAL = {"prefill": {"per_prefix_s": 0.0},
+             "frontend": {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0}}
 
 
 @dataclass
@@ -60,14 +61,15 @@ class Profile:
     decode: dict
     transfer: dict
     engine: dict
-    frontend: dict = field(default_factory=lambda: dict(_NO_FRONTEND))
+    frontend: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)  # model, device, source, samples and fit residuals: kept as read
 
     def __post_init__(self):
         # the step-time coefficients as plain floats, for the hot path
-        self.frontend = {**_NO_FRONTEND, **self.frontend}  # every field optional
+        self.prefill = {**_OPTIONAL["prefill"], **self.prefill}
+        self.frontend = {**_OPTIONAL["frontend"], **self.frontend}
         p, d, t = self.prefill, self.decode, self.transfer
-        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p.get("per_prefix_s", 0.0))  # (older: no prefix)
+        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p["per_prefix_s"])
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
         self._t = (t["latency_s"], t["per_block_s"])
         self._per_output = self.frontend["per_token_s"]
@@ -134,9 +136,9 @@ class Profile:
             raise NanoforgeError(f"{where}: a profile is a JSON object", param="profile")
         for section, names in _FIELDS.items():
             values = d.get(section)
-            if section == "frontend" and (values is None or isinstance(values, dict)):  # optional, field by field
-                values = {**_NO_FRONTEND, **(values or {})}
-            elif section in _OPTIONAL and isinstance(values, dict):
+            if section == "frontend" and values is None:  # optional as a whole
+                values = {}
+            if section in _OPTIONAL and isinstance(values, dict):
                 values = {**_OPTIONAL[section], **values}
             if not isinstance(values, dict):
                 raise NanoforgeError(f"{where}: needs a {section!r} object with {', '.join(names)}", param="profile")

@@ -121,9 +121,10 @@ def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str
             err = (p - m) / m if m and p is not None else None
             metrics[label] = {"measured": m, "predicted": p, "rel_error": err,
                               "ok": err is not None and abs(err) <= tolerance}
-        predicted_loads = sum(i.get("loaded_blocks", 0) for i in sim.instance_stats() if i["role"] == "decode")
+        instances = sim.instance_stats()
+        predicted_loads = sum(i.get("loaded_blocks", 0) for i in instances if i["role"] == "decode")
         loads = {"measured": measured_decode_loads(d), "predicted": predicted_loads if config.disaggregated else None}
-        decoder = next(i for i in sim.instance_stats() if i["role"] != "prefill")  # the (first) decoding instance
+        decoder = next(i for i in instances if i["role"] != "prefill")  # the (first) decoding instance
         steps = {"measured": measured_step_ms(d / ("metrics.txt" if name == "colocated" else "metrics-decode1.txt")),
                  "predicted": decoder["step_ms"].get("decode")}
         rows.append({"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
@@ -150,16 +151,13 @@ def table(report: dict) -> str:
             err = "-" if v["rel_error"] is None else f"{100 * v['rel_error']:+.1f}%"
             lines.append(f"{r['config']:<13}{label:<20}{fmt(v['measured']):>10}{fmt(v['predicted']):>11}{err:>9}  "
                          f"{'yes' if v['ok'] else 'NO'}")
-        steps = r.get("decode_step_ms") or {}
-        if steps.get("measured") is not None and steps.get("predicted") is not None:
-            lines.append(f"{r['config']:<13}{'decode step (ms)':<20}{steps['measured']:>10.2f}{steps['predicted']:>11.2f}"
-                         f"{100 * (steps['predicted'] - steps['measured']) / steps['measured']:>+8.1f}%  "
-                         "(not judged: the decoding instance's steps)")
-        loads = r.get("decode_pool_loaded_blocks") or {}
-        if loads.get("measured") is not None and loads.get("predicted") is not None:
-            lines.append(f"{r['config']:<13}{'pool blocks loaded':<20}{loads['measured']:>10}{loads['predicted']:>11}"
-                         f"{100 * (loads['predicted'] - loads['measured']) / max(1, loads['measured']):>+8.1f}%  "
-                         "(not judged: the decode instances' loads)")
+        for label, key, fmt, what in (("decode step (ms)", "decode_step_ms", ".2f", "the decoding instance's steps"),
+                                      ("pool blocks loaded", "decode_pool_loaded_blocks", "", "the decode instances' loads")):
+            v = r.get(key) or {}
+            if v.get("measured") is not None and v.get("predicted") is not None:
+                err = f"{100 * (v['predicted'] - v['measured']) / v['measured']:+.1f}%" if v["measured"] else "-"
+                lines.append(f"{r['config']:<13}{label:<20}{v['measured']:>10{fmt}}{v['predicted']:>11{fmt}}{err:>9}  "
+                             f"(not judged: {what})")
     passed = sum(v["ok"] for r in report["rows"] for v in r["metrics"].values())
     total = sum(len(r["metrics"]) for r in report["rows"])
     lines.append(f"{passed} of {total} within {100 * tol:.0f}%")
