@@ -12,6 +12,8 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     gpt-fast-style reference (static KV-cache tensors, the decode step written in plain PyTorch and compiled
     with torch.compile(mode="reduce-overhead"), i.e. one CUDA graph); tok/s, ratio (target >= 1.3x) and the
     achieved HBM bandwidth (weights + the KV read per token, over the time per token; target >= 55%).
+    `--decode-variants` runs the engine again with levers off or forced (DECODE_VARIANTS: cuBLAS for every
+    projection, no programmatic dependent launch, ...), each on the same model and prompt.
 (c) prefill: 64 prompts of 2,000 tokens on Llama-3.2-1B's and Qwen3-0.6B's shapes (one output token each): the engine against
     Hugging Face transformers' forward with SDPA (batches of 8, logits of the last position only: the same
     work); tok/s and MFU (forward FLOPs: 2 per weight per token, causal attention pairs; 989 TFLOP/s dense bf16
@@ -255,25 +257,55 @@ def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dic
         engine.close()
 
 
+def with_env(env: dict[str, str], fn):
+    """fn() with these environment variables set, restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def _same(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    n = min(len(a), len(b))
+    return next((j for j in range(n) if a[j] != b[j]), n)
+
+
+# What each lever gains: the engine again with one of them off (or forced), on the same model and prompt.
+DECODE_VARIANTS = {
+    "again": {},  # the same engine run once more: the run-to-run spread
+    "cublas_only": {"NANOFORGE_GEMV": "0"},  # cuBLAS for every projection, the norms and SwiGLU apart
+    "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
+    "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
+    "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
+    "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},
+}
+
+
 def section_decode(c: dict, device, dtype, deadline: float) -> dict:
     _, hbm = peaks(device)
     result = {}
+    variants = c.get("variants", ("cublas_only", "no_pdl"))
     for i, name in enumerate(c["presets"]):
         share = (deadline - time.perf_counter()) / (len(c["presets"]) - i)
+        slice_s = share / 2 / (1 + len(variants))  # half the share for the engine runs, half for the reference
         model = build_model(name, device, dtype, c["prompt"] + c["tokens"] + 16)
         prompt = [random.Random(1).randrange(min(10000, model.cfg.vocab_size)) for _ in range(c["prompt"])]
-        ours = decode_engine(model, prompt, c["tokens"], time.perf_counter() + share / 4)
-        os.environ["NANOFORGE_GEMV"] = "0"  # cuBLAS for every projection: what the per-shape choice gains
-        try:
-            cublas = decode_engine(model, prompt, c["tokens"], time.perf_counter() + share / 4)
-        finally:
-            os.environ.pop("NANOFORGE_GEMV")
+        ours = decode_engine(model, prompt, c["tokens"], time.perf_counter() + slice_s)
+        runs = {v: with_env(DECODE_VARIANTS[v], lambda: decode_engine(model, prompt, c["tokens"],
+                                                                      time.perf_counter() + slice_s))
+                for v in variants}
         ref = decode_reference(model, prompt, c["tokens"], c["compile"], time.perf_counter() + share / 2)
         prof = StepProfiler(model, kv_bytes_per_block(model, 1, dtype))
         ctx = c["prompt"] + c["tokens"] / 2  # the mean context a decode step reads
         per_token = prof.weight_bytes + ctx * prof.kv_bytes_per_token
-        n = min(len(ours["tokens"]), len(ref["tokens"]))
-        same = next((j for j in range(n) if ours["tokens"][j] != ref["tokens"][j]), n)
+        n, same = min(len(ours["tokens"]), len(ref["tokens"])), _same(ours["tokens"], ref["tokens"])
         r = result[name] = {"ours_tok_s": ours["tok_s"], "reference_tok_s": ref["tok_s"],
                             "ratio": ours["tok_s"] / ref["tok_s"], "bytes_per_token": per_token,
                             "ours_GB_s": per_token * ours["tok_s"] / 1e9, "reference_GB_s": per_token * ref["tok_s"] / 1e9,
@@ -283,19 +315,18 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                             "reference_cudagraph_skips": ref["cudagraph_skips"],
                             "truncated": ours["truncated"] or ref["truncated"],
                             "ours_decode_tokens": ours["decode_tokens"], "reference_decode_tokens": ref["decode_tokens"],
-                            "cublas_only_tok_s": cublas["tok_s"], "cublas_only_ratio": cublas["tok_s"] / ref["tok_s"],
-                            "cublas_only_hbm_fraction": per_token * cublas["tok_s"] / hbm,
-                            "cublas_only_greedy_tokens_identical_to_ours": next(
-                                (j for j in range(min(len(cublas["tokens"]), len(ours["tokens"])))
-                                 if cublas["tokens"][j] != ours["tokens"][j]),
-                                min(len(cublas["tokens"]), len(ours["tokens"])))}
+                            "variants": {v: {"env": DECODE_VARIANTS[v], "tok_s": run["tok_s"],
+                                             "ratio": run["tok_s"] / ref["tok_s"],
+                                             "hbm_fraction": per_token * run["tok_s"] / hbm,
+                                             "greedy_tokens_identical_to_ours": _same(run["tokens"], ours["tokens"])}
+                                         for v, run in runs.items()}}
         del model
         free_memory(device)
         print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s, gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
               f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
-              f" greedy tokens identical for the first {same}/{n}; with cuBLAS for every projection (NANOFORGE_GEMV=0) "
-              f"{r['cublas_only_tok_s']:,.0f} tok/s ({r['cublas_only_ratio']:.2f}x, HBM "
-              f"{100 * r['cublas_only_hbm_fraction']:.1f}%)"
+              f" greedy tokens identical for the first {same}/{n}; "
+              + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in DECODE_VARIANTS[v].items())}) {d['tok_s']:,.0f} tok/s"
+                          for v, d in r["variants"].items())
               + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else ""))
     return result
 
@@ -483,10 +514,17 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU in fp32 (a dry run)")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     p.add_argument("--total", type=float, help="the run's time budget in seconds (default: 540 on a GPU)")
+    p.add_argument("--decode-variants", default="cublas_only,no_pdl",
+                   help=f"(b): the engine also run with these levers off or forced, of {','.join(DECODE_VARIANTS)}")
+    p.add_argument("--presets", help="comma-separated model shapes for (b) and (c) (default: both)")
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
     if any(s not in SECTIONS for s in only):
         print(f"--only: sections are {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    bad = [v for v in args.decode_variants.split(",") if v and v not in DECODE_VARIANTS]
+    if bad:
+        print(f"--decode-variants: {', '.join(bad)} unknown; variants are {', '.join(DECODE_VARIANTS)}", file=sys.stderr)
         return 2
     picked = run_on(args.smoke)
     if picked is None:
@@ -504,7 +542,11 @@ def main(argv=None) -> int:
             "prefix": lambda c, dl: section_prefix(c, device, dtype, dl),
             "profile": lambda c, dl: section_throughput(c, device, dtype, dl, profile=True)}
     for name in only:
-        c = conf[name]
+        c = dict(conf[name])
+        if name == "decode":
+            c["variants"] = [v for v in args.decode_variants.split(",") if v]
+        if args.presets and "presets" in c:
+            c["presets"] = tuple(args.presets.split(","))
         left = end - time.perf_counter()
         info = results["sections"][name] = {"budget_s": c["budget"]}
         if left < c["budget"] / 2:
@@ -539,9 +581,9 @@ def summarize(r: dict) -> None:
                      f"{d['reference_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.3x"))
         rows.append((f"(b) batch-1 decode {name}, HBM", f"{100 * d['ours_hbm_fraction']:.1f}%",
                      f"{100 * d['reference_hbm_fraction']:.1f}%", ">= 55%"))
-        rows.append(("(b) ... cuBLAS only (NANOFORGE_GEMV=0), tok/s (HBM)",
-                     f"{d['cublas_only_tok_s']:,.0f} ({100 * d['cublas_only_hbm_fraction']:.1f}%)",
-                     f"({d['cublas_only_ratio']:.2f}x)", ""))
+        for v, dv in d.get("variants", {}).items():
+            rows.append((f"(b) ... {v}, tok/s (HBM)", f"{dv['tok_s']:,.0f} ({100 * dv['hbm_fraction']:.1f}%)",
+                         f"({dv['ratio']:.2f}x)", ""))
     for name, d in r.get("prefill", {}).items():
         rows.append((f"(c) prefill {name}, tok/s", f"{d['ours_tok_s']:,.0f}",
                      f"{d['hf_sdpa_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.5x"))

@@ -1,7 +1,8 @@
-"""The skinny matmul of decode (kernels/gemv.py) against float64 F.linear, and its place in the model.
+"""The skinny matmul of decode (kernels/gemv.py) against float64 references, and its place in the model.
 
 CPU tests run the Triton kernel under TRITON_INTERPRET=1 (tests/conftest.py); `gpu` tests repeat it at the
-model shapes it serves. The kernel's output is poisoned with NaN first, so an element it fails to write fails.
+model shapes it serves, with programmatic dependent launch as the engine runs it. The kernel's outputs (the
+projection and the residual sum) are poisoned with NaN first, so an element it fails to write fails.
 """
 
 import math
@@ -12,7 +13,6 @@ import torch.nn.functional as F
 from conftest import interpreter
 
 from nanoforge.kernels import gemv as gv
-from nanoforge.kernels.swiglu import silu_mul_ref
 
 
 @pytest.fixture
@@ -23,31 +23,65 @@ def poisoned(monkeypatch):
 
 
 def reference(x, w, b, swiglu):
-    x64 = x.double()
-    if swiglu:  # silu rounded to the dtype, as the kernel and swiglu.silu_mul do, then the product
-        g, u = x.chunk(2, dim=-1)
-        x64 = (F.silu(g.float()).to(x.dtype).double() * u.double()).to(x.dtype).double()
-    return F.linear(x64, w.double(), None if b is None else b.double())
+    """float64 F.linear; with swiglu, its output rounded to the dtype, silu(gate) rounded, times up."""
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if swiglu:
+        g, u = y.to(x.dtype).chunk(2, dim=-1)
+        y = (F.silu(g.float()).to(x.dtype).double() * u.double()).to(x.dtype).double()
+    return y
 
 
-# (leading shape of x, K, N): one row, a few rows, 16 rows; K and N not multiples of the tiles
-SHAPES = [((1,), 64, 48), ((1, 3), 100, 40), ((16,), 96, 33)]
+def norm_reference(a, x, g, eps, w, b, swiglu):
+    """x + a rounded to the dtype; RMSNorm in float64, rounded; then `reference`."""
+    s = x if a is None else (x.double() + a.double()).to(x.dtype)
+    sd = s.double()
+    h = (sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps) * g.double()).to(x.dtype)
+    return reference(h, w, b, swiglu), s
+
+
+# (leading shape of x, K, N): one row, a few rows, 16 rows; K and N not multiples of the tiles; one program
+# for three K tiles (it stores the whole residual sum), three programs for four (one stores two)
+SHAPES = [((1,), 64, 48), ((1, 3), 100, 40), ((16,), 96, 34), ((2,), 96, 16)]
+
+
+def _tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 3e-2
 
 
 @interpreter
 @pytest.mark.parametrize("lead,k,n", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("swiglu,bias", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("swiglu,bias", [(False, False), (False, True), (True, False), (True, True)])
 def test_matches_float64(poisoned, lead, k, n, dtype, swiglu, bias):
     gen = torch.Generator().manual_seed(k + n)
-    x = torch.randn(*lead, 2 * k if swiglu else k, generator=gen).to(dtype)
+    x = torch.randn(*lead, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     assert gv.fits(x, w)
     got = gv.gemv(x, w, b, swiglu=swiglu)
-    assert got.shape == (*lead, n) and got.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.double(), reference(x, w, b, swiglu), rtol=tol, atol=tol)
+    assert got.shape == (*lead, n // 2 if swiglu else n) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), reference(x, w, b, swiglu), rtol=_tol(dtype), atol=_tol(dtype))
+
+
+@interpreter
+@pytest.mark.parametrize("lead,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_norm_prologue_matches_float64(poisoned, lead, k, n, dtype, residual, swiglu):
+    """The residual add and RMSNorm fused before the projection: the projection of the normalised sum, and the
+    sum itself (every element stored by exactly one program; x itself without a residual)."""
+    gen = torch.Generator().manual_seed(3 * k + n)
+    x = torch.randn(*lead, k, generator=gen).to(dtype)
+    a = torch.randn(*lead, k, generator=gen).to(dtype) if residual else None
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    got, s = gv.norm_gemv(a, x, g, 1e-5, w, swiglu=swiglu)
+    want, want_s = norm_reference(a, x, g, 1e-5, w, None, swiglu)
+    assert s.shape == x.shape and (s is x) == (not residual)
+    # the interpreter rounds to bfloat16 by its own rule (rmsnorm's kernel differs from torch there too)
+    torch.testing.assert_close(s.double(), want_s.double(), rtol=_tol(dtype), atol=_tol(dtype))
+    torch.testing.assert_close(got.double(), want.double(), rtol=_tol(dtype), atol=_tol(dtype))
 
 
 def test_takes_the_reference_where_the_kernel_does_not_apply(monkeypatch):
@@ -58,37 +92,58 @@ def test_takes_the_reference_where_the_kernel_does_not_apply(monkeypatch):
     assert not gv.fits(torch.randn(2, 16, dtype=torch.float64), w.double())
     monkeypatch.setenv("NANOFORGE_KERNELS", "torch")
     assert not gv.fits(torch.randn(2, 16), w)
-    x = torch.randn(gv.MAX_ROWS + 1, 32)
-    torch.testing.assert_close(gv.gemv(x, w, swiglu=True), F.linear(silu_mul_ref(x), w))
+    x, a, g = torch.randn(gv.MAX_ROWS + 1, 16), torch.randn(gv.MAX_ROWS + 1, 16), torch.rand(16)
+    torch.testing.assert_close(gv.gemv(x, w, swiglu=True), gv.gemv_ref(x, w, swiglu=True))
+    y, s = gv.norm_gemv(a, x, g, 1e-6, w)
+    torch.testing.assert_close(s, x + a)
+    torch.testing.assert_close(y, F.linear(F.rms_norm(x + a, (16,), g, 1e-6), w), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_raise_one_clear_error():
-    with pytest.raises(ValueError, match=r"gemv: x has 16 features; weight \(8, 16\) needs 32 \(gate and up\)"):
-        gv.gemv(torch.randn(1, 16), torch.randn(8, 16), swiglu=True)
+    with pytest.raises(ValueError, match=r"gemv: x has 12 features and weight is \(8, 16\)"):
+        gv.gemv(torch.randn(1, 12), torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"with N even \(gate and up\)"):
+        gv.gemv(torch.randn(1, 16), torch.randn(7, 16), swiglu=True)
+    with pytest.raises(ValueError, match=r"norm_gemv: x \(1, 16\), residual \(1, 8\)"):
+        gv.norm_gemv(torch.randn(1, 8), torch.randn(1, 16), torch.ones(16), 1e-6, torch.randn(8, 16))
+
+
+def _launches(monkeypatch):
+    """Record every kernel launch as (norm, residual, swiglu)."""
+    calls, real = [], gv._launch
+
+    def spy(x, a, norm_weight, eps, weight, bias, swiglu):
+        calls.append((norm_weight is not None, a is not None, swiglu))
+        return real(x, a, norm_weight, eps, weight, bias, swiglu)
+
+    monkeypatch.setattr(gv, "_launch", spy)
+    return calls
 
 
 @interpreter
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_the_model_sends_decode_rows_through_it_when_enabled(poisoned, monkeypatch, name):
     """NANOFORGE_GEMV=1: a forward of a few tokens outside autograd takes the kernel for every projection of
-    every block (q/k/v, attention-out, gate-and-up, and MLP-down with SwiGLU in its prologue) and gives the
-    logits of the layers' own forward; more rows than a tile, or autograd, take nn.Linear."""
+    every block: Q/K/V with the residual add and norm before it (the first block: the norm alone),
+    attention-out, gate-and-up with the add, the norm and SwiGLU, MLP-down; and gives the logits of the same
+    forward with cuBLAS and the separate kernels. More rows than a tile, or autograd, take nn.Linear."""
     from nanoforge.model.config import preset
     from nanoforge.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(preset(name)).eval()
+    layers = model.cfg.n_layers
     ids = torch.randint(0, model.cfg.vocab_size, (1, 5))
-    calls = []
-    real = gv.gemv
-    monkeypatch.setattr(gv, "gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or real(*a, **k))
+    calls = _launches(monkeypatch)
     with torch.no_grad():
         monkeypatch.setenv("NANOFORGE_GEMV", "0")
         want = model(ids)
         assert not calls
         monkeypatch.setenv("NANOFORGE_GEMV", "1")
         got = model(ids)
-        assert len(calls) == 4 * model.cfg.n_layers and sum(calls) == model.cfg.n_layers
+        assert calls.count((True, False, False)) == 1 and calls.count((True, True, False)) == layers - 1
+        assert calls.count((True, True, True)) == layers and calls.count((False, False, False)) == 2 * layers
+        assert len(calls) == 4 * layers
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         calls.clear()
         model(torch.randint(0, model.cfg.vocab_size, (2, 9)))  # 18 rows
@@ -100,9 +155,9 @@ def test_the_model_sends_decode_rows_through_it_when_enabled(poisoned, monkeypat
 @interpreter
 def test_auto_takes_the_way_measured_fastest_once_per_shape(poisoned, monkeypatch):
     """NANOFORGE_GEMV=auto (the default): each projection shape is timed once (here a stand-in timer that makes
-    the fused prologue fastest for MLP-down and cuBLAS for everything else but Q/K/V) and then always takes the
-    way found; the logits stay the layers' own; where nothing can be timed (inside a capture, or no GPU) it is
-    cuBLAS, and nothing is remembered."""
+    ours fastest where a norm is fused and cuBLAS elsewhere) and then always takes the way found; the logits
+    stay the layers' own; where nothing can be timed (inside a capture, or no GPU) it is cuBLAS, and nothing is
+    remembered."""
     from nanoforge.model.config import preset
     from nanoforge.model.transformer import Transformer
 
@@ -114,16 +169,16 @@ def test_auto_takes_the_way_measured_fastest_once_per_shape(poisoned, monkeypatc
     with torch.no_grad():
         want = model(ids)
         assert gv._CHOICES == {}  # no GPU to time on: cuBLAS, nothing remembered
-        timed, calls = [], []
-        real, qkv = gv.gemv, model.layers[0].attn.wqkv.out_features
+        timed = []
         monkeypatch.setattr(gv, "_can_time", lambda x: True)
-        monkeypatch.setattr(gv, "_fastest", lambda x, w, b, swiglu: timed.append(tuple(w.shape)) or (
-            "fused" if swiglu else "ours" if w.shape[0] == qkv else "cublas"))
-        monkeypatch.setattr(gv, "gemv", lambda *a, **k: calls.append(k.get("swiglu", False)) or real(*a, **k))
+        monkeypatch.setattr(gv, "_fastest", lambda x, w, b, swiglu, norm, residual: timed.append(
+            (tuple(w.shape), swiglu, norm, residual)) or ("ours" if norm else "cublas"))
+        calls = _launches(monkeypatch)
         for _ in range(2):
             torch.testing.assert_close(model(ids), want, rtol=1e-4, atol=1e-4)
-        assert len(timed) == len(set(timed)) == 4  # the four shapes (every layer has the same), once each
-        assert calls.count(True) == calls.count(False) == 2 * model.cfg.n_layers  # fused MLP-down, ours Q/K/V
+        # Q/K/V of the first block (no residual) and of the others, attention-out, gate-and-up, MLP-down: once each
+        assert len(timed) == len(set(timed)) == 5
+        assert len(calls) == 2 * 2 * model.cfg.n_layers and all(norm for norm, _, _ in calls)
 
 
 @pytest.mark.gpu
@@ -134,18 +189,23 @@ def test_gpu_model_shapes_bf16(poisoned, k, n):
         pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
     gen = torch.Generator(device="cuda").manual_seed(n)
     w = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).bfloat16()
+    g = (1 + 0.1 * torch.randn(k, generator=gen, device="cuda")).bfloat16()
     for rows in (1, 4, 16):
+        x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+        a = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
         for swiglu in (False, True):
-            x = torch.randn(rows, 2 * k if swiglu else k, generator=gen, device="cuda").bfloat16()
-            got = gv.gemv(x, w, swiglu=swiglu).double()
-            want = reference(x, w, None, swiglu)
+            got, want = gv.gemv(x, w, swiglu=swiglu).double(), reference(x, w, None, swiglu)
             assert ((got - want).norm() / want.norm()).item() < 1e-2, (rows, swiglu)
+            got, s = gv.norm_gemv(a, x, g, 1e-5, w, swiglu=swiglu)
+            want, want_s = norm_reference(a, x, g, 1e-5, w, None, swiglu)
+            assert torch.equal(s, want_s), (rows, swiglu)  # the sum rounds as torch's bf16 add does
+            assert ((got.double() - want).norm() / want.norm()).item() < 1e-2, (rows, swiglu)
 
 
 @pytest.mark.gpu
 def test_gpu_auto_times_each_shape_once_and_every_way_is_right(monkeypatch):
     """On the GPU the choice is timed (a real measurement: some way wins), once per shape, and whichever way
-    it picks gives F.linear's answer to bf16 rounding."""
+    it picks gives the reference's answer to bf16 rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
     monkeypatch.delenv("NANOFORGE_GEMV", raising=False)
@@ -154,12 +214,16 @@ def test_gpu_auto_times_each_shape_once_and_every_way_is_right(monkeypatch):
     real = gv._fastest
     monkeypatch.setattr(gv, "_fastest", lambda *a: timed.append(a[1].shape) or real(*a))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for k, n, swiglu in ((2048, 1024, False), (3072, 1024, True), (2048, 3072, False)):
+    for k, n, swiglu, norm in ((2048, 1024, False, False), (1024, 6144, True, True), (2048, 3072, False, True)):
         w = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).bfloat16()
-        x = torch.randn(1, 2 * k if swiglu else k, generator=gen, device="cuda").bfloat16()
+        x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
+        a, g = torch.randn_like(x), torch.ones(k, device="cuda", dtype=torch.bfloat16)
         for _ in range(2):
-            got = gv.skinny_linear(x, w, swiglu=swiglu).double()
-            want = reference(x, w, None, swiglu)
+            if norm:
+                got = gv.norm_linear(a, x, g, 1e-6, w, swiglu=swiglu)[0].double()
+                want = norm_reference(a, x, g, 1e-6, w, None, swiglu)[0]
+            else:
+                got, want = gv.skinny_linear(x, w, swiglu=swiglu).double(), reference(x, w, None, swiglu)
             assert ((got - want).norm() / want.norm()).item() < 1e-2, (k, n, swiglu)
-        assert gv.choose(x, w, None, swiglu) in (("cublas", "ours", "fused") if swiglu else ("cublas", "ours"))
-    assert len(timed) == 3
+        assert gv.choose(x, w, None, swiglu, norm=norm, residual=norm) in ("cublas", "ours")
+    assert len(timed) >= 3  # the three shapes (the separate way's own projection choice times more)

@@ -1,4 +1,4 @@
-"""Skinny matmul for decode: y = f(x) @ W^T (+ bias) for a handful of rows x, bound by reading W.
+"""Skinny matmul for decode: y = act(f(x) @ W^T + bias) for a handful of rows x, bound by reading W.
 
 A decode step multiplies a few token rows (batch 1-16) by every weight matrix once: the work is reading W from
 HBM. cuBLAS picks general GEMM tiles for these shapes (on the H200, Llama-3.2-1B's attention-out, 2,048 x 2,048,
@@ -6,20 +6,28 @@ took 5.8 us, ~1.4 TB/s, and MLP-down a split-K GEMM plus a reduce kernel). Here 
 of W and streams them along K in BLOCK_K tiles (the loads software-pipelined under `tl.dot` on the x rows, padded
 to 16), so every SM reads its own contiguous rows; the output needs no reduction across programs.
 
-`swiglu=True` takes x as the fused gate-and-up activations (..., 2K) and multiplies by silu(gate) * up,
-computed in the prologue as `swiglu.silu_mul` does it (silu rounded to the dtype, then the product): MLP-down
-without the separate SwiGLU launch.
+What a decode layer does around its projections rides along, so that a layer is fewer launches:
 
-The reference is `F.linear` (after `silu_mul_ref` for swiglu). The fast path runs outside autograd, for at most
-MAX_ROWS rows of a 16/32-bit float dtype; anything else takes the reference.
+- `norm_gemv(a, x, g, eps, W)`: the residual add and RMSNorm before Q/K/V and before gate-and-up in the
+  prologue. Every program computes the row's statistics itself (a first pass over x + a, a few KB that stay in
+  L1/L2 for the second), normalises each K tile as `rmsnorm.add_rms_norm` rounds it, and programs take turns
+  storing the sum x + a, the residual stream the next layer adds to.
+- `swiglu=True`: silu(gate) * up in the epilogue: W is the fused (2F, K) gate-and-up matrix, each program
+  computes gate rows [n, n + BLOCK_N) and the matching up rows, and writes F outputs, rounded as
+  `F.linear` then `swiglu.silu_mul` round them.
+- every kernel launches with programmatic dependent launch where the device has it (`kernels/pdl.py`).
+
+References: `gemv_ref` (`F.linear`, then `silu_mul_ref` with swiglu) and `norm_gemv_ref` (`add_rms_norm_ref`
+first). The fast path runs outside autograd, for at most MAX_ROWS rows of a 16/32-bit float dtype; anything
+else takes the reference.
 
 Neither this kernel nor cuBLAS wins every decode shape (one H200 run of `kernels bench --kinds gemv`, in CUDA
-graphs: Qwen3-0.6B's attention-out at one row 4.2 us against cuBLAS's 12.3; Llama-3.2-1B's QKV 5.3 against 5.1;
-the fused SwiGLU prologue 0.17-0.26x, as every program recomputes the whole activation). So the model's
-decode-sized projections go through `skinny_linear`, which takes, per shape, the fastest of cuBLAS, this kernel
-and (MLP-down) the fused prologue, timed once on the device in CUDA graphs the first time the shape is seen
-outside a graph capture (the engine's warm-up before it captures). NANOFORGE_GEMV picks the mode: `auto` (that
-choice; the default), `1` (this kernel wherever it fits, the prologue fused), `0` (cuBLAS only).
+graphs, session 10: Qwen3-0.6B's attention-out at one row 4.2 us against cuBLAS's 12.3; Llama-3.2-1B's QKV 5.3
+against 5.1). So the model's decode-sized projections go through `skinny_linear` and `norm_linear`, which take,
+per shape, the faster of cuBLAS (after the separate norm kernel, before the separate SwiGLU kernel) and this
+kernel with them fused, timed once on the device in CUDA graphs the first time the shape is seen outside a
+graph capture (the engine's warm-up before it captures). NANOFORGE_GEMV picks the mode: `auto` (that choice;
+the default), `1` (this kernel wherever it fits), `0` (cuBLAS only).
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import interpreting, use_fast
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
-from nanoforge.kernels.swiglu import silu_mul_ref
+from nanoforge.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from nanoforge.kernels.swiglu import silu_mul, silu_mul_ref
 
 MAX_ROWS = 16  # rows of x the kernel takes (one tl.dot tile); more is a GEMM's work
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,34 +53,73 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
              swiglu: bool = False) -> torch.Tensor:
-    return F.linear(silu_mul_ref(x) if swiglu else x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return silu_mul_ref(y) if swiglu else y
+
+
+def norm_gemv_ref(a: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    h, s = add_rms_norm_ref(a, x, norm_weight, eps) if a is not None else (rms_norm_ref(x, norm_weight, eps), x)
+    return gemv_ref(h, weight, bias, swiglu=swiglu), s
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          swiglu: bool = False) -> torch.Tensor:
-    """x (..., K) (swiglu: (..., 2K)), weight (N, K), bias (N,) or None -> (..., N)."""
-    k = weight.shape[1]
-    if x.shape[-1] != (2 * k if swiglu else k):
-        raise ValueError(f"gemv: x has {x.shape[-1]} features; weight {tuple(weight.shape)} needs "
-                         f"{2 * k if swiglu else k}{' (gate and up)' if swiglu else ''}")
+    """x (..., K), weight (N, K), bias (N,) or None -> (..., N), or (..., N/2) with swiglu (W: gate rows, then
+    up rows)."""
+    _check(x, weight, swiglu)
     if not fits(x, weight):
         return gemv_ref(x, weight, bias, swiglu=swiglu)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    return _launch(x, None, None, 0.0, weight, bias, swiglu)[0]
+
+
+def norm_gemv(a: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemv(rms_norm(x + a), W, bias), x + a), or with x alone where a is None: the residual add, the norm and
+    the projection in one launch."""
+    _check(x, weight, swiglu)
+    if norm_weight.shape != x.shape[-1:] or (a is not None and (a.shape != x.shape or a.dtype != x.dtype)):
+        raise ValueError(f"norm_gemv: x {tuple(x.shape)}, residual {None if a is None else tuple(a.shape)} and norm "
+                         f"weight {tuple(norm_weight.shape)} do not match")
+    if not (fits(x, weight) and use_fast(norm_weight) and (a is None or use_fast(a))):
+        return norm_gemv_ref(a, x, norm_weight, eps, weight, bias, swiglu=swiglu)
+    return _launch(x, a, norm_weight, eps, weight, bias, swiglu)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> None:
+    if x.shape[-1] != weight.shape[1] or (swiglu and weight.shape[0] % 2):
+        raise ValueError(f"gemv: x has {x.shape[-1]} features and weight is {tuple(weight.shape)}: weight must be "
+                         f"(N, {x.shape[-1]}){' with N even (gate and up)' if swiglu else ''}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor, torch.Tensor | None]:
+    rows = _rows(x)
+    res = _rows(a) if a is not None else None
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    m, n = rows.shape[0], weight.shape[0]
+    m, k = rows.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = _empty(m, n, like=rows)
-    block_m = max(16, triton.next_power_of_2(m))
-    args = (rows, weight, bias if bias is not None else out, out, m, n, k, rows.stride(0), weight.stride(0),
-            out.stride(0))
-    meta = {"HAS_BIAS": bias is not None, "SWIGLU": swiglu, "BLOCK_M": block_m}
+    summed = _empty(m, k, like=rows) if res is not None else None
+    on = pdl.enabled(rows)
+    args = (rows, res if res is not None else rows, norm_weight.contiguous() if norm_weight is not None else rows,
+            summed if summed is not None else out, weight, bias if bias is not None else out, out, m, n, k,
+            rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), float(eps))
+    meta = {"NORM": norm_weight is not None, "HAS_RES": res is not None, "SWIGLU": swiglu,
+            "HAS_BIAS": bias is not None, "PDL": on, "BLOCK_M": max(16, triton.next_power_of_2(m))}
     if interpreting():  # one small configuration: the autotuner would run every one of them on the CPU
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, **meta, BLOCK_N=16, BLOCK_K=32, num_warps=1)
     else:
-        _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta)
-    return out.reshape(*x.shape[:-1], n)
+        _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=on)
+    s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
+    return out.reshape(*x.shape[:-1], n), s
 
 
 def mode() -> str:
@@ -85,31 +134,39 @@ def mode() -> str:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   swiglu: bool = False) -> torch.Tensor:
-    """F.linear(silu_mul(x) if swiglu else x, weight, bias) for operands that `fits`, by the way `mode` chooses:
-    "cublas", "ours" (this kernel after silu_mul) or "fused" (SwiGLU in its prologue)."""
-    from nanoforge.kernels.swiglu import silu_mul
-
-    way = choose(x, weight, bias, swiglu)
-    if way == "fused":
-        return gemv(x, weight, bias, swiglu=True)
-    h = silu_mul(x) if swiglu else x
-    return gemv(h, weight, bias) if way == "ours" else F.linear(h, weight, bias)
+    """gemv_ref(x, weight, bias, swiglu=swiglu) for operands that `fits`, the way `choose` picks: "ours" (this
+    kernel, SwiGLU in its epilogue) or "cublas" (F.linear, then the SwiGLU kernel)."""
+    if choose(x, weight, bias, swiglu, norm=False) == "ours":
+        return gemv(x, weight, bias, swiglu=swiglu)
+    return _cublas(x, weight, bias, swiglu)
 
 
-_CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu) -> the fastest way, once timed
+def norm_linear(a: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_gemv_ref's result for operands that `fits`, the way `choose` picks: "ours" (one launch) or "cublas"
+    (the add + RMSNorm kernel, then `skinny_linear`'s own choice)."""
+    if choose(x, weight, bias, swiglu, norm=True, residual=a is not None) == "ours":
+        return norm_gemv(a, x, norm_weight, eps, weight, bias, swiglu=swiglu)
+    h, s = add_rms_norm(a, x, norm_weight, eps) if a is not None else (rms_norm(x, norm_weight, eps), x)
+    return skinny_linear(h, weight, bias, swiglu=swiglu), s
 
 
-def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> str:
+_CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu, norm, residual) -> the faster way
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, *, norm: bool,
+           residual: bool = False) -> str:
     m = mode()
     if m != "auto":
-        return "cublas" if m == "0" else ("fused" if swiglu else "ours")
+        return "cublas" if m == "0" else "ours"
     rows = x.numel() // x.shape[-1]
-    key = (str(x.device), x.dtype, rows, *weight.shape[::-1], bias is not None, swiglu)
+    key = (str(x.device), x.dtype, rows, *weight.shape[::-1], bias is not None, swiglu, norm, residual)
     way = _CHOICES.get(key)
     if way is None:
         if not _can_time(x):
             return "cublas"  # nothing to time here (the interpreter; inside a capture): the library's
-        way = _CHOICES[key] = _fastest(x, weight, bias, swiglu)
+        way = _CHOICES[key] = _fastest(x, weight, bias, swiglu, norm, residual)
     return way
 
 
@@ -117,20 +174,32 @@ def _can_time(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
-def _fastest(x, weight, bias, swiglu) -> str:
-    """Time each way on copies of the operands (W rotated through enough copies that L2 holds none of them, as a
-    model's layers stream theirs from HBM) and return the fastest."""
-    from nanoforge.kernels.swiglu import silu_mul
-
+def _fastest(x, weight, bias, swiglu, norm, residual) -> str:
+    """Time both ways on copies of the operands (W rotated through enough copies that L2 holds none of them, as a
+    model's layers stream theirs from HBM) and return the faster."""
     copies = max(1, min(16, -(-(96 << 20) // (weight.numel() * weight.element_size()))))
     ws = [weight.clone() for _ in range(copies)]
-    xs = x.reshape(-1, x.shape[-1]).clone()
-    ways = {"cublas": lambda w: F.linear(silu_mul(xs) if swiglu else xs, w, bias),
-            "ours": lambda w: gemv(silu_mul(xs) if swiglu else xs, w, bias)}
-    if swiglu:
-        ways["fused"] = lambda w: gemv(xs, w, bias, swiglu=True)
+    xs = _rows(x).clone()
+    if norm:
+        g, a = torch.ones(xs.shape[-1], device=xs.device, dtype=xs.dtype), xs.clone() if residual else None
+        ways = {"ours": lambda w: norm_gemv(a, xs, g, 1e-6, w, bias, swiglu=swiglu),
+                "cublas": lambda w: _apart(a, xs, g, w, bias, swiglu)}
+    else:
+        ways = {"ours": lambda w: gemv(xs, w, bias, swiglu=swiglu),
+                "cublas": lambda w: _cublas(xs, w, bias, swiglu)}
     times = {name: _graph_us(lambda f=f: [f(w) for w in ws]) / copies for name, f in ways.items()}
     return min(times, key=times.get)
+
+
+def _cublas(x, w, bias, swiglu):
+    y = F.linear(x, w, bias)
+    return silu_mul(y) if swiglu else y
+
+
+def _apart(a, x, g, w, bias, swiglu):
+    """norm_linear's "cublas" way, timed: the norm kernel, then skinny_linear (whose own choice is made first)."""
+    h = add_rms_norm(a, x, g, 1e-6)[0] if a is not None else rms_norm(x, g, 1e-6)
+    return skinny_linear(h, w, bias, swiglu=swiglu)
 
 
 def _graph_us(fn, replays: int = 5) -> float:
@@ -174,45 +243,80 @@ def _empty(*shape: int, like: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _residual_tile(X, R, k, mask, HAS_RES: tl.constexpr, ty: tl.constexpr):
+    """A (rows, BLOCK_K) tile of x (+ the residual, rounded to ty as the stored sum is) in fp32."""
+    h = tl.load(X + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = (h + tl.load(R + k[None, :], mask=mask, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+    return h
+
+
+@triton.jit
 def _gemv_kernel(
-    X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    X, R, G, S, W, B, Y, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Y[:, n] for this program's BLOCK_N outputs n. NORM: x is rms_norm(X + R) with weight G (HAS_RES: the sum
+    stored to S, its K tiles shared out among the programs). SWIGLU: outputs silu(x W[n]) * (x W[n + N])."""
+    pdl.wait_then_release(PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+    r_rows = R + offs_m[:, None].to(tl.int64) * stride_rm
     w_rows = W + offs_n[None, :].to(tl.int64) * stride_wn
     ty = Y.dtype.element_ty
+    if NORM:  # first pass: each row's 1/rms (the rows are a few KB, read again from cache below)
+        ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            mask = m_ok[:, None] & (k < K)[None, :]
+            h = _residual_tile(x_rows, r_rows, k, mask, HAS_RES, ty)
+            if HAS_RES:  # tile k0 / BLOCK_K is stored by one program
+                mine = (offs_k * 0 + (k0 // BLOCK_K) % tl.num_programs(0)) == pid
+                tl.store(S + offs_m[:, None].to(tl.int64) * stride_sm + k[None, :], h.to(ty),
+                         mask=mask & mine[None, :])
+            ssq += tl.sum(h * h, axis=1)
+        rstd = tl.rsqrt(ssq / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
         x_mask = m_ok[:, None] & k_ok[None, :]
-        if SWIGLU:  # x holds [gate | up]: silu(gate) rounded to the dtype, times up (swiglu.silu_mul's rounding)
-            g = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            xt = ((g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32) * u).to(ty)
+        if NORM:  # as rmsnorm's kernel rounds it: x * rstd * g in fp32, to the dtype
+            g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
+            xt = (_residual_tile(x_rows, r_rows, k, x_mask, HAS_RES, ty) * rstd[:, None] * g[None, :]).to(ty)
         else:
             xt = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
-        wt = tl.load(w_rows + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
-        acc = _dot(xt, wt, acc)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        acc = _dot(xt, tl.load(w_rows + k[:, None], mask=w_mask, other=0.0), acc)  # W tile (BLOCK_K, BLOCK_N)
+        if SWIGLU:
+            up = _dot(xt, tl.load(w_rows + N * stride_wn + k[:, None], mask=w_mask, other=0.0), up)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        if SWIGLU:
+            up += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:  # F.linear's outputs rounded, silu(gate) rounded, then the product (swiglu.silu_mul's rounding)
+        gate = acc.to(ty).to(tl.float32)
+        out = ((gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32) * up.to(ty).to(tl.float32)).to(ty)
+    else:
+        out = acc.to(ty)
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
 # Rows per program trade parallelism (N / BLOCK_N programs over 132 SMs) against the loads each one keeps in
-# flight; the autotuner picks per (N, K, rows) on the first call, which the engine makes before it captures.
+# flight; the autotuner picks per (N, K, rows, fusion) on the first call, which the engine makes before it captures.
+# PDL is not in the key: a configuration is timed as the kernel runs alone, whether or not it later launches early.
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
              for bn, bk, w, s in ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4),
                                   (32, 128, 4, 5), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3))],
-    key=["N", "K", "BLOCK_M", "SWIGLU"],
+    key=["N", "K", "BLOCK_M", "SWIGLU", "NORM", "HAS_RES"],
 )(_gemv_kernel)
 
 
@@ -220,33 +324,115 @@ _gemv_tuned = triton.autotune(
 # Benchmark (`nanoforge kernels bench --kinds gemv`)
 # ----------------------------------------------------------------------------------------------
 
-# (model, layer, K, N): every projection of a decode step of Llama-3.2-1B and Qwen3-0.6B
-BENCH_SHAPES = [("llama3-1b", "qkv", 2048, 3072), ("llama3-1b", "attn-out", 2048, 2048),
-                ("llama3-1b", "gate-up", 2048, 16384), ("llama3-1b", "down+swiglu", 8192, 2048),
-                ("qwen3-0.6b", "qkv", 1024, 4096), ("qwen3-0.6b", "attn-out", 2048, 1024),
-                ("qwen3-0.6b", "gate-up", 1024, 6144), ("qwen3-0.6b", "down+swiglu", 3072, 1024)]
+# (model, d_model, q/k/v features, attention-out K, d_ff, layers): the decode projections of Llama-3.2-1B and
+# Qwen3-0.6B; each layer is Q/K/V (the norm and residual add fused), attention-out, gate-and-up (norm, residual
+# and SwiGLU fused) and MLP-down
+BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28)]
+
+
+def _layer_ops(d: int, qkv: int, ao: int, ff: int, rows: int, fused: bool, gen: torch.Generator):
+    """One decode layer's projections on fresh bf16 weights: a function of the residual stream and the pending
+    MLP output, returning the next pair, all fused (ours) or apart (cuBLAS)."""
+    dev, bf = "cuda", torch.bfloat16
+    w = [(torch.randn(n, k, generator=gen, device=dev) / k**0.5).to(bf) for n, k in ((qkv, d), (d, ao), (2 * ff, d),
+                                                                                  (d, ff))]
+    g1, g2 = torch.ones(d, device=dev, dtype=bf), torch.ones(d, device=dev, dtype=bf)
+    o = torch.randn(rows, ao, generator=gen, device=dev).to(bf)  # attention's output, which the chain skips
+
+    def layer(x, m):
+        if fused:
+            x = norm_gemv(m, x, g1, 1e-6, w[0])[1]  # Q/K/V go to attention, left out here
+            a, x = norm_gemv(gemv(o, w[1]), x, g2, 1e-6, w[2], swiglu=True)
+            return x, gemv(a, w[3])
+        h, x = add_rms_norm(m, x, g1, 1e-6)
+        F.linear(h, w[0])
+        h, x = add_rms_norm(F.linear(o, w[1]), x, g2, 1e-6)
+        return x, F.linear(silu_mul(F.linear(h, w[2])), w[3])
+
+    return layer, sum(t.numel() * t.element_size() for t in w)
+
+
+def _chain_us(make, n_layers: int, x0: torch.Tensor, quick: bool) -> float:
+    """Microseconds a layer of `n_layers` layers from make() (each its own weights), replayed from a CUDA graph."""
+    from nanoforge.kernels.bench import time_ms
+
+    stack = [make() for _ in range(n_layers)]
+
+    def step():
+        x, p = x0, torch.zeros_like(x0)
+        for layer in stack:
+            x, p = layer(x, p)
+        return x
+
+    return 1000 * time_ms(step, quick, graph=True) / n_layers
 
 
 def bench_rows(quick: bool) -> list[dict]:
-    """Each decode projection at 1 (and, not quick, 8) rows, bf16, timed in CUDA graphs (as the engine replays
-    them), against cuBLAS through F.linear (after the SwiGLU kernel where ours fuses it): the ratio is the time a
-    decode step saves per projection."""
+    """Each model's decode layers' projections (with the norms, residual adds and SwiGLU between them; attention
+    left out), every layer its own weights, at 1 (and, not quick, 8) rows, bf16, replayed from a CUDA graph as
+    the engine replays its decode steps: ours fused without and with programmatic dependent launch, against
+    cuBLAS with the separate norm and SwiGLU kernels, per layer; then each projection alone (a chain of it, one
+    weight copy a layer), the same three ways. The autotuner's pick for each shape is printed."""
     from nanoforge.errors import NanoforgeError
-    from nanoforge.kernels.bench import make_row, time_ms
-    from nanoforge.kernels.swiglu import silu_mul
+    from nanoforge.kernels.bench import make_row
 
     if not torch.cuda.is_available():
         raise NanoforgeError("gemv benchmarks need a CUDA GPU", param="kinds")
     rows = []
-    for model, layer, k, n in BENCH_SHAPES:
-        swiglu = layer.endswith("swiglu")
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        for m in (1,) if quick else (1, 8):
-            x = torch.randn(m, 2 * k if swiglu else k, device="cuda", dtype=torch.bfloat16)
-            ours = time_ms(lambda x=x, w=w, s=swiglu: gemv(x, w, swiglu=s), quick, graph=True)
-            base = time_ms(lambda x=x, w=w, s=swiglu: F.linear(silu_mul(x) if s else x, w), quick, graph=True)
-            rows.append(make_row("gemv", f"{model} {layer} {m}x{k}x{n}", ours, base,
-                                 "F.linear (cuBLAS)" + (" after silu_mul" if swiglu else ""), 2.0 * m * k * n,
-                                 2.0 * (n * k + m * (2 * k if swiglu else k) + m * n)))
+    saved = os.environ.get("NANOFORGE_PDL")
+    ways = (("cublas", False, "0"), ("ours", True, "0"), ("ours+pdl", True, "1"))
+    try:
+        for model, d, qkv, ao, ff, n_layers in BENCH_MODELS:
+            for m in (1,) if quick else (1, 8):
+                gen = torch.Generator(device="cuda").manual_seed(m)
+                x0 = torch.randn(m, d, generator=gen, device="cuda").bfloat16()
+                nbytes = 2 * (qkv * d + d * ao + 2 * ff * d + d * ff)
+                # the layer, then each projection alone: (label, per-layer weight bytes, make(fused))
+                parts = [("layer", nbytes, lambda f: _layer_ops(d, qkv, ao, ff, m, f, gen)[0])]
+                for label, k, n, swiglu, norm in (("qkv+norm", d, qkv, False, True), ("attn-out", ao, d, False, False),
+                                                  ("gate-up+norm+swiglu", d, 2 * ff, True, True),
+                                                  ("down", ff, d, False, False)):
+                    parts.append((label, 2 * n * k, lambda f, k=k, n=n, s=swiglu, nm=norm: _projection(
+                        m, k, n, s, nm, f, d, gen)))
+                for label, b, make in parts:
+                    times = {}
+                    for name, fused, pdl_on in ways:
+                        os.environ["NANOFORGE_PDL"] = pdl_on
+                        times[name] = _chain_us(lambda: make(fused), n_layers, x0, quick)
+                    for name in ("ours", "ours+pdl"):
+                        rows.append(make_row("gemv", f"{model} {label} {name} {m}x{d}", times[name] / 1000,
+                                             times["cublas"] / 1000, "cuBLAS + norm, SwiGLU kernels",
+                                             2.0 * m * b / 2, b))
+        for key, cfg in _gemv_tuned.cache.items():
+            print(f"  gemv autotune {key}: {cfg}")
+    finally:
+        if saved is None:
+            os.environ.pop("NANOFORGE_PDL", None)
+        else:
+            os.environ["NANOFORGE_PDL"] = saved
     return rows
 
+
+def _projection(rows: int, k: int, n: int, swiglu: bool, norm: bool, fused: bool, d: int, gen):
+    """One projection as a chain link (x, p) -> (x, p): its input is a fixed (rows, k) tensor, or (norm) the
+    residual x + p normalised, as in `_layer_ops`."""
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
+    g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    inp = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+
+    def link(x, p):
+        if norm:
+            if fused:
+                return norm_gemv(p, x, g, 1e-6, w, swiglu=swiglu)[1], p
+            h, x = add_rms_norm(p, x, g, 1e-6)
+            y = F.linear(h, w)
+            if swiglu:
+                silu_mul(y)
+            return x, p
+        if fused:
+            gemv(inp, w, swiglu=swiglu)
+        else:
+            F.linear(inp, w)
+        return x, p
+
+    return link

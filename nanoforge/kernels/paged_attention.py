@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import interpreting, use_fast
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
@@ -240,18 +241,20 @@ def _paged_attention_triton(
         tile_starts = _tile_starts(cu_seqlens_q, block_q)
     block_d = max(16, triton.next_power_of_2(d))
     grid = (_grid_tiles(total_q, seq_lens.shape[0], block_q, varlen), hkv, num_splits)
+    on = pdl.enabled(q)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, tile_starts if varlen else cu_seqlens_q,
         out, o_part, lse_part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, SPLIT=num_splits > 1, VARLEN=varlen, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, VARLEN=varlen, PDL=on, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=on,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits[(total_q, hq)](
             o_part, lse_part, out, out.stride(0), out.stride(1), hq, num_splits,
-            HEAD_D=d, BLOCK_D=block_d, SPLITS_P2=_SPLITS_P2,
+            HEAD_D=d, BLOCK_D=block_d, SPLITS_P2=_SPLITS_P2, PDL=on, launch_pdl=on,
         )  # fmt: skip
     return out
 
@@ -276,8 +279,9 @@ def _paged_attn_kernel(
     stride_ot, stride_oh, qk_scale, num_seqs, num_splits,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.wait_then_release(PDL)
     pid = tl.program_id(0)
     if not VARLEN:  # decode: program i is sequence i's one token
         seq = pid
@@ -392,9 +396,10 @@ def _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_sc
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits(
     O_PART, LSE_PART, O, stride_ot, stride_oh, H, num_splits,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the softmax over the whole context."""
+    pdl.wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import use_fast
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -82,8 +83,9 @@ def _fast(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @triton.jit
 def _rms_norm_fwd_kernel(x, res, w, y, h, rstd, N, stride_x, stride_r, stride_y, stride_h, eps,
-                         BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """One row per program: y = x * rstd * w (x += res first, stored to h, if HAS_RESIDUAL)."""
+    pdl.wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -147,9 +149,10 @@ def _forward(x, residual, weight, eps):
     else:
         r2, h = x2, x2  # unused pointers
     block, warps = _launch_params(n)
+    on = pdl.enabled(x2)
     _rms_norm_fwd_kernel[(rows,)](x2, r2, weight, y, h, rstd, n, x2.stride(0), r2.stride(0), y.stride(0),
-                                  h.stride(0), eps, BLOCK_N=block, HAS_RESIDUAL=residual is not None,
-                                  num_warps=warps)
+                                  h.stride(0), eps, BLOCK_N=block, HAS_RESIDUAL=residual is not None, PDL=on,
+                                  num_warps=warps, launch_pdl=on)
     return y.view(x.shape), h, rstd
 
 

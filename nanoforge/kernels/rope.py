@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import use_fast
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -122,12 +123,14 @@ def _launch_qkv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out=None, qk_
     qs = q if has_q else k  # without q, any tensor: never read
     qw, kw, eps = (qk_norm[0].weight, qk_norm[1].weight, float(qk_norm[0].eps)) if norm else (qs, k, 0.0)
     hq = q.shape[1] if has_q else 0
+    on = pdl.enabled(k)
     _qkv_rope_write_kv_kernel[(N,)](
         qs, k, v, cos, sin, qw, kw, out if has_q else k, k_cache, v_cache,
         slot_mapping, hq, Hkv, qs.stride(0), qs.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), eps,
         HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HKV=triton.next_power_of_2(Hkv),
-        BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=has_q, HAS_NORM=norm, enable_fp_fusion=False,
+        BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=has_q, HAS_NORM=norm, PDL=on, enable_fp_fusion=False,
+        launch_pdl=on,
     )  # fmt: skip
 
 
@@ -169,9 +172,11 @@ def _norm_rope_heads(X, sxh, W, H, c1, c2, s1, s2, eps, ty: tl.constexpr, HALF: 
 @triton.jit
 def _qkv_rope_write_kv_kernel(Q, K, V, COS, SIN, QW, KW, QO, KC, VC, SLOTS, HQ, HKV, sqt, sqh, skt, skh, svt, svh,
                               sct, eps, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                              BLOCK_D: tl.constexpr, HAS_Q: tl.constexpr, HAS_NORM: tl.constexpr):
+                              BLOCK_D: tl.constexpr, HAS_Q: tl.constexpr, HAS_NORM: tl.constexpr,
+                              PDL: tl.constexpr):
     """Token t: its q heads (normalised, rotated) to QO[t] if HAS_Q; its k heads (normalised, rotated) and v heads
     to cache slot SLOTS[t]."""
+    pdl.wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = KC.dtype.element_ty
     c1, c2, s1, s2 = _angles(COS, SIN, t * sct, HALF, BLOCK_D)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import interpreting, use_fast
 
 _M32 = 0xFFFFFFFF
@@ -97,8 +98,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
 
 @triton.jit
-def _gumbel_max_blocks(LOGITS, stride, TEMP, SEEDS, DRAWS, BEST, WHERE, V, num_blocks, BLOCK: tl.constexpr):
+def _gumbel_max_blocks(LOGITS, stride, TEMP, SEEDS, DRAWS, BEST, WHERE, V, num_blocks, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (row, b): the best score of vocabulary block b of the row, and where it is."""
+    pdl.wait_then_release(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)
     t = tl.load(TEMP + row)
@@ -116,8 +119,9 @@ def _gumbel_max_blocks(LOGITS, stride, TEMP, SEEDS, DRAWS, BEST, WHERE, V, num_b
 
 
 @triton.jit
-def _pick_block(BEST, WHERE, OUT, num_blocks, BLOCKS_P2: tl.constexpr):
+def _pick_block(BEST, WHERE, OUT, num_blocks, BLOCKS_P2: tl.constexpr, PDL: tl.constexpr):
     """The row's token: the winner of its best block (the first one, on a tie: the smallest index)."""
+    pdl.wait_then_release(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCKS_P2)
     ok = offs < num_blocks
@@ -137,8 +141,11 @@ def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
     where = torch.empty(rows, num_blocks, device=logits.device, dtype=torch.int32)
     direct = out is not None and out.dtype == torch.int64 and out.is_contiguous()  # write the tokens in place
     dst = out if direct else torch.empty(rows, device=logits.device, dtype=torch.int64)
+    on = pdl.enabled(logits)
     _gumbel_max_blocks[(rows, num_blocks)](logits, logits.stride(0), temperature.float().contiguous(),
                                            seeds.long().contiguous(), draws.long().contiguous(), best, where, vocab,
-                                           num_blocks, BLOCK=block, num_warps=1 if interpreting() else 8)
-    _pick_block[(rows,)](best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)))
+                                           num_blocks, BLOCK=block, PDL=on, num_warps=1 if interpreting() else 8,
+                                           launch_pdl=on)
+    _pick_block[(rows,)](best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)), PDL=on,
+                         launch_pdl=on)
     return dst if direct or out is None else out.copy_(dst)

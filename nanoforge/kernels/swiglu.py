@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import use_fast
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,7 +33,9 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(*h.shape[:-1], f, device=h.device, dtype=h.dtype)
-    _silu_mul_kernel[(rows.shape[0], triton.cdiv(f, _BLOCK))](rows, out, f, rows.stride(0), BLOCK=_BLOCK)
+    on = pdl.enabled(h)
+    _silu_mul_kernel[(rows.shape[0], triton.cdiv(f, _BLOCK))](rows, out, f, rows.stride(0), BLOCK=_BLOCK, PDL=on,
+                                                              launch_pdl=on)
     return out
 
 
@@ -43,7 +46,8 @@ def _fast(h: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _silu_mul_kernel(H, OUT, F_, stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(H, OUT, F_, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F_

@@ -87,8 +87,12 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope, attn: AttentionBackend):
-        B, T, _ = x.shape
-        q, k, v = linear(x, self.wqkv).split(self.split, dim=-1)
+        return self.attend(linear(x, self.wqkv), rope, attn)
+
+    def attend(self, qkv, rope, attn: AttentionBackend):
+        """The layer after its Q/K/V projection (which a decode step fuses with the norm before it)."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -108,10 +112,17 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        h = linear(x, self.w_in)
-        if self.swiglu:  # silu(gate) * up: one kernel when serving, or the prologue of a decode's w_out
-            return self.dropout(linear(h, self.w_out, swiglu=True))
-        return self.dropout(linear(F.gelu(h, approximate="tanh"), self.w_out))
+        return self.down(self.activate(x))
+
+    def activate(self, x):
+        """silu(gate) * up of the fused gate-and-up projection (one kernel when serving, or a decode's epilogue),
+        or GELU of the input projection."""
+        if self.swiglu:
+            return linear(x, self.w_in, swiglu=True)
+        return F.gelu(linear(x, self.w_in), approximate="tanh")
+
+    def down(self, a):
+        return self.dropout(linear(a, self.w_out))
 
 
 class Block(nn.Module):
@@ -125,11 +136,26 @@ class Block(nn.Module):
     def forward(self, x, rope, attn, pending=None, *, defer: bool = False):
         """x + attention + MLP on the residual stream x. Serving runs the blocks with `defer`: a block returns
         (its residual stream after attention, its MLP's output) and the next one gets that output as `pending`
-        and adds it inside its first norm, so that every residual add shares a launch with the norm after it."""
+        and adds it inside its first norm, so that every residual add shares a launch with the norm after it.
+        A decode step's few rows go further where the modules allow (`fuses_norms`): each residual add and norm
+        runs inside the projection after it, and SwiGLU inside gate-and-up's."""
+        if defer and self.fuses_norms(x):
+            qkv, x = norm_linear(pending, x, self.attn_norm, self.attn.wqkv)
+            a, x = norm_linear(self.attn.attend(qkv, rope, attn), x, self.mlp_norm, self.mlp.w_in, swiglu=True)
+            return x, self.mlp.down(a)
         h, x = add_norm(pending, x, self.attn_norm)
         h, x = add_norm(self.attn(h, rope, attn), x, self.mlp_norm)
         m = self.mlp(h)
         return (x, m) if defer else x + m
+
+    def fuses_norms(self, x) -> bool:
+        """Whether a decode step may run this block's norms inside its projections: RMSNorm and SwiGLU, rows the
+        skinny matmul takes, and modules that nothing hooks into (parallel training's do)."""
+        return (self.mlp.swiglu and isinstance(self.attn_norm, RMSNorm) and isinstance(self.mlp_norm, RMSNorm)
+                and type(self.attn.wqkv) is nn.Linear and type(self.mlp.w_in) is nn.Linear
+                and gemv.fits(x, self.attn.wqkv.weight)
+                and all(_bypassable(m, x) for m in (self, self.attn, self.mlp, self.attn_norm, self.mlp_norm,
+                                                    self.attn.wqkv, self.mlp.w_in)))
 
 
 def _bypassable(module: nn.Module, *tensors: torch.Tensor) -> bool:
@@ -142,13 +168,20 @@ def _bypassable(module: nn.Module, *tensors: torch.Tensor) -> bool:
 
 
 def linear(x, layer: nn.Module, *, swiglu: bool = False):
-    """layer(x), after silu(gate) * up of x's two halves with `swiglu`. A decode's few rows (`kernels.gemv.fits`)
+    """layer(x), then silu(gate) * up of its two halves with `swiglu`. A decode's few rows (`kernels.gemv.fits`)
     through a bypassable nn.Linear take the fastest way for their shape (`kernels.gemv.skinny_linear`: cuBLAS or
-    the skinny matmul, measured; NANOFORGE_GEMV); tensor-parallel serving's row-parallel layers (not nn.Linear)
-    never do."""
+    the skinny matmul with SwiGLU in its epilogue, measured; NANOFORGE_GEMV); tensor-parallel serving's
+    row-parallel layers (not nn.Linear) never do."""
     if type(layer) is nn.Linear and _bypassable(layer, x, layer.weight.data) and gemv.fits(x, layer.weight):
         return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
-    return layer(silu_mul(x) if swiglu else x)
+    y = layer(x)
+    return silu_mul(y) if swiglu else y
+
+
+def norm_linear(a, x, norm: RMSNorm, layer: nn.Linear, *, swiglu: bool = False):
+    """(linear(norm(x + a), layer), x + a) for a decode's rows (`Block.fuses_norms`): the add, the norm, the
+    projection (and SwiGLU) in one launch where that is the faster way for the shape (`kernels.gemv.norm_linear`)."""
+    return gemv.norm_linear(a, x, norm.weight, norm.eps, layer.weight, layer.bias, swiglu=swiglu)
 
 
 def add_norm(a, x, norm: nn.Module):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.bench_serve import Result, TraceReplay
 from nanoforge.serve.block_manager import prefix_block_hashes
-from nanoforge.serve.disagg.instance import SAVE_TIMEOUT_S
+from nanoforge.serve.disagg.handover import SAVE_TIMEOUT_S
 from nanoforge.serve.disagg.router import POLICIES, Instance, Router
 from nanoforge.serve.sampling_params import SamplingParams
 from nanoforge.serve.scheduler import SchedulerConfig, check_request

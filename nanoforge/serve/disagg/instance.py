@@ -29,13 +29,12 @@ from nanoforge.errors import InternalError, NanoforgeError
 from nanoforge.serve.api.app import build_app, engine_config, serve_app, served_model_name
 from nanoforge.serve.api.protocol import DEFAULT_MAX_REQUEST_BYTES, error_body, read_json
 from nanoforge.serve.api.streaming import collect, unless_disconnected
-from nanoforge.serve.disagg.handover import OutputEncoder, parse_handover
+from nanoforge.serve.disagg.handover import SAVE_TIMEOUT_S, OutputEncoder, parse_handover
 from nanoforge.serve.llm_engine import LLMEngine
 
 log = logging.getLogger("nanoforge.serve")
 
 ROLES = ("prefill", "decode", "both")
-SAVE_TIMEOUT_S = 10.0  # how long a prefill answer waits for its blocks to reach the pool
 
 
 def instance_info(engine: LLMEngine, role: str, model_name: str) -> dict:
