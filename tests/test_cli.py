@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -116,6 +117,22 @@ def test_bare_nanoforge_lists_the_verbs():
         assert verb in r.stderr
 
 
+def test_the_cli_needs_no_serve_extras_to_start(tmp_path):
+    """A GPU image without FastAPI / uvicorn / pydantic (the H200 machine's) still runs `nanoforge kernels`,
+    `train` and `generate`: only the serving verbs import the HTTP stack, when they run."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text("import builtins\n_real = builtins.__import__\n"
+                       "def _imp(name, *a, **k):\n"
+                       "    if name.split('.')[0] in ('fastapi', 'uvicorn', 'pydantic', 'starlette'):\n"
+                       "        raise ModuleNotFoundError(f'No module named {name!r} (blocked)')\n"
+                       "    return _real(name, *a, **k)\n"
+                       "builtins.__import__ = _imp\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "nanoforge.cli", "kernels", "bench", "--help"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "--kinds" in r.stdout, r.stderr
+
+
 def test_an_internal_failure_keeps_its_traceback_and_exits_1(model_dir):
     """A bug is not bad input: a kernel refusing what our own model code handed it (as attention once refused
     bf16 v with fp32 q, k) must print its traceback and exit 1, not pose as a one-line user error."""
@@ -163,5 +180,7 @@ def test_first_run_trains_serves_and_answers_a_chat_message(tmp_path):
     assert "user: What does the zip function do?" in out, out[-2000:]
     assert "Warning" not in out, out  # nothing but what the run has to say (no Python warnings with source lines)
     assert any(line.startswith("assistant:") for line in lines), out[-2000:]
+    # the server's first line says what its engine's start cost (CPU: no CUDA graphs)
+    assert re.search(r"KV blocks; engine started in \d+\.\d s, 0 CUDA graphs\)", out), out[-2000:]
     assert (tmp_path / "runs" / "default" / "sft" / "config.json").is_file()
     assert (tmp_path / "runs" / "default" / "pretrain" / "loss.png").is_file()

@@ -157,7 +157,11 @@ class LLMEngine:
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             eos_token_ids=tuple(sorted(eos)), vocab_size=cfg.vocab_size))
+        started = time.monotonic()
         self.runner = make_runner(model, config, self.max_model_len, num_gpu_blocks, num_cpu_blocks, self.tp)
+        # the cache, the device batch, every CUDA graph captured and what their warm-up tunes (kernels
+        # autotuned, decode projections timed per shape): what a server start waits for
+        self.runner_start_s = time.monotonic() - started
         self.async_scheduling = check_async_scheduling(config, self.runner.device, kv_pool)
         self._in_flight: collections.deque[tuple[SchedulerOutput, Launched, float]] = collections.deque()
         self.step_stats = StepStats()

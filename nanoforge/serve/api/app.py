@@ -206,4 +206,10 @@ def run_server(args, on_ready=None) -> int:
     name = served_model_name(args)
     app = build_app(engine, name, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes)
     return serve_app(app, args, f"nanoforge serve: {name} at {{url}} (context {engine.max_model_len} tokens, "
-                                f"{engine.stats()['kv_blocks_total']} KV blocks)", on_ready)
+                                f"{engine.stats()['kv_blocks_total']} KV blocks; {start_line(engine)})", on_ready)
+
+
+def start_line(engine: LLMEngine) -> str:
+    """What the engine's start cost, for the server's first line."""
+    return f"engine started in {engine.runner_start_s:.1f} s, {len(engine.runner.graphs)} CUDA graphs"
+

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoforge.errors import InternalError, NanoforgeError
-from nanoforge.serve.api.app import build_app, engine_config, serve_app, served_model_name
+from nanoforge.serve.api.app import build_app, engine_config, serve_app, served_model_name, start_line
 from nanoforge.serve.api.protocol import DEFAULT_MAX_REQUEST_BYTES, error_body, read_json
 from nanoforge.serve.api.streaming import collect, unless_disconnected
 from nanoforge.serve.disagg.handover import SAVE_TIMEOUT_S, OutputEncoder, parse_handover
@@ -124,7 +124,7 @@ def run_instance(args) -> int:
         add_role_routes(app, args.role, name, args.max_request_bytes)
         where = f"KV pool of the master at {args.store}" if pool else "no KV pool"
         banner = (f"nanoforge serve: {name} at {{url}} (role {args.role}, {where}, context {engine.max_model_len} "
-                  f"tokens, {engine.stats()['kv_blocks_total']} KV blocks)")
+                  f"tokens, {engine.stats()['kv_blocks_total']} KV blocks; {start_line(engine)})")
         try:
             return serve_app(app, args, banner)
         finally:
