@@ -246,7 +246,8 @@ def run_sft(args) -> int:
         _print_summary(result)
         check = result["answers"]
         print(f"held-out answers ending with the end-of-turn token within {check['max_new_tokens']} tokens: "
-              f"{check['ended_with_eot']}/{check['samples']} ({100 * check['eot_rate']:.1f}%)")
+              f"{check['ended_with_eot']}/{check['samples']} ({100 * check['eot_rate']:.1f}%; {check['tokens']:,} tokens "
+              f"generated in {check['seconds']:.1f} s)")
         for ex in check["examples"]:
             print(f"\n> {ex['prompt']}\n{ex['answer']}")
         print(f"\nchat model in {out}: nanoforge generate --chat --model {out} --prompt '...'")

@@ -11,6 +11,7 @@ end-of-turn token within the token limit: the model has learnt to stop.
 from __future__ import annotations
 
 import math
+import time
 from itertools import islice
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def answer_eval(model: Transformer, tokenizer: Tokenizer, records: list[dict], m
     """Greedy answers to held-out prompts: the share that ends with the end-of-turn token within
     max_new_tokens (and the context), plus a few examples to read."""
     model.eval()
-    ended, examples = 0, []
+    ended, examples, tokens, started = 0, [], 0, time.perf_counter()
     for record in records:
         prompt, reference = prompt_and_answer(record)
         ids = tokenizer.encode_chat(prompt, add_generation_prompt=True)
@@ -58,12 +59,14 @@ def answer_eval(model: Transformer, tokenizer: Tokenizer, records: list[dict], m
                if len(ids) < model.cfg.max_seq_len else [])
         ok = bool(out) and out[-1] == tokenizer.eot_id
         ended += ok
+        tokens += len(out)
         if len(examples) < n_examples:
             answer = tokenizer.decode(out[:-1] if ok else out)
             examples.append({"prompt": prompt[-1]["content"], "reference": reference, "answer": answer,
                              "ended_with_eot": ok})
     return {"samples": len(records), "ended_with_eot": ended, "eot_rate": ended / max(len(records), 1),
-            "max_new_tokens": max_new_tokens, "examples": examples}
+            "max_new_tokens": max_new_tokens, "examples": examples, "tokens": tokens,
+            "seconds": time.perf_counter() - started}
 
 
 def finetune(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, answer_tokens: int = 256,
