@@ -24,7 +24,8 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
 (e) profile: the engine's per-step-kind breakdown (`bench throughput --profile`) on half of (a)'s workload:
     host and device ms per step, achieved HBM / FLOP fractions.
 
-Each section has a time budget: loops stop at their deadline (the JSON says so) and a section that no longer
+The GPU is kept busy for 5 s before the first section (its clocks ramp up from idle). Each section has a time
+budget: loops stop at their deadline (the JSON says so) and a section that no longer
 fits the run's total is skipped; a section that fails is reported and the rest still run.
 """
 
@@ -95,6 +96,21 @@ def free_memory(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def warm_up(device, seconds: float = 5.0) -> float:
+    """Keep the GPU busy for a few seconds before the first measurement: its clocks ramp up from idle, and a
+    first measurement on a machine that had just started read 15% low (session 11: Llama-3.2-1B batch-1 decode
+    783 tok/s cold, 920 warm). Returns the seconds spent (0 on the CPU)."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def build_model(name: str, device, dtype, max_seq_len: int) -> Transformer:
@@ -282,6 +298,7 @@ DECODE_VARIANTS = {
     "again": {},  # the same engine run once more: the run-to-run spread
     "cublas_only": {"NANOFORGE_GEMV": "0"},  # cuBLAS for every projection, the norms and SwiGLU apart
     "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
+    "pdl_late": {"NANOFORGE_PDL": "late"},  # the big kernels let their successor launch after their main loop
     "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},
@@ -535,7 +552,7 @@ def main(argv=None) -> int:
     total = args.total or conf["total"]
     end = start + total
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
-               "torch": torch.__version__, "smoke": args.smoke, "sections": {}}
+               "torch": torch.__version__, "smoke": args.smoke, "sections": {}, "warm_up_s": warm_up(device)}
     runs = {"throughput": lambda c, dl: section_throughput(c, device, dtype, dl),
             "decode": lambda c, dl: section_decode(c, device, dtype, dl),
             "prefill": lambda c, dl: section_prefill(c, device, dtype, dl),

@@ -298,3 +298,16 @@ def test_eager_prefill_warm_up_writes_only_the_scratch_block(tok):
     runner._warm_up_eager_prefill()
     assert torch.equal(k, runner.k_cache[:, :-1]) and torch.equal(v, runner.v_cache[:, :-1])
     assert runner.k_cache[:, -1].abs().sum() > 0  # it did run: the scratch block was written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_runners_rope_table_holds_the_models_own_angles(tok, dtype):
+    """The engine reads RoPE's cos and sin from a table by position (one gather a step): every row is, bit for
+    bit, what the model computes for that position; learned positions (GPT-2) have no table."""
+    model = make_model(tok, "tiny-llama").to(dtype)
+    table = model.rope_table(model.cfg.max_seq_len, dtype)
+    positions = torch.tensor([[0, 1, 5, 17, model.cfg.max_seq_len - 1]])
+    cos, sin = model.rope(positions, dtype)
+    assert table.dtype == dtype and torch.equal(table[positions[0], 0], cos[0, :, 0])
+    assert torch.equal(table[positions[0], 1], sin[0, :, 0])
+    assert make_model(tok, "tiny-gpt2").rope_table(8, dtype) is None

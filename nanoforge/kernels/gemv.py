@@ -117,7 +117,7 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
     if interpreting():  # one small configuration: the autotuner would run every one of them on the CPU
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, **meta, BLOCK_N=16, BLOCK_K=32, num_warps=1)
     else:
-        _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=on)
+        _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=bool(on))
     s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
     return out.reshape(*x.shape[:-1], n), s
 
@@ -259,7 +259,7 @@ def _gemv_kernel(
 ):  # fmt: skip
     """Y[:, n] for this program's BLOCK_N outputs n. NORM: x is rms_norm(X + R) with weight G (HAS_RES: the sum
     stored to S, its K tiles shared out among the programs). SWIGLU: outputs silu(x W[n]) * (x W[n + N])."""
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -297,6 +297,7 @@ def _gemv_kernel(
         acc = _dot(xt, tl.load(w_rows + k[:, None], mask=w_mask, other=0.0), acc)  # W tile (BLOCK_K, BLOCK_N)
         if SWIGLU:
             up = _dot(xt, tl.load(w_rows + N * stride_wn + k[:, None], mask=w_mask, other=0.0), up)
+    pdl.leave(PDL)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SWIGLU:
@@ -370,7 +371,8 @@ def _chain_us(make, n_layers: int, x0: torch.Tensor, quick: bool) -> float:
 def bench_rows(quick: bool) -> list[dict]:
     """Each model's decode layers' projections (with the norms, residual adds and SwiGLU between them; attention
     left out), every layer its own weights, at 1 (and, not quick, 8) rows, bf16, replayed from a CUDA graph as
-    the engine replays its decode steps: ours fused without and with programmatic dependent launch, against
+    the engine replays its decode steps: ours fused without and with programmatic dependent launch (released
+    early and late, `kernels/pdl.py`), against
     cuBLAS with the separate norm and SwiGLU kernels, per layer; then each projection alone (a chain of it, one
     weight copy a layer), the same three ways. The autotuner's pick for each shape is printed."""
     from nanoforge.errors import NanoforgeError
@@ -380,7 +382,7 @@ def bench_rows(quick: bool) -> list[dict]:
         raise NanoforgeError("gemv benchmarks need a CUDA GPU", param="kinds")
     rows = []
     saved = os.environ.get("NANOFORGE_PDL")
-    ways = (("cublas", False, "0"), ("ours", True, "0"), ("ours+pdl", True, "1"))
+    ways = (("cublas", False, "0"), ("ours", True, "0"), ("ours+pdl", True, "1"), ("ours+pdl-late", True, "late"))
     try:
         for model, d, qkv, ao, ff, n_layers in BENCH_MODELS:
             for m in (1,) if quick else (1, 8):
@@ -399,7 +401,7 @@ def bench_rows(quick: bool) -> list[dict]:
                     for name, fused, pdl_on in ways:
                         os.environ["NANOFORGE_PDL"] = pdl_on
                         times[name] = _chain_us(lambda: make(fused), n_layers, x0, quick)
-                    for name in ("ours", "ours+pdl"):
+                    for name in ("ours", "ours+pdl", "ours+pdl-late"):
                         rows.append(make_row("gemv", f"{model} {label} {name} {m}x{d}", times[name] / 1000,
                                              times["cublas"] / 1000, "cuBLAS + norm, SwiGLU kernels",
                                              2.0 * m * b / 2, b))

@@ -249,12 +249,12 @@ def _paged_attention_triton(
         out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, SPLIT=num_splits > 1, VARLEN=varlen, PDL=on, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=on,
+        launch_pdl=bool(on),
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits[(total_q, hq)](
             o_part, lse_part, out, out.stride(0), out.stride(1), hq, num_splits,
-            HEAD_D=d, BLOCK_D=block_d, SPLITS_P2=_SPLITS_P2, PDL=on, launch_pdl=on,
+            HEAD_D=d, BLOCK_D=block_d, SPLITS_P2=_SPLITS_P2, PDL=on, launch_pdl=bool(on),
         )  # fmt: skip
     return out
 
@@ -281,7 +281,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     if not VARLEN:  # decode: program i is sequence i's one token
         seq = pid
@@ -343,6 +343,7 @@ def _paged_attn_kernel(
                                      stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                                      HEAD_D == BLOCK_D, True)
 
+    pdl.leave(PDL)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
     o = acc / l_safe[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
@@ -399,7 +400,7 @@ def _combine_splits(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the softmax over the whole context."""
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)

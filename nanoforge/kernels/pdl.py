@@ -8,13 +8,21 @@ touches anything the predecessor wrote, and the predecessor lets it launch early
 (`griddepcontrol.launch_dependents`). CUDA graph capture keeps these edges, so the engine's replayed decode
 graphs run with them.
 
-Every kernel that launches with PDL calls `wait_then_release(PDL)` first, in every program, before it reads
-or writes memory: a kernel that launched early and did not wait could finish before its predecessor, and the
-kernel after it would then wait on the wrong one. Waiting at the very start keeps that rule simple; the gain
-is the launch and scheduling latency hidden behind the predecessor's tail.
+Every kernel that launches with PDL calls `enter(PDL)` first, in every program, before it reads or writes
+memory: a kernel that launched early and did not wait could finish before its predecessor, and the kernel
+after it would then wait on the wrong one. Where it lets its successor launch is the choice of flavour:
 
-NANOFORGE_PDL: `auto` (the default: on for CUDA devices of compute capability 9.0 or newer), `1` (on wherever
-the device supports it), `0` (off).
+- EARLY (`NANOFORGE_PDL=auto` or `1`): at once, after the wait. The successor's programs are resident and
+  waiting when this kernel ends. Measured on the H200 (session 11): batch-1 decode +5% (Llama-3.2-1B), +12%
+  (Qwen3-0.6B).
+- LATE (`NANOFORGE_PDL=late`; not yet measured on a GPU): the big kernels (the skinny matmul, paged attention)
+  let it launch after their main loop (`leave`), the small ones when they exit. Early release lets the
+  successor's programs pile onto the few SMs the running kernel leaves free, two or more to an SM, and a
+  memory-bound one-wave grid is as slow as its most loaded SM: a suspect for the one measurement where PDL
+  lost (a chain of Llama-3.2-1B's fused projections alone, 78.5 us a layer against 58.1 without).
+
+NANOFORGE_PDL: `auto` (the default: EARLY for CUDA devices of compute capability 9.0 or newer), `1` (EARLY
+wherever the device supports it), `late` (LATE there), `0` (off).
 """
 
 from __future__ import annotations
@@ -29,20 +37,27 @@ import triton.language as tl
 from nanoforge.kernels.dispatch import interpreting
 
 
+OFF, EARLY, LATE = 0, 1, 2
+
+
 def mode() -> str:
     m = os.environ.get("NANOFORGE_PDL", "auto").lower()
-    if m not in ("auto", "1", "0"):
+    if m not in ("auto", "1", "late", "0"):
         from nanoforge.errors import NanoforgeError
 
-        raise NanoforgeError(f"NANOFORGE_PDL must be auto, 1 or 0, not {m!r}", param="NANOFORGE_PDL")
+        raise NanoforgeError(f"NANOFORGE_PDL must be auto, 1, late or 0, not {m!r}", param="NANOFORGE_PDL")
     return m
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with PDL (never under the interpreter, never before sm_90)."""
-    if mode() == "0" or t.device.type != "cuda" or interpreting():
-        return False
-    return _supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+def enabled(t: torch.Tensor) -> int:
+    """How kernels on t's device launch: OFF, EARLY or LATE (never under the interpreter, never before sm_90).
+    Kernels take it as their PDL constexpr and launch with `launch_pdl=bool(...)`."""
+    m = mode()
+    if m == "0" or t.device.type != "cuda" or interpreting():
+        return OFF
+    if not _supported(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        return OFF
+    return LATE if m == "late" else EARLY
 
 
 @functools.cache
@@ -51,9 +66,17 @@ def _supported(index: int) -> bool:
 
 
 @triton.jit
-def wait_then_release(PDL: tl.constexpr):
-    """With PDL: wait until the kernel before this one has finished and its writes are visible, then let the
-    kernel after this one launch. A no-op without PDL."""
+def enter(PDL: tl.constexpr):
+    """With PDL: wait until the kernel before this one has finished and its writes are visible (EARLY: then let
+    the kernel after this one launch). A no-op without PDL."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def leave(PDL: tl.constexpr):
+    """LATE: let the kernel after this one launch (a big kernel, after its main loop)."""
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()

@@ -85,7 +85,7 @@ def _fast(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _rms_norm_fwd_kernel(x, res, w, y, h, rstd, N, stride_x, stride_r, stride_y, stride_h, eps,
                          BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """One row per program: y = x * rstd * w (x += res first, stored to h, if HAS_RESIDUAL)."""
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -152,7 +152,7 @@ def _forward(x, residual, weight, eps):
     on = pdl.enabled(x2)
     _rms_norm_fwd_kernel[(rows,)](x2, r2, weight, y, h, rstd, n, x2.stride(0), r2.stride(0), y.stride(0),
                                   h.stride(0), eps, BLOCK_N=block, HAS_RESIDUAL=residual is not None, PDL=on,
-                                  num_warps=warps, launch_pdl=on)
+                                  num_warps=warps, launch_pdl=bool(on))
     return y.view(x.shape), h, rstd
 
 

@@ -130,7 +130,7 @@ def _launch_qkv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out=None, qk_
         cos.stride(0), eps,
         HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HKV=triton.next_power_of_2(Hkv),
         BLOCK_D=triton.next_power_of_2(D // 2), HAS_Q=has_q, HAS_NORM=norm, PDL=on, enable_fp_fusion=False,
-        launch_pdl=on,
+        launch_pdl=bool(on),
     )  # fmt: skip
 
 
@@ -176,7 +176,7 @@ def _qkv_rope_write_kv_kernel(Q, K, V, COS, SIN, QW, KW, QO, KC, VC, SLOTS, HQ, 
                               PDL: tl.constexpr):
     """Token t: its q heads (normalised, rotated) to QO[t] if HAS_Q; its k heads (normalised, rotated) and v heads
     to cache slot SLOTS[t]."""
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = KC.dtype.element_ty
     c1, c2, s1, s2 = _angles(COS, SIN, t * sct, HALF, BLOCK_D)

@@ -101,7 +101,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 def _gumbel_max_blocks(LOGITS, stride, TEMP, SEEDS, DRAWS, BEST, WHERE, V, num_blocks, BLOCK: tl.constexpr,
                        PDL: tl.constexpr):
     """Program (row, b): the best score of vocabulary block b of the row, and where it is."""
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)
     t = tl.load(TEMP + row)
@@ -121,7 +121,7 @@ def _gumbel_max_blocks(LOGITS, stride, TEMP, SEEDS, DRAWS, BEST, WHERE, V, num_b
 @triton.jit
 def _pick_block(BEST, WHERE, OUT, num_blocks, BLOCKS_P2: tl.constexpr, PDL: tl.constexpr):
     """The row's token: the winner of its best block (the first one, on a tie: the smallest index)."""
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCKS_P2)
     ok = offs < num_blocks
@@ -145,7 +145,7 @@ def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
     _gumbel_max_blocks[(rows, num_blocks)](logits, logits.stride(0), temperature.float().contiguous(),
                                            seeds.long().contiguous(), draws.long().contiguous(), best, where, vocab,
                                            num_blocks, BLOCK=block, PDL=on, num_warps=1 if interpreting() else 8,
-                                           launch_pdl=on)
+                                           launch_pdl=bool(on))
     _pick_block[(rows,)](best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)), PDL=on,
-                         launch_pdl=on)
+                         launch_pdl=bool(on))
     return dst if direct or out is None else out.copy_(dst)

@@ -35,7 +35,7 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*h.shape[:-1], f, device=h.device, dtype=h.dtype)
     on = pdl.enabled(h)
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(f, _BLOCK))](rows, out, f, rows.stride(0), BLOCK=_BLOCK, PDL=on,
-                                                              launch_pdl=on)
+                                                              launch_pdl=bool(on))
     return out
 
 
@@ -47,7 +47,7 @@ def _fast(h: torch.Tensor) -> bool:
 
 @triton.jit
 def _silu_mul_kernel(H, OUT, F_, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_then_release(PDL)
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < F_

@@ -237,10 +237,11 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn: AttentionBackend | None = None, *, return_hidden: bool = False) -> torch.Tensor:
+                attn: AttentionBackend | None = None, *, return_hidden: bool = False, rope=None) -> torch.Tensor:
         """input_ids and positions (B, T); returns logits (B, T, V), or the final hidden states.
 
-        Without `positions`, tokens are at 0..T-1; without `attn`, plain causal attention.
+        Without `positions`, tokens are at 0..T-1; without `attn`, plain causal attention. `rope`: the positions'
+        (cos, sin), where the caller has them (the serving engine reads them from its `rope_table`).
         """
         B, T = input_ids.shape
         if positions is None:
@@ -248,7 +249,8 @@ class Transformer(nn.Module):
         if attn is None:
             attn = DenseAttention()
         x = self.embed_inputs(input_ids, positions)
-        rope = self.rotary(positions, x.dtype)
+        if rope is None:
+            rope = self.rotary(positions, x.dtype)
         defer, pending = not torch.is_grad_enabled(), None  # serving: each residual add fused with the next norm
         for layer in self.layers:
             if defer:
@@ -269,6 +271,15 @@ class Transformer(nn.Module):
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype):
         """What attention rotates q and k by: RoPE's (cos, sin), or None for learned positions."""
         return None if self.pos_embed is not None else self.rope(positions, dtype)
+
+    def rope_table(self, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """(n, 2, D): the cos and sin of positions 0..n-1, element for element as `rope` computes them, for a
+        caller that indexes them every step instead (one gather where the formula takes ~7 small kernels);
+        None for learned positions."""
+        if self.pos_embed is not None:
+            return None
+        cos, sin = self.rope(torch.arange(n, device=self.inv_freq.device)[None], dtype)
+        return torch.stack((cos[0, :, 0], sin[0, :, 0]), dim=1)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

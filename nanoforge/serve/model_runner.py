@@ -179,6 +179,7 @@ class ModelRunner:
                                 max_num_tokens=max_num_batched_tokens, graph_sizes=sizes, prefill_buckets=buckets,
                                 pin_memory=cuda)
         self._init_device_batch(max_num_seqs)
+        self.rope_table = model.rope_table(max_model_len, self.dtype)  # RoPE's cos and sin, indexed by position
         self.graphs: dict[tuple[bool, int], Callable[[], None]] = {}  # (decode, tokens) -> replay
         self.graph_replays: dict[tuple[bool, int], int] = {}  # how often each ran (stats, tests)
         self._graph_pool = None  # the memory pool every graph shares (they never run at once)
@@ -301,7 +302,12 @@ class ModelRunner:
         tables = self.table[:, :width].index_select(0, v["row_slot"][:s])
         attn = PagedAttention(self.k_cache, self.v_cache, v["slots"][:n], tables, v["seq_lens"][:s],
                               v["cu_seqlens"][:s + 1], max_q_len=max_q_len)
-        return self.model(self._input_ids(v, n)[None], v["positions"][:n][None], attn, return_hidden=True)[0]
+        positions = v["positions"][:n]
+        rope = None
+        if self.rope_table is not None:
+            cs = self.rope_table[positions]  # (n, 2, D); cos and sin: (1, n, 1, D) views of it
+            rope = cs[None, :, 0:1], cs[None, :, 1:2]
+        return self.model(self._input_ids(v, n)[None], positions[None], attn, return_hidden=True, rope=rope)[0]
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> Launched:
