@@ -43,6 +43,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -275,16 +276,8 @@ def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dic
 
 def with_env(env: dict[str, str], fn):
     """fn() with these environment variables set, restored after."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         return fn()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def _same(a: list[int], b: list[int]) -> int:

@@ -148,8 +148,7 @@ def norm_linear(a: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tens
     (the add + RMSNorm kernel, then `skinny_linear`'s own choice)."""
     if choose(x, weight, bias, swiglu, norm=True, residual=a is not None) == "ours":
         return norm_gemv(a, x, norm_weight, eps, weight, bias, swiglu=swiglu)
-    h, s = add_rms_norm(a, x, norm_weight, eps) if a is not None else (rms_norm(x, norm_weight, eps), x)
-    return skinny_linear(h, weight, bias, swiglu=swiglu), s
+    return _apart(a, x, norm_weight, eps, weight, bias, swiglu)
 
 
 _CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu, norm, residual) -> the faster way
@@ -183,7 +182,7 @@ def _fastest(x, weight, bias, swiglu, norm, residual) -> str:
     if norm:
         g, a = torch.ones(xs.shape[-1], device=xs.device, dtype=xs.dtype), xs.clone() if residual else None
         ways = {"ours": lambda w: norm_gemv(a, xs, g, 1e-6, w, bias, swiglu=swiglu),
-                "cublas": lambda w: _apart(a, xs, g, w, bias, swiglu)}
+                "cublas": lambda w: _apart(a, xs, g, 1e-6, w, bias, swiglu)}
     else:
         ways = {"ours": lambda w: gemv(xs, w, bias, swiglu=swiglu),
                 "cublas": lambda w: _cublas(xs, w, bias, swiglu)}
@@ -196,10 +195,10 @@ def _cublas(x, w, bias, swiglu):
     return silu_mul(y) if swiglu else y
 
 
-def _apart(a, x, g, w, bias, swiglu):
-    """norm_linear's "cublas" way, timed: the norm kernel, then skinny_linear (whose own choice is made first)."""
-    h = add_rms_norm(a, x, g, 1e-6)[0] if a is not None else rms_norm(x, g, 1e-6)
-    return skinny_linear(h, w, bias, swiglu=swiglu)
+def _apart(a, x, g, eps, w, bias, swiglu):
+    """norm_linear's "cublas" way: the add + RMSNorm kernel, then skinny_linear (and its own choice)."""
+    h, s = add_rms_norm(a, x, g, eps) if a is not None else (rms_norm(x, g, eps), x)
+    return skinny_linear(h, w, bias, swiglu=swiglu), s
 
 
 def _graph_us(fn, replays: int = 5) -> float:
@@ -330,39 +329,58 @@ _gemv_tuned = triton.autotune(
 # and SwiGLU fused) and MLP-down
 BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28)]
 
+# the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
+# ours fused without PDL, with it released early and late
+BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
+              "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
+              "ours+pdl-late": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "late"}}
 
-def _layer_ops(d: int, qkv: int, ao: int, ff: int, rows: int, fused: bool, gen: torch.Generator):
-    """One decode layer's projections on fresh bf16 weights: a function of the residual stream and the pending
-    MLP output, returning the next pair, all fused (ours) or apart (cuBLAS)."""
-    dev, bf = "cuda", torch.bfloat16
-    w = [(torch.randn(n, k, generator=gen, device=dev) / k**0.5).to(bf) for n, k in ((qkv, d), (d, ao), (2 * ff, d),
-                                                                                  (d, ff))]
-    g1, g2 = torch.ones(d, device=dev, dtype=bf), torch.ones(d, device=dev, dtype=bf)
-    o = torch.randn(rows, ao, generator=gen, device=dev).to(bf)  # attention's output, which the chain skips
+
+def _weight(n: int, k: int, gen) -> torch.Tensor:
+    return (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
+
+
+def _layer(d: int, qkv: int, ao: int, ff: int, rows: int, gen):
+    """One decode layer's projections on fresh bf16 weights, through the model's own `norm_linear` and
+    `skinny_linear`: (residual stream, pending MLP output) -> the next pair. Attention is left out (its output
+    is a fixed tensor)."""
+    w_qkv, w_o, w_in, w_out = _weight(qkv, d, gen), _weight(d, ao, gen), _weight(2 * ff, d, gen), _weight(d, ff, gen)
+    g = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    o = torch.randn(rows, ao, generator=gen, device="cuda").bfloat16()
 
     def layer(x, m):
-        if fused:
-            x = norm_gemv(m, x, g1, 1e-6, w[0])[1]  # Q/K/V go to attention, left out here
-            a, x = norm_gemv(gemv(o, w[1]), x, g2, 1e-6, w[2], swiglu=True)
-            return x, gemv(a, w[3])
-        h, x = add_rms_norm(m, x, g1, 1e-6)
-        F.linear(h, w[0])
-        h, x = add_rms_norm(F.linear(o, w[1]), x, g2, 1e-6)
-        return x, F.linear(silu_mul(F.linear(h, w[2])), w[3])
+        x = norm_linear(m, x, g, 1e-6, w_qkv)[1]
+        a, x = norm_linear(skinny_linear(o, w_o), x, g, 1e-6, w_in, swiglu=True)
+        return x, skinny_linear(a, w_out)
 
-    return layer, sum(t.numel() * t.element_size() for t in w)
+    return layer
+
+
+def _projection(rows: int, k: int, n: int, swiglu: bool, norm: bool, gen):
+    """One projection as a chain link (x, p) -> (x, p): with `norm`, of the residual x + p normalised (k is the
+    model's width); else of a fixed (rows, k) input."""
+    w, g = _weight(n, k, gen), torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    inp = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+
+    def link(x, p):
+        if norm:
+            return norm_linear(p, x, g, 1e-6, w, swiglu=swiglu)[1], p
+        skinny_linear(inp, w, swiglu=swiglu)
+        return x, p
+
+    return link
 
 
 def _chain_us(make, n_layers: int, x0: torch.Tensor, quick: bool) -> float:
-    """Microseconds a layer of `n_layers` layers from make() (each its own weights), replayed from a CUDA graph."""
+    """Microseconds a layer of `n_layers` links from make() (each its own weights), replayed from a CUDA graph."""
     from nanoforge.kernels.bench import time_ms
 
     stack = [make() for _ in range(n_layers)]
 
     def step():
         x, p = x0, torch.zeros_like(x0)
-        for layer in stack:
-            x, p = layer(x, p)
+        for link in stack:
+            x, p = link(x, p)
         return x
 
     return 1000 * time_ms(step, quick, graph=True) / n_layers
@@ -371,70 +389,33 @@ def _chain_us(make, n_layers: int, x0: torch.Tensor, quick: bool) -> float:
 def bench_rows(quick: bool) -> list[dict]:
     """Each model's decode layers' projections (with the norms, residual adds and SwiGLU between them; attention
     left out), every layer its own weights, at 1 (and, not quick, 8) rows, bf16, replayed from a CUDA graph as
-    the engine replays its decode steps: ours fused without and with programmatic dependent launch (released
-    early and late, `kernels/pdl.py`), against
-    cuBLAS with the separate norm and SwiGLU kernels, per layer; then each projection alone (a chain of it, one
-    weight copy a layer), the same three ways. The autotuner's pick for each shape is printed."""
+    the engine replays its decode steps, each of BENCH_WAYS against cuBLAS, per layer; then each projection alone
+    (a chain of it, one weight copy a layer). The autotuner's pick for each shape is printed."""
+    from unittest import mock
+
     from nanoforge.errors import NanoforgeError
     from nanoforge.kernels.bench import make_row
 
     if not torch.cuda.is_available():
         raise NanoforgeError("gemv benchmarks need a CUDA GPU", param="kinds")
     rows = []
-    saved = os.environ.get("NANOFORGE_PDL")
-    ways = (("cublas", False, "0"), ("ours", True, "0"), ("ours+pdl", True, "1"), ("ours+pdl-late", True, "late"))
-    try:
-        for model, d, qkv, ao, ff, n_layers in BENCH_MODELS:
-            for m in (1,) if quick else (1, 8):
-                gen = torch.Generator(device="cuda").manual_seed(m)
-                x0 = torch.randn(m, d, generator=gen, device="cuda").bfloat16()
-                nbytes = 2 * (qkv * d + d * ao + 2 * ff * d + d * ff)
-                # the layer, then each projection alone: (label, per-layer weight bytes, make(fused))
-                parts = [("layer", nbytes, lambda f: _layer_ops(d, qkv, ao, ff, m, f, gen)[0])]
-                for label, k, n, swiglu, norm in (("qkv+norm", d, qkv, False, True), ("attn-out", ao, d, False, False),
-                                                  ("gate-up+norm+swiglu", d, 2 * ff, True, True),
-                                                  ("down", ff, d, False, False)):
-                    parts.append((label, 2 * n * k, lambda f, k=k, n=n, s=swiglu, nm=norm: _projection(
-                        m, k, n, s, nm, f, d, gen)))
-                for label, b, make in parts:
-                    times = {}
-                    for name, fused, pdl_on in ways:
-                        os.environ["NANOFORGE_PDL"] = pdl_on
-                        times[name] = _chain_us(lambda: make(fused), n_layers, x0, quick)
-                    for name in ("ours", "ours+pdl", "ours+pdl-late"):
-                        rows.append(make_row("gemv", f"{model} {label} {name} {m}x{d}", times[name] / 1000,
-                                             times["cublas"] / 1000, "cuBLAS + norm, SwiGLU kernels",
-                                             2.0 * m * b / 2, b))
-        for key, cfg in _gemv_tuned.cache.items():
-            print(f"  gemv autotune {key}: {cfg}")
-    finally:
-        if saved is None:
-            os.environ.pop("NANOFORGE_PDL", None)
-        else:
-            os.environ["NANOFORGE_PDL"] = saved
+    for model, d, qkv, ao, ff, n_layers in BENCH_MODELS:
+        for m in (1,) if quick else (1, 8):
+            gen = torch.Generator(device="cuda").manual_seed(m)
+            x0 = torch.randn(m, d, generator=gen, device="cuda").bfloat16()
+            # (label, weight bytes a link, make): the whole layer, then each projection alone
+            parts = [("layer", 2 * (qkv * d + d * ao + 2 * ff * d + d * ff), lambda: _layer(d, qkv, ao, ff, m, gen))]
+            parts += [(label, 2 * n * k, lambda k=k, n=n, s=s, nm=nm: _projection(m, k, n, s, nm, gen))
+                      for label, k, n, s, nm in (("qkv+norm", d, qkv, False, True), ("attn-out", ao, d, False, False),
+                                                 ("gate-up+norm+swiglu", d, 2 * ff, True, True),
+                                                 ("down", ff, d, False, False))]
+            for label, b, make in parts:
+                times = {}
+                for name, env in BENCH_WAYS.items():
+                    with mock.patch.dict(os.environ, env):
+                        times[name] = _chain_us(make, n_layers, x0, quick)
+                rows += [make_row("gemv", f"{model} {label} {name} {m}x{d}", times[name] / 1000, times["cublas"] / 1000,
+                                  "cuBLAS + norm, SwiGLU kernels", 2.0 * m * b / 2, b) for name in times if name != "cublas"]
+    for key, cfg in _gemv_tuned.cache.items():
+        print(f"  gemv autotune {key}: {cfg}")
     return rows
-
-
-def _projection(rows: int, k: int, n: int, swiglu: bool, norm: bool, fused: bool, d: int, gen):
-    """One projection as a chain link (x, p) -> (x, p): its input is a fixed (rows, k) tensor, or (norm) the
-    residual x + p normalised, as in `_layer_ops`."""
-    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
-    g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    inp = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
-
-    def link(x, p):
-        if norm:
-            if fused:
-                return norm_gemv(p, x, g, 1e-6, w, swiglu=swiglu)[1], p
-            h, x = add_rms_norm(p, x, g, 1e-6)
-            y = F.linear(h, w)
-            if swiglu:
-                silu_mul(y)
-            return x, p
-        if fused:
-            gemv(inp, w, swiglu=swiglu)
-        else:
-            F.linear(inp, w)
-        return x, p
-
-    return link

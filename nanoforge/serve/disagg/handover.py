@@ -28,10 +28,9 @@ import dataclasses
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.llm_engine import CompletionOutput, RequestOutput
-
-SAVE_TIMEOUT_S = 10.0  # how long a prefill answer waits for its blocks to reach the pool
 from nanoforge.serve.sampling_params import SamplingParams
 
+SAVE_TIMEOUT_S = 10.0  # how long a prefill answer waits for its blocks to reach the pool
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
