@@ -292,6 +292,7 @@ DECODE_VARIANTS = {
     "cublas_only": {"NANOFORGE_GEMV": "0"},  # cuBLAS for every projection, the norms and SwiGLU apart
     "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
     "pdl_late": {"NANOFORGE_PDL": "late"},  # the big kernels let their successor launch after their main loop
+    "no_prefetch": {"NANOFORGE_GEMV_PREFETCH_MB": "0"},  # the skinny matmul does not ask L2 for W before its wait
     "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},

@@ -108,6 +108,22 @@ def test_bad_shapes_raise_one_clear_error():
         gv.norm_gemv(torch.randn(1, 8), torch.randn(1, 16), torch.ones(16), 1e-6, torch.randn(8, 16))
 
 
+def test_the_weight_prefetch_takes_a_share_of_its_budget(monkeypatch):
+    """NANOFORGE_GEMV_PREFETCH_MB bounds the bytes of W a program launched early asks L2 for: every column of a
+    matrix that fits, the first columns of a bigger one in proportion, none at 0; anything else is one error."""
+    from nanoforge.errors import NanoforgeError
+
+    qkv, gate_up = torch.empty(4096, 1024, dtype=torch.bfloat16), torch.empty(16384, 2048, dtype=torch.bfloat16)
+    monkeypatch.delenv("NANOFORGE_GEMV_PREFETCH_MB", raising=False)
+    assert gv.prefetch_k(qkv) == 1024  # 8 MiB: all of it
+    assert gv.prefetch_k(gate_up) == 512  # 64 MiB: 16 / 64 of its 2,048 columns
+    monkeypatch.setenv("NANOFORGE_GEMV_PREFETCH_MB", "0")
+    assert gv.prefetch_k(qkv) == 0
+    monkeypatch.setenv("NANOFORGE_GEMV_PREFETCH_MB", "lots")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_PREFETCH_MB must be a number of MiB, not 'lots'"):
+        gv.prefetch_k(qkv)
+
+
 def _launches(monkeypatch):
     """Record every kernel launch as (norm, residual, swiglu)."""
     calls, real = [], gv._launch
@@ -205,7 +221,7 @@ def test_gpu_model_shapes_bf16(poisoned, k, n):
 @pytest.mark.gpu
 def test_gpu_auto_times_each_shape_once_and_every_way_is_right(monkeypatch):
     """On the GPU the choice is timed (a real measurement: some way wins), once per shape, and whichever way
-    it picks gives the reference's answer to bf16 rounding."""
+    it picks gives the reference's answer to bf16 rounding; the time it took is counted in `tuning_s`."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
     monkeypatch.delenv("NANOFORGE_GEMV", raising=False)
@@ -218,12 +234,16 @@ def test_gpu_auto_times_each_shape_once_and_every_way_is_right(monkeypatch):
         w = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).bfloat16()
         x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
         a, g = torch.randn_like(x), torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        tuned = []
         for _ in range(2):
+            tuned.append(gv.tuning_s())
             if norm:
                 got = gv.norm_linear(a, x, g, 1e-6, w, swiglu=swiglu)[0].double()
                 want = norm_reference(a, x, g, 1e-6, w, None, swiglu)[0]
             else:
                 got, want = gv.skinny_linear(x, w, swiglu=swiglu).double(), reference(x, w, None, swiglu)
             assert ((got - want).norm() / want.norm()).item() < 1e-2, (k, n, swiglu)
+        # the first call's timing is counted as tuning (what a server's first line reports); the second tunes nothing
+        assert tuned[1] > tuned[0] and gv.tuning_s() == tuned[1], (k, n, tuned)
         assert gv.choose(x, w, None, swiglu, norm=norm, residual=norm) in ("cublas", "ours")
     assert len(timed) >= 3  # the three shapes (the separate way's own projection choice times more)

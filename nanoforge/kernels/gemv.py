@@ -15,7 +15,9 @@ What a decode layer does around its projections rides along, so that a layer is 
 - `swiglu=True`: silu(gate) * up in the epilogue: W is the fused (2F, K) gate-and-up matrix, each program
   computes gate rows [n, n + BLOCK_N) and the matching up rows, and writes F outputs, rounded as
   `F.linear` then `swiglu.silu_mul` round them.
-- every kernel launches with programmatic dependent launch where the device has it (`kernels/pdl.py`).
+- every kernel launches with programmatic dependent launch where the device has it (`kernels/pdl.py`), and,
+  launched early, asks L2 for its first W tiles (`prefetch_k` of them, up to 16 MiB a matrix) before it waits
+  for its predecessor: W is no kernel's output, so the stream from HBM starts while the kernel before it ends.
 
 References: `gemv_ref` (`F.linear`, then `silu_mul_ref` with swiglu) and `norm_gemv_ref` (`add_rms_norm_ref`
 first). The fast path runs outside autograd, for at most MAX_ROWS rows of a 16/32-bit float dtype; anything
@@ -33,6 +35,7 @@ the default), `1` (this kernel wherever it fits), `0` (cuBLAS only).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -111,15 +114,35 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
     on = pdl.enabled(rows)
     args = (rows, res if res is not None else rows, norm_weight.contiguous() if norm_weight is not None else rows,
             summed if summed is not None else out, weight, bias if bias is not None else out, out, m, n, k,
-            rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), float(eps))
+            rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), float(eps),
+            prefetch_k(weight) if on else 0)
     meta = {"NORM": norm_weight is not None, "HAS_RES": res is not None, "SWIGLU": swiglu,
-            "HAS_BIAS": bias is not None, "PDL": on, "BLOCK_M": max(16, triton.next_power_of_2(m))}
+            "HAS_BIAS": bias is not None, "PDL": on, "LINE": 128 // weight.element_size(),
+            "BLOCK_M": max(16, triton.next_power_of_2(m))}
     if interpreting():  # one small configuration: the autotuner would run every one of them on the CPU
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, **meta, BLOCK_N=16, BLOCK_K=32, num_warps=1)
     else:
+        tuned, started = len(_gemv_tuned.cache), time.perf_counter()
         _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=bool(on))
+        if len(_gemv_tuned.cache) != tuned and not _TUNING["choosing"]:  # this call compiled and timed configurations
+            _TUNING["s"] += time.perf_counter() - started
     s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
     return out.reshape(*x.shape[:-1], n), s
+
+
+def prefetch_k(weight: torch.Tensor) -> int:
+    """How many of W's K columns (every row's first ones) a program launched early asks L2 for before it waits:
+    all of them for a matrix of at most NANOFORGE_GEMV_PREFETCH_MB (default 16, a third of the H200's L2; 0 turns
+    the prefetch off), a matching share of a larger one (Llama-3.2-1B's gate-and-up, 64 MiB: its first 512)."""
+    mb = os.environ.get("NANOFORGE_GEMV_PREFETCH_MB", "16")
+    try:
+        budget = float(mb) * (1 << 20)
+    except ValueError:
+        from nanoforge.errors import NanoforgeError
+
+        raise NanoforgeError(f"NANOFORGE_GEMV_PREFETCH_MB must be a number of MiB, not {mb!r}",
+                             param="NANOFORGE_GEMV_PREFETCH_MB") from None
+    return max(0, min(weight.shape[1], int(budget // (weight.shape[0] * weight.element_size()))))
 
 
 def mode() -> str:
@@ -152,6 +175,14 @@ def norm_linear(a: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tens
 
 
 _CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu, norm, residual) -> the faster way
+_TUNING = {"s": 0.0, "choosing": False}
+
+
+def tuning_s() -> float:
+    """Seconds this process has spent tuning the skinny matmul: autotuning (compiling and timing each
+    configuration for a new shape) and timing the per-shape choice against cuBLAS. A fresh engine's start pays
+    them in its warm-up; what the server's first line reports."""
+    return _TUNING["s"]
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, *, norm: bool,
@@ -165,7 +196,12 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swi
     if way is None:
         if not _can_time(x):
             return "cublas"  # nothing to time here (the interpreter; inside a capture): the library's
-        way = _CHOICES[key] = _fastest(x, weight, bias, swiglu, norm, residual)
+        started, _TUNING["choosing"] = time.perf_counter(), True
+        try:
+            way = _CHOICES[key] = _fastest(x, weight, bias, swiglu, norm, residual)
+        finally:
+            _TUNING["s"] += time.perf_counter() - started
+            _TUNING["choosing"] = False
     return way
 
 
@@ -252,22 +288,31 @@ def _residual_tile(X, R, k, mask, HAS_RES: tl.constexpr, ty: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, R, G, S, W, B, Y, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
+    X, R, G, S, W, B, Y, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps, PREFETCH_K,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Y[:, n] for this program's BLOCK_N outputs n. NORM: x is rms_norm(X + R) with weight G (HAS_RES: the sum
-    stored to S, its K tiles shared out among the programs). SWIGLU: outputs silu(x W[n]) * (x W[n + N])."""
-    pdl.enter(PDL)
+    stored to S, its K tiles shared out among the programs). SWIGLU: outputs silu(x W[n]) * (x W[n + N]).
+    With PDL, the program first asks L2 for its rows' first PREFETCH_K columns of W (LINE elements a line)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = W + offs_n[None, :].to(tl.int64) * stride_wn
+    if PDL:  # launched early: no kernel writes W, so it can stream in while the kernel before this one finishes
+        lines = tl.arange(0, BLOCK_K // LINE) * LINE
+        for k0 in range(0, PREFETCH_K, BLOCK_K):
+            kk = k0 + lines
+            at = tl.where((kk < PREFETCH_K)[:, None] & n_ok[None, :], w_rows + kk[:, None], W)
+            pdl.prefetch_l2(at)
+            if SWIGLU:
+                pdl.prefetch_l2(at + N * stride_wn)
+    pdl.enter(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
     m_ok = offs_m < M
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
     r_rows = R + offs_m[:, None].to(tl.int64) * stride_rm
-    w_rows = W + offs_n[None, :].to(tl.int64) * stride_wn
     ty = Y.dtype.element_ty
     if NORM:  # first pass: each row's 1/rms (the rows are a few KB, read again from cache below)
         ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -312,10 +357,15 @@ def _gemv_kernel(
 # Rows per program trade parallelism (N / BLOCK_N programs over 132 SMs) against the loads each one keeps in
 # flight; the autotuner picks per (N, K, rows, fusion) on the first call, which the engine makes before it captures.
 # PDL is not in the key: a configuration is timed as the kernel runs alone, whether or not it later launches early.
+# Three configurations, not session 10's eight: each is a compile per constexpr variant at a fresh server's start
+# (the suspect for the README's first run on the H200 taking 207 s to its answer in session 11, 88 in session 8;
+# `tuning_s` says). Session 12's H200 picks were
+# 32 x 256 wherever K <= 2,048 and 16 x 512 for MLP-down; session 11's tuner took 64 x 256 and 128 x 128 once each
+# (Llama's gate-and-up, Qwen3's Q/K/V: 28.3 and 10.1 us a layer), which session 12 measured slower than 32 x 256
+# (26.4 and 7.0 us): noise in timing ~5 us kernels, which fewer candidates also cut down.
+GEMV_CONFIGS = ((32, 256, 4, 4), (16, 512, 4, 3), (16, 256, 4, 4))  # BLOCK_N, BLOCK_K, warps, stages
 _gemv_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-             for bn, bk, w, s in ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4),
-                                  (32, 128, 4, 5), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3))],
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in GEMV_CONFIGS],
     key=["N", "K", "BLOCK_M", "SWIGLU", "NORM", "HAS_RES"],
 )(_gemv_kernel)
 
@@ -330,10 +380,11 @@ _gemv_tuned = triton.autotune(
 BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28)]
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
-# ours fused without PDL, with it released early and late
+# ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not) and late
 BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
               "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
-              "ours+pdl-late": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "late"}}
+              "ours+pdl-late": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "late"},
+              "ours+pdl-no-prefetch": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_PREFETCH_MB": "0"}}
 
 
 def _weight(n: int, k: int, gen) -> torch.Tensor:

@@ -301,6 +301,14 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
          **_i32("HQ", "HKV", "sqt", "sqh", "skt", "skh", "svt", "svh", "sct"), "eps": "fp32"},
         {"HALF": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 8, "BLOCK_D": 64, "HAS_Q": True, "HAS_NORM": True, "PDL": False},
     ),
+    "gemv_decode": TritonKernel(  # Llama's gate-and-up at one row: the norm prologue, SwiGLU, PDL and W's prefetch
+        "nanoforge.kernels.gemv:_gemv_kernel",
+        {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")}, **_i32("M", "N", "K"),
+         **_i32("stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym"), "eps": "fp32", "PREFETCH_K": "i32"},
+        {"NORM": True, "HAS_RES": True, "SWIGLU": True, "HAS_BIAS": False, "PDL": 1, "LINE": 64, "BLOCK_M": 16,
+         "BLOCK_N": 32, "BLOCK_K": 256},
+        num_warps=4, num_stages=4,
+    ),
     "rmsnorm_fwd": TritonKernel(
         "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",
         {"x": "*bf16", "res": "*bf16", "w": "*bf16", "y": "*bf16", "h": "*bf16", "rstd": "*fp32",

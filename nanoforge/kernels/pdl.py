@@ -8,9 +8,11 @@ touches anything the predecessor wrote, and the predecessor lets it launch early
 (`griddepcontrol.launch_dependents`). CUDA graph capture keeps these edges, so the engine's replayed decode
 graphs run with them.
 
-Every kernel that launches with PDL calls `enter(PDL)` first, in every program, before it reads or writes
-memory: a kernel that launched early and did not wait could finish before its predecessor, and the kernel
-after it would then wait on the wrong one. Where it lets its successor launch is the choice of flavour:
+Every kernel that launches with PDL calls `enter(PDL)` in every program before it reads memory another kernel
+may write, and before it writes any: a kernel that launched early and did not wait could finish before its
+predecessor, and the kernel after it would then wait on the wrong one. What no kernel writes may be touched
+before the wait: the skinny matmul asks L2 for its weights there (`prefetch_l2`), so that a kernel launched
+early spends its predecessor's last microseconds streaming them in. Where it lets its successor launch is the choice of flavour:
 
 - EARLY (`NANOFORGE_PDL=auto` or `1`): at once, after the wait. The successor's programs are resident and
   waiting when this kernel ends. Measured on the H200 (session 11): batch-1 decode +5% (Llama-3.2-1B), +12%
@@ -80,3 +82,13 @@ def leave(PDL: tl.constexpr):
     """LATE: let the kernel after this one launch (a big kernel, after its main loop)."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at `ptrs` (one address per 128-byte line is enough), not waiting for them: what a
+    kernel launched early may do before `enter` with memory that no kernel writes (a decode step's weights), so
+    that its first loads after the wait hit L2 while the kernel before it was still finishing."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import gemv
 from nanoforge.model.hf import load_model
 from nanoforge.model.transformer import Transformer
 from nanoforge.runtime import pick_device, pick_dtype
@@ -157,11 +158,12 @@ class LLMEngine:
             block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
             eos_token_ids=tuple(sorted(eos)), vocab_size=cfg.vocab_size))
-        started = time.monotonic()
+        started, tuned = time.monotonic(), gemv.tuning_s()
         self.runner = make_runner(model, config, self.max_model_len, num_gpu_blocks, num_cpu_blocks, self.tp)
         # the cache, the device batch, every CUDA graph captured and what their warm-up tunes (kernels
         # autotuned, decode projections timed per shape): what a server start waits for
         self.runner_start_s = time.monotonic() - started
+        self.runner_tuning_s = gemv.tuning_s() - tuned  # of which the skinny matmul's tuning
         self.async_scheduling = check_async_scheduling(config, self.runner.device, kv_pool)
         self._in_flight: collections.deque[tuple[SchedulerOutput, Launched, float]] = collections.deque()
         self.step_stats = StepStats()

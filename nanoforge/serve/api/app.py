@@ -211,4 +211,5 @@ def run_server(args, on_ready=None) -> int:
 
 def start_line(engine: LLMEngine) -> str:
     """What the engine's start cost, for the server's first line."""
-    return f"engine started in {engine.runner_start_s:.1f} s, {len(engine.runner.graphs)} CUDA graphs"
+    return (f"engine started in {engine.runner_start_s:.1f} s ({engine.runner_tuning_s:.1f} s tuning the skinny "
+            f"matmul), {len(engine.runner.graphs)} CUDA graphs")
