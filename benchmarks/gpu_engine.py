@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanoforge.kernels import gemv  # noqa: E402
 from nanoforge.kernels.rope import apply_rope_ref  # noqa: E402  (the reference in plain PyTorch)
 from nanoforge.model.config import preset  # noqa: E402
 from nanoforge.model.transformer import Transformer  # noqa: E402
@@ -293,6 +294,7 @@ DECODE_VARIANTS = {
     "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
     "pdl_late": {"NANOFORGE_PDL": "late"},  # the big kernels let their successor launch after their main loop
     "no_prefetch": {"NANOFORGE_GEMV_PREFETCH_MB": "0"},  # the skinny matmul does not ask L2 for W before its wait
+    "wide_configs": {"NANOFORGE_GEMV_CONFIGS": "wide"},  # its autotuner over session 10's eight candidates
     "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},
@@ -330,7 +332,8 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                                              "ratio": run["tok_s"] / ref["tok_s"],
                                              "hbm_fraction": per_token * run["tok_s"] / hbm,
                                              "greedy_tokens_identical_to_ours": _same(run["tokens"], ours["tokens"])}
-                                         for v, run in runs.items()}}
+                                         for v, run in runs.items()},
+                            "gemv": gemv.decisions()}  # per shape: the autotuner's picks, cuBLAS or ours
         del model
         free_memory(device)
         print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s, gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "

@@ -110,7 +110,8 @@ def test_bad_shapes_raise_one_clear_error():
 
 def test_the_weight_prefetch_takes_a_share_of_its_budget(monkeypatch):
     """NANOFORGE_GEMV_PREFETCH_MB bounds the bytes of W a program launched early asks L2 for: every column of a
-    matrix that fits, the first columns of a bigger one in proportion, none at 0; anything else is one error."""
+    matrix that fits, the first columns of a bigger one in proportion, none at 0; anything else is one error (as
+    for NANOFORGE_GEMV_CONFIGS, the autotuner's candidates)."""
     from nanoforge.errors import NanoforgeError
 
     qkv, gate_up = torch.empty(4096, 1024, dtype=torch.bfloat16), torch.empty(16384, 2048, dtype=torch.bfloat16)
@@ -122,6 +123,9 @@ def test_the_weight_prefetch_takes_a_share_of_its_budget(monkeypatch):
     monkeypatch.setenv("NANOFORGE_GEMV_PREFETCH_MB", "lots")
     with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_PREFETCH_MB must be a number of MiB, not 'lots'"):
         gv.prefetch_k(qkv)
+    monkeypatch.setenv("NANOFORGE_GEMV_CONFIGS", "all")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_CONFIGS must be default or wide, not 'all'"):
+        gv.configs()
 
 
 def _launches(monkeypatch):

@@ -122,9 +122,10 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
     if interpreting():  # one small configuration: the autotuner would run every one of them on the CPU
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, **meta, BLOCK_N=16, BLOCK_K=32, num_warps=1)
     else:
-        tuned, started = len(_gemv_tuned.cache), time.perf_counter()
-        _gemv_tuned[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=bool(on))
-        if len(_gemv_tuned.cache) != tuned and not _TUNING["choosing"]:  # this call compiled and timed configurations
+        kernel = _TUNED[configs()]
+        tuned, started = len(kernel.cache), time.perf_counter()
+        kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=bool(on))
+        if len(kernel.cache) != tuned and not _TUNING["choosing"]:  # this call compiled and timed configurations
             _TUNING["s"] += time.perf_counter() - started
     s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
     return out.reshape(*x.shape[:-1], n), s
@@ -174,7 +175,7 @@ def norm_linear(a: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tens
     return _apart(a, x, norm_weight, eps, weight, bias, swiglu)
 
 
-_CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu, norm, residual) -> the faster way
+_CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu, norm, residual, configs) -> the faster way
 _TUNING = {"s": 0.0, "choosing": False}
 
 
@@ -191,7 +192,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swi
     if m != "auto":
         return "cublas" if m == "0" else "ours"
     rows = x.numel() // x.shape[-1]
-    key = (str(x.device), x.dtype, rows, *weight.shape[::-1], bias is not None, swiglu, norm, residual)
+    key = (str(x.device), x.dtype, rows, *weight.shape[::-1], bias is not None, swiglu, norm, residual, configs())
     way = _CHOICES.get(key)
     if way is None:
         if not _can_time(x):
@@ -363,11 +364,31 @@ def _gemv_kernel(
 # 32 x 256 wherever K <= 2,048 and 16 x 512 for MLP-down; session 11's tuner took 64 x 256 and 128 x 128 once each
 # (Llama's gate-and-up, Qwen3's Q/K/V: 28.3 and 10.1 us a layer), which session 12 measured slower than 32 x 256
 # (26.4 and 7.0 us): noise in timing ~5 us kernels, which fewer candidates also cut down.
-GEMV_CONFIGS = ((32, 256, 4, 4), (16, 512, 4, 3), (16, 256, 4, 4))  # BLOCK_N, BLOCK_K, warps, stages
-_gemv_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in GEMV_CONFIGS],
+# NANOFORGE_GEMV_CONFIGS=wide tunes over session 10's eight instead (a measurement lever: what the three cost).
+GEMV_CONFIGS = {"default": ((32, 256, 4, 4), (16, 512, 4, 3), (16, 256, 4, 4)),  # BLOCK_N, BLOCK_K, warps, stages
+                "wide": ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (32, 128, 4, 5),
+                         (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3))}
+_TUNED = {name: triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in cfgs],
     key=["N", "K", "BLOCK_M", "SWIGLU", "NORM", "HAS_RES"],
-)(_gemv_kernel)
+)(_gemv_kernel) for name, cfgs in GEMV_CONFIGS.items()}
+
+
+def configs() -> str:
+    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (three) or "wide" (eight)."""
+    c = os.environ.get("NANOFORGE_GEMV_CONFIGS", "default").lower()
+    if c not in GEMV_CONFIGS:
+        from nanoforge.errors import NanoforgeError
+
+        raise NanoforgeError(f"NANOFORGE_GEMV_CONFIGS must be default or wide, not {c!r}", param="NANOFORGE_GEMV_CONFIGS")
+    return c
+
+
+def decisions() -> dict:
+    """What this process has decided per shape: the autotuner's pick for each key (per candidate set) and the
+    way `choose` took for each projection (benchmarks print them beside their numbers)."""
+    return {"picks": {f"{name} {key}": str(cfg) for name, t in _TUNED.items() for key, cfg in t.cache.items()},
+            "ways": {str(key): way for key, way in _CHOICES.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,6 +488,6 @@ def bench_rows(quick: bool) -> list[dict]:
                         times[name] = _chain_us(make, n_layers, x0, quick)
                 rows += [make_row("gemv", f"{model} {label} {name} {m}x{d}", times[name] / 1000, times["cublas"] / 1000,
                                   "cuBLAS + norm, SwiGLU kernels", 2.0 * m * b / 2, b) for name in times if name != "cublas"]
-    for key, cfg in _gemv_tuned.cache.items():
+    for key, cfg in decisions()["picks"].items():
         print(f"  gemv autotune {key}: {cfg}")
     return rows

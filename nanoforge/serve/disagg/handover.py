@@ -89,9 +89,7 @@ class OutputEncoder:
         completions = []
         for c in out.outputs:
             text, toks = self.sent.get(c.index, ("", 0))
-            keep = 0  # the longest common prefix of what was sent and the text now
-            while keep < min(len(text), len(c.text)) and text[keep] == c.text[keep]:
-                keep += 1
+            keep = _common_prefix(text, c.text)
             completions.append({"index": c.index, "text_from": keep, "text": c.text[keep:],
                                 "token_ids": c.token_ids[toks:],
                                 "logprobs": c.logprobs[toks:] if c.logprobs is not None else None,
@@ -103,6 +101,24 @@ class OutputEncoder:
             event["prompt_logprobs"] = out.prompt_logprobs
         self.first = False
         return event
+
+
+def _common_prefix(sent: str, text: str) -> int:
+    """The length of the longest common prefix of the text sent and the text now. Almost always all that was
+    sent (the text grew): one C-speed check, where a character loop made every event cost the whole output so far
+    (1.7 us a token held, on the decode instance's event loop: session 12's 1P+1D time per token). The text
+    changes behind what was sent only when a stop string cuts it or a character the detokenizer held back
+    resolves differently: then the first difference, halving on slices."""
+    if text.startswith(sent):
+        return len(sent)
+    lo, hi = 0, min(len(sent), len(text))  # sent[:lo] == text[:lo]; the first difference is before hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sent[:mid] == text[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class OutputDecoder:
