@@ -155,6 +155,74 @@ def test_a_pool_hit_computes_only_the_uncached_tokens_and_pays_the_transfer():
     assert sim.requests[1].cached_tokens == 0
 
 
+def test_a_decode_instance_pays_for_its_hand_over_events_by_the_output_it_holds():
+    """stream_per_output_token_s 1 ms: each sampled chunk on a decode instance costs 1 ms more per output token its
+    request holds before the step (the text `OutputEncoder` compares), as host time after the model's step.
+    One request, 100 prompt tokens, 5 out, 1P+1D (the timeline of test_one_request_colocated_and_disaggregated):
+    load 6 blocks 0.008; the 5-token chunk 0.015 + 1 token held (the hand-over's) 0.001; then 3 decodes of 0.006
+    holding 2, 3 and 4 tokens: 0.008, 0.009, 0.010. Colocated instances stream no hand-over events."""
+    rows = [row(0, 100, 5, [0, 1])]
+    r = run(rows, profile(stream_per_output_token_s=0.001), prefill=1, decode=1).results[0]
+    ttft, decode = 0.110 + 0.008, 0.008 + 0.016 + 0.008 + 0.009 + 0.010
+    assert (r.ttft_ms, r.tpot_ms, r.e2e_ms) == (ms(ttft), ms(decode / 4), ms(ttft + decode))
+    r = run(rows, profile(stream_per_output_token_s=0.001), colocated=1).results[0]
+    assert (r.ttft_ms, r.tpot_ms) == (ms(0.110), ms(0.006))
+
+
+def test_a_steps_host_part_leaves_the_shared_gpu_to_others():
+    """X's step: 4 ms on the device, then 10 ms of host work; Y's: 10 ms on the device; both start at 0 on one GPU.
+    0-8 ms both device parts share it (4 ms each): X's is done at 8, its host work runs 8-18 off the GPU, and Y has
+    the GPU alone for its last 6 ms: done at 14. (Were X's host work on the GPU: Y done at 20, X at 24.)"""
+    from collections import deque
+
+    from nanoforge.sim.cluster import Clock
+    from nanoforge.sim.instance import SharedGPU, SimInstance
+
+    clock, ends = Clock(), {}
+
+    class Inst:
+        def __init__(self, name, device, host):
+            self.name, self.sim, self.in_flight = name, type("S", (), {"clock": clock}), deque([(None, device, host)])
+
+        def _device_done(self, now, out):
+            SimInstance._device_done(self, now, out)
+
+        def _end_step(self, now, out):
+            ends[self.name] = now
+
+    gpu = SharedGPU(clock)
+    for inst in (Inst("X", 0.004, 0.010), Inst("Y", 0.010, 0.0)):
+        gpu.start(0.0, inst, inst.in_flight[0][1], None)
+    clock.run()
+    assert ends == {"X": pytest.approx(0.018), "Y": pytest.approx(0.014)}
+
+
+def test_calls_share_the_connectors_staging_buffer():
+    """As KVConnector._reserve: a call holds its blocks' staging slots until it is done. 10 slots; three prompts of
+    8 full blocks saved at once: A takes 8 (its put 0-10 ms), B the 2 left (cut short: its 2 leading blocks,
+    10-14 ms; "skipped"), C none (not saved; the hand-over does not wait for it). Once A is done its 8 slots are
+    free again: D's 8 blocks go (14-24 ms, behind B)."""
+    from types import SimpleNamespace
+
+    from nanoforge.sim.cluster import Clock
+    from nanoforge.sim.pool import KVPool, SimConnector
+
+    sim = SimpleNamespace(clock=Clock(), transfer_time=lambda n: 0.002 + 0.001 * n)
+    conn = SimConnector(sim, KVPool(None), SimpleNamespace(block_size=16), load=False, save=True, staging_blocks=10,
+                        on_ready=None)
+
+    def prompt(first):
+        return SimpleNamespace(num_prompt_tokens=128, block_hashes=list(range(first, first + 8)))
+
+    a, b, c = conn.save_prompt(prompt(0)), conn.save_prompt(prompt(10)), conn.save_prompt(prompt(20))
+    assert (len(a.hashes), b.hashes, c) == (8, [10, 11], None) and conn.counters["skipped"] == 2
+    done = {}
+    a.on_done.append(lambda now: done.setdefault("D", conn.save_prompt(prompt(30))))
+    sim.clock.run()
+    d = done["D"]
+    assert (b.done, len(d.hashes), conn.free_slots, conn.busy_s) == (True, 8, 10, pytest.approx(0.024))
+
+
 def test_the_connector_runs_loads_ahead_of_queued_saves():
     """As the engine's connector: a load that arrives while saves wait goes next (a load holds a request up
     before its prefill, a save only its hand-over). Two 10-block puts and a get submitted at once: the first
@@ -439,6 +507,26 @@ def test_profile_budget_leaves_out_the_most_expensive_points():
     prefill, decode, skipped = measure_steps(engine, prefill_tokens=(16,), prefill_cached=(0,), decode_batch=(1,),
                                              decode_context=(32,), budget_s=1e-9)
     assert (prefill, decode, skipped) == ([], [], {"prefill": [[16, 0]], "decode": [[1, 32]]})
+
+
+def test_the_hand_over_stream_is_measured_on_the_engines_outputs():
+    """`measure_stream` on the CPU engine: every 32nd hand-over event of the engine's own outputs is timed, and
+    `frontend_section` keeps the slope over the output held as stream_per_output_token_s (the line through two
+    points; its growth is not asserted: one character a token is within a CPU's noise)."""
+    from nanoforge.model.config import preset
+    from nanoforge.model.transformer import Transformer
+    from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
+    from nanoforge.sim.measure import frontend_section, measure_stream
+    from nanoforge.tokenizer import Tokenizer
+
+    tok = Tokenizer.char_level("abcdefghijklmnopqrstuvwxyz ")
+    engine = LLMEngine(Transformer(preset("tiny-qwen3", vocab_size=tok.vocab_size)).eval(), None,
+                       EngineConfig(num_gpu_blocks=64, max_model_len=512, device="cpu", dtype="float32"))
+    samples = measure_stream(engine, tok, requests=2, prompt_len=8, output_len=96, every=32, repeats=3)
+    assert [s["tokens"] for s in samples] == [32, 64]
+    frontend = {"prompt_len": 512, "output_len": 32, "ttft_s": 0.01, "tpot_s": {"1": 0.01}, "stream": samples}
+    slope = frontend_section(profile(), frontend)["stream_per_output_token_s"]
+    assert slope == pytest.approx(max(0.0, (samples[1]["seconds"] - samples[0]["seconds"]) / 32))
 
 
 def test_validate_replays_the_runs_requests(tmp_path):

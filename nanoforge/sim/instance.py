@@ -2,13 +2,15 @@
 
 `LLMEngine.step()` without the model: take the requests whose pool loads are back (`SimConnector`), ask the
 scheduler for the step (continuous batching, chunked prefill, prefix caching, preemption: all the engine's own
-code), let the step take `Profile.step_time(out)` seconds, then save the prompts it finished to the pool and
-report one token per chunk that samples (`Scheduler.update`). The token is the request's own non-end id, so a
-request runs to its `max_tokens`.
+code), let the step take `Profile.step_parts(out)` seconds (its device part, then its host part: the server's
+work for the tokens it streams; a decode instance's hand-over events included), then save the prompts it
+finished to the pool and report one token per chunk that samples (`Scheduler.update`). The token is the
+request's own non-end id, so a request runs to its `max_tokens`.
 
 Instances that share a GPU (`gpu`, a `SharedGPU`: processes on one GPU, which time-slices between them) share
-it equally while more than one has a step on it (processor sharing): a step of s seconds alone takes 2s beside
-another instance's step for as long as both run.
+it equally while more than one has a step's device part on it (processor sharing): a step of s seconds alone
+takes 2s beside another instance's step for as long as both run. The host part holds no GPU (it is Python in the
+instance's own process), so a decode instance streaming its tokens leaves the GPU to a prefill instance.
 
 An instance that schedules a step ahead (`ahead`: the engine's asynchronous scheduling, on a GPU wherever no
 pool saves block it: colocated without a pool, decode instances) keeps two steps in flight as the engine does:
@@ -38,6 +40,7 @@ class SharedGPU:
         self.version = 0  # the planned completion event that is still valid
 
     def start(self, now: float, inst, seconds: float, out) -> None:
+        """`inst`'s step `out` needs `seconds` of the whole GPU; `inst._device_done(t, out)` when it has had them."""
         self._advance(now)
         self.running[inst] = [seconds, out]
         self._plan(now)
@@ -63,7 +66,7 @@ class SharedGPU:
         self._advance(now)
         _, out = self.running.pop(inst)
         self._plan(now)
-        inst._end_step(now, out)
+        inst._device_done(now, out)
 
 
 class SimInstance:
@@ -77,7 +80,9 @@ class SimInstance:
                                           load=role == "decode" or pool.cache, save=role != "decode",
                                           staging_blocks=staging_blocks, on_ready=self.kick)
         self.gpu = gpu
-        self.in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # launched, not yet collected (+ seconds)
+        self.in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()  # launched, not collected (+ device
+        # and host seconds)
+        self.stream = role == "decode"  # streams its tokens to the conductor as hand-over events
         self.depth = 1 + (ahead and (pool is None or role == "decode"))  # steps in flight at most
         self.requests: dict[str, object] = {}  # request id -> the simulator's request state
         self.busy_s = 0.0
@@ -123,11 +128,11 @@ class SimInstance:
             self.sim.on_error(now, self, self.requests.pop(group.request_id), group.error)
         if out.is_empty:
             return False
-        seconds = self.sim.profile.step_time(out)
-        self.in_flight.append((out, seconds))
+        device, host = self.sim.profile.step_parts(out, stream=self.stream)
+        self.in_flight.append((out, device, host))
         if len(self.in_flight) == 1:  # else it starts when the step ahead of it ends
             self._run(now)
-        self.busy_s += seconds
+        self.busy_s += device + host
         self.steps += 1
         used = self.scheduler.block_manager.num_used_blocks
         self.peak_blocks = max(self.peak_blocks, used)
@@ -135,12 +140,20 @@ class SimInstance:
 
     def _run(self, now: float) -> None:
         """The oldest step in flight goes onto the device."""
-        out, seconds = self.in_flight[0]
+        out, device, host = self.in_flight[0]
         self._on_device_at = now
         if self.gpu is None:
-            self.sim.clock.at(now + seconds, self._end_step, out)
+            self.sim.clock.at(now + device + host, self._end_step, out)
         else:
-            self.gpu.start(now, self, seconds, out)
+            self.gpu.start(now, self, device, out)
+
+    def _device_done(self, now: float, out: SchedulerOutput) -> None:
+        """The shared GPU has run the step's device part; its host part follows, off the GPU."""
+        host = self.in_flight[0][2]
+        if host:
+            self.sim.clock.at(now + host, self._end_step, out)
+        else:
+            self._end_step(now, out)
 
     def _end_step(self, now: float, out: SchedulerOutput) -> None:
         self.in_flight.popleft()

@@ -22,7 +22,8 @@ and every sample are kept in the JSON. With `--pool`, the KV transfer is measure
 a `mooncake_master` on loopback, a second process holding the pool's memory (as a peer instance does), and
 this one moving whole blocks (header + K and V of every layer, as the KV connector does) with one batched
 `put_from` / `get_into` per size; without it the transfer section is derived from `--link-gbs` and says so.
-With `--frontend`, what serving adds is measured through the real server (`measure_frontend`).
+With `--frontend`, what serving adds is measured through the real server (`measure_frontend`), and a
+disaggregated decode instance's hand-over events on the engine's own outputs (`measure_stream`).
 """
 
 from __future__ import annotations
@@ -356,14 +357,16 @@ def _latencies(url: str, vocab: int, prompt_len: int, output_len: int, k: int, r
 
 def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args: list[str], disagg: bool = True,
                      prompt_len: int = 512, long_prompt_len: int | None = 4096, output_len: int = 32,
-                     concurrency=(1, 4, 16), repeats: int = 3, progress=None) -> tuple[dict, dict]:
+                     concurrency=(1, 4, 16), repeats: int = 3, stream: list | None = None,
+                     progress=None) -> tuple[dict, dict]:
     """The frontend section of `profile` (whose engine sections are measured), from the real server on loopback:
     lone requests of `prompt_len` and `long_prompt_len` tokens (TTFT), k requests at once (TPOT), and with
-    `disagg` lone requests through `nanoforge serve --disagg --prefill 1 --decode 1`. `frontend_section` turns
-    what was measured (the samples) into the section. Returns the section and the samples."""
+    `disagg` lone requests through `nanoforge serve --disagg --prefill 1 --decode 1`; `stream`, what
+    `measure_stream` measured. `frontend_section` turns what was measured (the samples) into the section. Returns
+    the section and the samples."""
     rng = random.Random(1)
     common = ["--model", model_dir, "--served-model-name", "m", *serve_args]
-    samples: dict = {"prompt_len": prompt_len, "output_len": output_len}
+    samples: dict = {"prompt_len": prompt_len, "output_len": output_len, "stream": stream or []}
     server = _Server(common, "nanoforge serve:")
     try:
         _latencies(server.url, vocab, prompt_len, output_len, max(concurrency), rng)  # warm up
@@ -401,6 +404,51 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
     return frontend_section(profile, samples), samples
 
 
+def measure_stream(engine, tokenizer, *, requests: int = 8, prompt_len: int = 64, output_len: int = 512,
+                   every: int = 16, repeats: int = 3, progress=None) -> list[dict]:
+    """What a disaggregated decode instance's hand-over stream costs per event, by the output tokens the request
+    holds: the engine generates `requests` outputs of `output_len` tokens (random prompts, greedy, as a served
+    benchmark), each is replayed as the decode route streams it (one cumulative RequestOutput per token with the
+    tokenizer's text, through `OutputEncoder.event` and `json.dumps`), and every `every`-th event is timed.
+    Returns samples {"tokens": output tokens before the event, "seconds": its cost, the mean over requests of
+    each one's median over `repeats`}. Why: the encoder finds the text already sent by comparing it with the
+    whole text, so its cost grows with the output, which the colocated server's per-token cost (`per_token_s`,
+    32-token outputs) does not see; it runs on the host, so it must be measured on the machine that serves."""
+    import json
+
+    from nanoforge.serve.disagg.handover import OutputEncoder
+    from nanoforge.serve.llm_engine import CompletionOutput, RequestOutput
+    from nanoforge.serve.sampling_params import SamplingParams
+
+    rng = random.Random(2)
+    vocab = engine.model.cfg.vocab_size
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    ids = {engine.add_request(_prompt(rng, prompt_len, vocab), params): None for _ in range(requests)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                ids[out.request_id] = list(out.outputs[0].token_ids)
+    marks = range(every, output_len, every)
+    per_request = []
+    for tokens in ids.values():
+        events = [RequestOutput("r", None, [], [CompletionOutput(0, tokenizer.decode(tokens[:k]), tokens[:k])], False)
+                  for k in range(1, len(tokens) + 1)]
+        times = {k: [] for k in marks if k < len(events)}
+        for _ in range(repeats):
+            encoder = OutputEncoder()
+            for k, event in enumerate(events):  # event k holds k + 1 tokens; the text sent so far holds k
+                t0 = time.perf_counter()
+                json.dumps(encoder.event(event), separators=(",", ":"))
+                if k in times:
+                    times[k].append(time.perf_counter() - t0)
+        per_request.append({k: statistics.median(v) for k, v in times.items()})
+    samples = [{"tokens": k, "seconds": statistics.fmean(r[k] for r in per_request)} for k in per_request[0]]
+    if progress and samples:
+        progress(f"a decode instance's hand-over event: {1e6 * samples[0]['seconds']:.1f} us after "
+                 f"{samples[0]['tokens']} tokens, {1e6 * samples[-1]['seconds']:.1f} us after {samples[-1]['tokens']}")
+    return samples
+
+
 def frontend_section(profile: Profile, samples: dict) -> dict:
     """What serving adds, from `measure_frontend`'s samples and the profile's engine sections:
 
@@ -410,7 +458,9 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
     - per_token_s: k requests sent at once decode in lock-step, so each one's TPOT is a decode step of batch k plus
       the server's work for the k tokens it streams: fitted (through 0) to TPOT - decode_time(k, context) over k;
     - handover_s: a lone request's TTFT through the conductor (1 prefill + 1 decode) less the request's latency,
-      the prefill step, the sampled token and saving the prompt's blocks to the pool."""
+      the prefill step, the sampled token and saving the prompt's blocks to the pool;
+    - stream_per_output_token_s: the slope of a decode instance's hand-over event cost over the output tokens
+      its request holds (`measure_stream`; its intercept is the kind of work `per_token_s` already counts)."""
     n = samples["prompt_len"]
     short = samples["ttft_s"] - profile.prefill_time(n)
     per_prompt_token_s = 0.0
@@ -424,7 +474,9 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
     num = sum(k * (tpot[k] - profile.decode_time(k, k * context)) for k in tpot)
     per_token_s = max(0.0, num / sum(k * k for k in tpot))
     section = {"request_s": request_s, "per_prompt_token_s": per_prompt_token_s, "handover_s": 0.0,
-               "per_token_s": per_token_s}
+               "per_token_s": per_token_s, "stream_per_output_token_s": 0.0}
+    if len(samples.get("stream") or []) >= 2:
+        (_, section["stream_per_output_token_s"]), _ = fit(samples["stream"], ("tokens",))
     if samples.get("disagg_ttft_s") is not None:
         save = profile.transfer_time(n // profile.engine["block_size"])
         section["handover_s"] = max(0.0, samples["disagg_ttft_s"] - request_s - per_prompt_token_s * n
@@ -601,6 +653,11 @@ def run_cli(args) -> int:
     if args.frontend:
         import gc
 
+        from nanoforge.tokenizer import Tokenizer
+
+        stream = measure_stream(engine, Tokenizer.load(args.model), output_len=min(512, max_len // 2),
+                                prompt_len=min(64, max_len // 4), repeats=args.repeats,
+                                progress=lambda line: print("  " + line, flush=True))
         vocab = model.cfg.vocab_size
         del engine, model  # the server gets the device's memory
         gc.collect()
@@ -617,7 +674,7 @@ def run_cli(args) -> int:
         frontend, samples = measure_frontend(args.model, profile, vocab=vocab, serve_args=serve_args,
                                              disagg=args.pool, repeats=args.repeats, prompt_len=prompt_len,
                                              long_prompt_len=long_len if long_len >= 2 * prompt_len else None,
-                                             output_len=output_len,
+                                             output_len=output_len, stream=stream,
                                              progress=lambda line: print("  " + line, flush=True))
         profile.frontend = frontend
         profile.meta["samples"]["frontend"] = samples
@@ -644,5 +701,6 @@ def _print_fits(profile: Profile, frontend: bool = True) -> None:
           f"ms/block ({'measured' if profile.transfer.get('measured') else 'assumed'})")
     f = profile.frontend
     print(f"frontend: request {1000 * f['request_s']:.2f} ms + {1e6 * f['per_prompt_token_s']:.2f} us per prompt "
-          f"token, conductor hop {1000 * f['handover_s']:.2f} ms, {1e6 * f['per_token_s']:.1f} us per streamed token"
+          f"token, conductor hop {1000 * f['handover_s']:.2f} ms, {1e6 * f['per_token_s']:.1f} us per streamed token, "
+          f"{1e9 * f['stream_per_output_token_s']:.0f} ns per output token held per hand-over event"
           + ("" if frontend else " (not measured: --frontend)"))

@@ -18,11 +18,15 @@ no request in flight still needs it.
 the pool calls replaced by modelled transfers:
 
 - `start_load`: a new request whose prompt blocks after its local prefix hit the pool may hold asks for
-  them in one batched get (at most the free blocks, at most the staging buffer) and waits outside the
+  them in one batched get (at most the free blocks, at most the staging slots free now) and waits outside the
   scheduler until it is back; `finish_load` then registers the leading blocks found in the block manager's
   prefix cache (`BlockManager.add_cached_block`), so the scheduler finds them like any hit;
 - `save_prompt`: once a prompt is computed, its full blocks that the connector does not know the pool to
-  hold go to the pool in one batched put (at most the staging buffer);
+  hold go to the pool in one batched put (the leading ones that fit in the staging slots free now);
+- the staging buffer is shared: every call holds its blocks' slots from its submission until it is done (a
+  get's until the engine takes it up), as `KVConnector._reserve` does, so while calls queue on the link a new
+  save gets fewer slots or none: it is cut short or skipped ("skipped"), and the hand-over does not wait for
+  what it left out (the decode instance computes it);
 - the calls go one after another, loads ahead of saves, as in the engine's connector (its worker threads
   take loads first; they are several, but Mooncake's rate did not grow with calls at once on the H200's host:
   `benchmarks/pool_transfer.py`, so the link is modelled as one): a call starts when the one before it is
@@ -174,14 +178,15 @@ class SimConnector:
         self.sim, self.pool, self.bm = sim, pool, bm
         self.on_ready = on_ready  # on_ready(now): a get is back (the instance steps if it was idle)
         self.load_enabled, self.save_enabled = load, save
-        self.staging = staging_blocks  # None: unbounded
+        self.free_slots = staging_blocks  # staging slots not held by a call in flight (None: unbounded)
         self.known: OrderedDict[int, None] = OrderedDict()
         self.queue: deque[Job] = deque()  # saves wait here; loads in self.loads, which go first
         self.loads: deque[Job] = deque()
         self.busy = False
         self.busy_s = 0.0
         self.ready: list[Job] = []  # gets that are back: the instance takes them at its next step
-        self.counters = dict.fromkeys(("loads", "loaded_blocks", "load_misses", "saves", "saved_blocks"), 0)
+        self.counters = dict.fromkeys(("loads", "loaded_blocks", "load_misses", "saves", "saved_blocks", "skipped"),
+                                      0)
 
     # --- loading (engine thread) -----------------------------------------------------------------------
 
@@ -192,9 +197,7 @@ class SimConnector:
         seq = group.seqs[0]
         first = len(self.bm.match_prefix(seq))
         last = (seq.num_tokens - 1) // self.bm.block_size  # the last token is always computed
-        want = min(last - first, self.bm.num_free_blocks)
-        if self.staging is not None:
-            want = min(want, self.staging)
+        want = self._reserve(min(last - first, self.bm.num_free_blocks))
         if want <= 0:
             return False
         self.counters["loads"] += 1
@@ -202,7 +205,9 @@ class SimConnector:
         return True
 
     def finish_load(self, job: Job) -> None:
-        """KVConnector._finish_load: register the leading blocks found, as long as blocks are free."""
+        """KVConnector._finish_load: register the leading blocks found, as long as blocks are free (and hand its
+        staging slots back)."""
+        self._release(len(job.hashes))
         seq, bs, bm = job.group.seqs[0], self.bm.block_size, self.bm
         hashes = seq.block_hashes
         added = 0
@@ -226,14 +231,32 @@ class SimConnector:
         hashes = seq.block_hashes
         known = self.known if self.pool.cache else {}  # a transit pool forgets: every block goes each time
         todo = [hashes[i] for i in range(n_full) if hashes[i] not in known]
-        if self.staging is not None:
-            todo = todo[:self.staging]
+        if not todo:
+            return None
+        todo = todo[:self._reserve(len(todo))]
         if not todo:
             return None
         self.counters["saves"] += 1
         job = Job("put", todo)
         self._submit(job)
         return job
+
+    # --- the staging buffer ---------------------------------------------------------------------------------
+
+    def _reserve(self, want: int) -> int:
+        """KVConnector._reserve: up to `want` staging slots for a call (0: none free); a short one is "skipped"."""
+        if want <= 0:
+            return 0
+        if self.free_slots is None:
+            return want
+        got = min(want, self.free_slots)
+        self.free_slots -= got
+        self.counters["skipped"] += got < want
+        return got
+
+    def _release(self, n: int) -> None:
+        if self.free_slots is not None:
+            self.free_slots += n
 
     # --- the worker ----------------------------------------------------------------------------------------
 
@@ -261,6 +284,7 @@ class SimConnector:
     def _done(self, now: float, job: Job) -> None:
         job.done = True
         if job.kind == "put":  # what was turned away is not remembered: a later save tries it again
+            self._release(len(job.hashes))
             self.pool.end_put(job.written, now)
             self._remember(job.stored)
             self.counters["saved_blocks"] += len(job.stored)

@@ -21,7 +21,13 @@ prompt, the first SSE chunk; the per-token part is optional, 0 in older profiles
 disaggregated cluster; and `per_token_s`, the server's own work per streamed token (the output, the
 detokenizer, the event loop, SSE or NDJSON), which runs in the engine's process, under the same GIL, and so
 lengthens every step by `per_token_s` for each chunk that samples a token. A small model on a fast GPU spends
-more of its step there than in the forward pass.
+more of its step there than in the forward pass. A disaggregated decode instance streams each step's tokens to
+the conductor as hand-over events (`serve/disagg/handover.py`'s `OutputEncoder`), whose work grows with the
+output: it finds the text already sent by comparing it with the whole text, character by character, so each
+event costs `stream_per_output_token_s` per output token the request holds (optional, 0 in older profiles).
+
+A step is split into its device part (the forms above: what instances on one GPU share) and its host part (the
+server's work per token: the GIL's, not the GPU's; `step_parts`).
 
 `nanoforge simulate profile` measures a profile on the real engine (`measure.py`). A profile whose `status` is
 "derived" was computed from other measurements, not measured: it says how in `source`.
@@ -46,11 +52,12 @@ _FIELDS = {
     "decode": ("a_s", "per_seq_s", "per_context_s"),
     "transfer": ("latency_s", "per_block_s", "block_bytes"),
     "engine": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
-    "frontend": ("request_s", "per_prompt_token_s", "handover_s", "per_token_s"),
+    "frontend": ("request_s", "per_prompt_token_s", "handover_s", "per_token_s", "stream_per_output_token_s"),
 }
 # fields a profile may lack (older ones; the frontend, wholly), and their value then
 _OPTIONAL = {"prefill": {"per_prefix_s": 0.0},
-             "frontend": {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0}}
+             "frontend": {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0,
+                          "stream_per_output_token_s": 0.0}}
 
 
 @dataclass
@@ -73,13 +80,21 @@ class Profile:
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
         self._t = (t["latency_s"], t["per_block_s"])
         self._per_output = self.frontend["per_token_s"]
+        self._per_held = self.frontend["stream_per_output_token_s"]
 
     # --- the models ------------------------------------------------------------------------------------
 
-    def step_time(self, out: SchedulerOutput) -> float:
+    def step_time(self, out: SchedulerOutput, *, stream: bool = False) -> float:
         """Seconds the serving engine takes to run `out`: the model, plus the server's work per sampled token
-        (block copies and swaps are not modelled)."""
-        tokens = pairs = prefix = batch = context = samples = 0
+        (`stream`: a decode instance's hand-over events; block copies and swaps are not modelled)."""
+        return sum(self.step_parts(out, stream=stream))
+
+    def step_parts(self, out: SchedulerOutput, *, stream: bool = False) -> tuple[float, float]:
+        """(device seconds, host seconds) of `out`: the model's step, and the server's work for the tokens it
+        samples, which runs in the engine's process under the GIL and holds no GPU. With `stream` (a decode
+        instance) each sampled chunk's event also pays `stream_per_output_token_s` per output token its request
+        holds (the tokens before this step's: the text the encoder compares)."""
+        tokens = pairs = prefix = batch = context = samples = held = 0
         prefill = False
         for s in out.scheduled:
             n = s.num_tokens
@@ -92,13 +107,14 @@ class Profile:
                 pairs += n * s.start + n * (n + 1) // 2
                 prefix += s.start
                 samples += s.num_samples
-        served = self._per_output * (batch + samples)
+            if stream and s.num_samples:
+                held += max(0, s.start + n - s.seq.num_prompt_tokens)
+        host = self._per_output * (batch + samples) + self._per_held * held
         if prefill:
             a, per_token, per_pair, per_prefix = self._p
-            return (a + per_token * (tokens + batch) + per_pair * pairs + per_prefix * prefix + self._d[2] * context
-                    + served)
+            return a + per_token * (tokens + batch) + per_pair * pairs + per_prefix * prefix + self._d[2] * context, host
         a, per_seq, per_context = self._d
-        return a + per_seq * batch + per_context * context + served
+        return a + per_seq * batch + per_context * context, host
 
     def prefill_time(self, tokens: int, cached: int = 0) -> float:
         """One prompt chunk of `tokens` tokens after `cached` ones, alone in its step (and sampling at its end)."""
