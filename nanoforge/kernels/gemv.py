@@ -359,8 +359,8 @@ def _gemv_kernel(
 # flight; the autotuner picks per (N, K, rows, fusion) on the first call, which the engine makes before it captures.
 # PDL is not in the key: a configuration is timed as the kernel runs alone, whether or not it later launches early.
 # Three configurations, not session 10's eight: each is a compile per constexpr variant at a fresh server's start
-# (the suspect for the README's first run on the H200 taking 207 s to its answer in session 11, 88 in session 8;
-# `tuning_s` says). Session 12's H200 picks were
+# (session 12's first run on the H200: the engine started in 6.8 s, 4.2 s of it tuning with these three; the
+# 207 s of session 11's first run against 87 now were not this). Session 12's H200 picks were
 # 32 x 256 wherever K <= 2,048 and 16 x 512 for MLP-down; session 11's tuner took 64 x 256 and 128 x 128 once each
 # (Llama's gate-and-up, Qwen3's Q/K/V: 28.3 and 10.1 us a layer), which session 12 measured slower than 32 x 256
 # (26.4 and 7.0 us): noise in timing ~5 us kernels, which fewer candidates also cut down.
