@@ -223,7 +223,7 @@ def _fastest(x, weight, bias, swiglu, norm, residual) -> str:
     else:
         ways = {"ours": lambda w: gemv(xs, w, bias, swiglu=swiglu),
                 "cublas": lambda w: _cublas(xs, w, bias, swiglu)}
-    times = {name: _graph_us(lambda f=f: [f(w) for w in ws]) / copies for name, f in ways.items()}
+    times = _graphs_us({name: lambda f=f: [f(w) for w in ws] for name, f in ways.items()})
     return min(times, key=times.get)
 
 
@@ -238,24 +238,29 @@ def _apart(a, x, g, eps, w, bias, swiglu):
     return skinny_linear(h, w, bias, swiglu=swiglu), s
 
 
-def _graph_us(fn, replays: int = 5) -> float:
-    """Microseconds of fn() replayed from a CUDA graph (best of `replays`); one eager call first (autotuning)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a KV connector's thread may use CUDA meanwhile
-        fn()
-    best = float("inf")
+def _graphs_us(fns: dict, replays: int = 8) -> dict:
+    """Microseconds of each fn() replayed from its CUDA graph (best of `replays`; one eager call first:
+    autotuning). The graphs' replays take turns, so that a GPU whose clocks are still ramping up (a fresh
+    server's start) favours neither: timed one after the other, the first way measured would read slow."""
+    graphs = {}
+    for name, fn in fns.items():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name], capture_error_mode="thread_local"):  # a KV connector's thread may use CUDA
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, 1000 * start.elapsed_time(end))
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best[name] = min(best[name], 1000 * start.elapsed_time(end))
     return best
 
 
