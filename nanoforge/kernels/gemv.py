@@ -363,14 +363,19 @@ def _gemv_kernel(
 # Rows per program trade parallelism (N / BLOCK_N programs over 132 SMs) against the loads each one keeps in
 # flight; the autotuner picks per (N, K, rows, fusion) on the first call, which the engine makes before it captures.
 # PDL is not in the key: a configuration is timed as the kernel runs alone, whether or not it later launches early.
-# Three configurations, not session 10's eight: each is a compile per constexpr variant at a fresh server's start
-# (session 12's first run on the H200: the engine started in 6.8 s, 4.2 s of it tuning with these three; the
-# 207 s of session 11's first run against 87 now were not this). Session 12's H200 picks were
-# 32 x 256 wherever K <= 2,048 and 16 x 512 for MLP-down; session 11's tuner took 64 x 256 and 128 x 128 once each
-# (Llama's gate-and-up, Qwen3's Q/K/V: 28.3 and 10.1 us a layer), which session 12 measured slower than 32 x 256
-# (26.4 and 7.0 us): noise in timing ~5 us kernels, which fewer candidates also cut down.
-# NANOFORGE_GEMV_CONFIGS=wide tunes over session 10's eight instead (a measurement lever: what the three cost).
-GEMV_CONFIGS = {"default": ((32, 256, 4, 4), (16, 512, 4, 3), (16, 256, 4, 4)),  # BLOCK_N, BLOCK_K, warps, stages
+# Five configurations, not session 10's eight: each is a compile per constexpr variant at a fresh server's start
+# (session 12's first run on the H200: the engine started in 6.8 s, 4.2 s of it tuning over the first three; the
+# 207 s of session 11's first run against 87 now were not this). Session 12's H200 picks were 32 x 256 wherever
+# K <= 2,048 and 16 x 512 for MLP-down; session 11's tuner took 64 x 256 and 128 x 128 once each (Llama's
+# gate-and-up, Qwen3's Q/K/V: 28.3 and 10.1 us a layer), which session 12 measured slower than 32 x 256 (26.4 and
+# 7.0 us): noise in timing ~5 us kernels, which fewer candidates also cut down. The last two hold fewer W tiles
+# in flight: compiled as launched (`kernels inspect gemv_decode`), the fused gate-and-up at 32 x 256 with four
+# stages takes 157 KB of shared memory, one program an SM, so Llama-3.2-1B's 256 programs run in two waves and
+# a successor launched early finds no room beside it; three stages take 108 KB (two an SM, one wave), and
+# 64 x 256 with two stages 91 KB for half the programs. Not yet timed on a GPU: the autotuner will say.
+# NANOFORGE_GEMV_CONFIGS=wide tunes over session 10's eight instead (a measurement lever: what the five leave out).
+GEMV_CONFIGS = {"default": ((32, 256, 4, 4), (16, 512, 4, 3), (16, 256, 4, 4),  # BLOCK_N, BLOCK_K, warps, stages
+                            (32, 256, 4, 3), (64, 256, 4, 2)),
                 "wide": ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (32, 128, 4, 5),
                          (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3))}
 _TUNED = {name: triton.autotune(
@@ -380,7 +385,7 @@ _TUNED = {name: triton.autotune(
 
 
 def configs() -> str:
-    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (three) or "wide" (eight)."""
+    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (five) or "wide" (session 10's eight)."""
     c = os.environ.get("NANOFORGE_GEMV_CONFIGS", "default").lower()
     if c not in GEMV_CONFIGS:
         from nanoforge.errors import NanoforgeError
