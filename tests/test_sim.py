@@ -267,6 +267,39 @@ def test_the_pool_admits_and_evicts_as_mooncake_does():
     assert pool.leading([7, 8], 11.0) == 2 and pool.start_put([5], 12.0) == ([], [])  # 1's lease runs to 15
 
 
+def test_a_warm_up_runs_first_and_its_blocks_hold_pool_room_until_their_leases_end():
+    """Simulation.warm_up, as gpu_disagg.sh warms a server up before the trace. A 4-block pool (1P+1D); the warm-up
+    is one run of one 64-token prompt (4 full blocks, 1 output token) at 0: the prefill instance asks the pool for
+    its first 3 blocks (none there: the call's 2 ms), prefills 2-76 ms (10 + 64 x 1), puts its 4 blocks 76-82 ms
+    (2 + 4 x 1) and answers at 82 ms: the run is over. The trace starts 1 s later (t0 = 1.082) with its own
+    64-token prompt: get 2 ms, prefill 74 ms, then its put finds the pool full of the warm-up's blocks, leased
+    until 10.082: turned away, the call's latency only (2 ms), TTFT 78 ms. Without the warm-up, or with a lease
+    shorter than the gap (0.5 s: they ran out at 0.582), the put writes its 4 blocks: TTFT 82 ms. A second warm-up
+    run starts 1 s after the first ended (its put turned away too: answered at 1.082 + 0.078), the trace 1 s after
+    that (t0 = 2.160). Warm-up requests count in no result."""
+    from nanoforge.serve.bench_serve import Request
+
+    def warm(first):
+        return [Request(0.0, list(range(first, first + 64)), 64, 1)]
+
+    rows = [row(0, 64, 1, [0])]
+    cfg = {"prefill": 1, "decode": 1, "pool_gib": 4 * (1024 + 192) / 2**30}
+
+    def trace_ttft(runs, **extra):
+        sim = Simulation(TraceReplay(rows, ByteVocab(), block_tokens=64), ClusterConfig(**cfg, **extra), profile())
+        assert sim.pool.capacity == 4
+        sim.warm_up(runs, 1.0)
+        assert sim.run() and len(sim.results) == 1 and sim.results[0].arrival_s == 0.0
+        return sim, sim.results[0].ttft_ms
+
+    sim, ttft = trace_ttft([warm(0)])
+    assert (sim.t0, ttft, sim.pool.counters["turned_away"]) == (pytest.approx(1.082), ms(0.078), 4)
+    assert sim.makespan == pytest.approx(0.078)
+    assert trace_ttft([])[1] == ms(0.082) and trace_ttft([warm(0)], pool_lease_s=0.5)[1] == ms(0.082)
+    sim, ttft = trace_ttft([warm(0), warm(100)])
+    assert (sim.t0, ttft) == (pytest.approx(2.160), ms(0.078))
+
+
 def test_early_rejection_when_the_predicted_ttft_is_over_the_slo():
     # three requests teach the conductor's cost model prefill = 10 ms + 1 ms/token (exactly: no queueing);
     # then a 2,000-token prompt is predicted at 2.01 s, over the 1 s objective, and a 500-token one at 0.51 s
@@ -606,3 +639,19 @@ def test_early_rejection_on_tpot_never_locks_an_idle_cluster_out():
     measured = [r.tpot_ms / 1000 for r in sim.results]
     assert router.predict_tpot(decode, 2000, 2) == pytest.approx(measured[0], rel=1e-6)  # over the objective
     assert router.predict_tpot(decode, 100, 20) == pytest.approx(measured[-1], rel=1e-6)  # under it
+
+
+def test_the_warm_ups_gap_is_read_from_the_runs_wall_clocks(tmp_path):
+    """bench serve records its start's wall clock: the trace's start less the last warm-up's start and duration
+    is the gap validation replays the warm-up with (runs that recorded no clock get no warm-up)."""
+    import json
+
+    from nanoforge.sim.validate import recorded_gap_s
+
+    (tmp_path / "warmup").mkdir()
+    (tmp_path / "warmup" / "serve.json").write_text(json.dumps({"started_unix": 1000.0,
+                                                                "summary": {"duration_s": 12.5}}))
+    assert recorded_gap_s(tmp_path, {"started_unix": 1014.0}) == pytest.approx(1.5)
+    assert recorded_gap_s(tmp_path, {}) is None  # a run from before session 12
+    (tmp_path / "warmup" / "serve.json").write_text(json.dumps({"summary": {"duration_s": 12.5}}))
+    assert recorded_gap_s(tmp_path, {"started_unix": 1014.0}) is None

@@ -414,7 +414,9 @@ def plot_cdf(results: list[Result], path: Path) -> None:
 def bench_serve(base_url: str, model: str, requests: list[Request], *, out_dir: Path, slo: dict[str, float | None],
                 temperature: float = 0.0, ignore_eos: bool = False, max_concurrency: int | None = None,
                 config: dict | None = None) -> dict:
-    """Run the workload; print the table; write serve.json and serve_cdf.png under `out_dir`."""
+    """Run the workload; print the table; write serve.json and serve_cdf.png under `out_dir` (with the wall clock
+    at its start: runs sent one after another, as gpu_disagg.sh's warm-ups and trace, can be laid end to end)."""
+    started = time.time()
     results, duration = asyncio.run(run_requests(base_url, model, requests, temperature=temperature,
                                                  ignore_eos=ignore_eos, max_concurrency=max_concurrency))
     summary = summarize(results, duration, slo)
@@ -424,7 +426,7 @@ def bench_serve(base_url: str, model: str, requests: list[Request], *, out_dir: 
     if failures:
         print(f"first failure: {failures[0]}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"config": config or {}, "summary": summary, "server_metrics": server,
+    report = {"config": config or {}, "started_unix": started, "summary": summary, "server_metrics": server,
               "requests": [{**asdict(r), "hash_ids": q.hash_ids} for r, q in zip(results, requests)]}
     (out_dir / "serve.json").write_text(json.dumps(report, indent=2))
     plot_cdf(results, out_dir / "serve_cdf.png")

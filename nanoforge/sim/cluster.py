@@ -17,6 +17,11 @@ With colocated instances ("both", the vLLM-style baseline) the Router is built w
 instance runs the whole request, the first token leaves at the end of the step that sampled it, and the
 pool, if any, is shared by every instance through its connector as in `nanoforge serve --role both --store`.
 
+A warm-up (`Simulation.warm_up`: the bench serve runs gpu_disagg.sh sends before the trace) runs through the
+same cluster first and counts in no result; what it leaves behind stays, as on the real servers: its blocks in
+the pool (leased from when they were written, so they take room until their leases run out), the router's
+estimates, the instances' counters.
+
 Time enters only here and in `Profile`: the scheduler, block manager and router are the engine's and the
 conductor's code, driven at the simulated times at which the real ones would run.
 """
@@ -29,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.serve.bench_serve import Result, TraceReplay
+from nanoforge.serve.bench_serve import Request, Result, TraceReplay
 from nanoforge.serve.block_manager import prefix_block_hashes
 from nanoforge.serve.disagg.handover import SAVE_TIMEOUT_S
 from nanoforge.serve.disagg.router import POLICIES, Instance, Router
@@ -158,6 +163,7 @@ class SimRequest:
     cached_tokens: int = 0  # prompt tokens the prefill (or colocated) instance did not compute
     pool_tokens: int = 0  # of those, tokens it loaded from the pool
     error: str | None = None
+    warmup: bool = False  # a warm-up request: it counts in no result
 
 
 class Simulation:
@@ -222,6 +228,11 @@ class Simulation:
         self.done = self.failures = 0
         self.stop_after_failures: int | None = None
         self.on_progress = None  # called with each request that ends (the progress bar)
+        self.t0 = 0.0  # when the trace starts (after the warm-up, if any)
+        self._warmup: list[list[Request]] = []  # warm-up runs still to start
+        self.warmup_gap_s = 0.0
+        self._warmup_left = 0  # requests of the running warm-up run not ended yet
+        self._warmup_count = 0
 
     def transfer_time(self, blocks: int) -> float:
         """One pool call moving `blocks` blocks."""
@@ -229,12 +240,21 @@ class Simulation:
 
     # --- running ---------------------------------------------------------------------------------------------
 
+    def warm_up(self, runs: list[list[Request]], gap_s: float) -> None:
+        """Send `runs` before the trace, one after another, as gpu_disagg.sh warms a server up with bench serve
+        runs: each starts `gap_s` after the last request of the one before it ended (the client's turnaround:
+        one bench serve process writes its report and exits, the next starts), the trace `gap_s` after the last.
+        Call before `run()`."""
+        if not gap_s >= 0:
+            raise NanoforgeError(f"the warm-up's gap must be >= 0 s, got {gap_s}", param="warmup_gap_s")
+        self._warmup = [list(r) for r in runs if r]
+        self.warmup_gap_s = gap_s
+
     def run(self, *, stop_after_failures: int | None = None) -> bool:
-        """Replay every request; False if it stopped early because more than `stop_after_failures` requests
-        missed an SLO or failed (the rest count as failed)."""
+        """Replay every request (after the warm-up, if any); False if it stopped early because more than
+        `stop_after_failures` requests missed an SLO or failed (the rest count as failed)."""
         self.stop_after_failures = stop_after_failures
-        if len(self.replay):
-            self.clock.at(self.replay.arrival_s(0), self._arrive, 0)
+        self._next_run(0.0)
         stop = (lambda: self.failures > stop_after_failures) if stop_after_failures is not None else None
         self.clock.run(stop)
         complete = self.done == len(self.replay)
@@ -245,19 +265,39 @@ class Simulation:
                                              self.replay.input_len(i), 0, error="not simulated: the run stopped early")
         return complete
 
+    def _next_run(self, now: float) -> None:
+        """Start the next warm-up run at `now`, or the trace once none is left."""
+        if not self._warmup:
+            self.t0 = now
+            if len(self.replay):
+                self.clock.at(now + self.replay.arrival_s(0), self._arrive, 0)
+            return
+        run = self._warmup.pop(0)
+        self._warmup_left = len(run)
+        for q in run:
+            self.clock.at(now + q.arrival_s, self._arrive_warmup, q)
+
     # --- the conductor -----------------------------------------------------------------------------------
 
     def _arrive(self, now: float, i: int) -> None:
         replay = self.replay
         if i + 1 < len(replay):
-            self.clock.at(replay.arrival_s(i + 1), self._arrive, i + 1)
+            self.clock.at(self.t0 + replay.arrival_s(i + 1), self._arrive, i + 1)
         req = SimRequest(i, now, replay.input_len(i), replay.output_len(i), token=1 + i % 250)
         self.requests.append(req)
         self.clock.at(now + self.profile.request_time(req.input_len), self._route, req)
 
+    def _arrive_warmup(self, now: float, q: Request) -> None:
+        self._warmup_count += 1
+        k = self._warmup_count
+        req = SimRequest(-k, now, q.input_len, q.output_len, token=1 + k % 250, prompt=list(q.prompt), warmup=True)
+        self.clock.at(now + self.profile.request_time(req.input_len), self._route, req)
+
     def _route(self, now: float, req: SimRequest) -> None:
         cfg, bs = self.scheduler_config, self.scheduler_config.block_size
-        prompt = req.prompt = self.replay.request(req.index).prompt
+        if req.prompt is None:
+            req.prompt = self.replay.request(req.index).prompt
+        prompt = req.prompt
         req.input_len = len(prompt)
         req.hashes = prefix_block_hashes(prompt, bs)
         try:
@@ -356,12 +396,16 @@ class Simulation:
         return (now - req.first_token) / (req.output_len - 1) if req.output_len > 1 else None
 
     def _missed(self, req: SimRequest) -> None:
-        """Count a request that will not meet its SLOs (once)."""
-        if not req.missed:
+        """Count a request that will not meet its SLOs (once; a warm-up request never)."""
+        if not req.missed and not req.warmup:
             req.missed = True
             self.failures += 1
 
     def _end(self, now: float, req: SimRequest, error: str | None) -> None:
+        self._release_transit(req)
+        if req.warmup:
+            self._end_warmup(now, req)
+            return
         ttft = tpot = e2e = None
         if error is None:
             ttft, e2e = (req.first_token - req.arrival) * 1000, (now - req.arrival) * 1000
@@ -373,18 +417,30 @@ class Simulation:
         else:
             req.error = error
             self._missed(req)
-        if self.pool is not None and not self.pool.cache and req.save_job is not None:  # transit: let go
-            job = req.save_job
-            if job.done:
-                self.pool.release(job.hashes)
-            else:
-                job.on_done.append(lambda t: self.pool.release(job.hashes))
-        self.results[req.index] = Result(req.arrival, req.arrival, req.input_len,
+        arrival = req.arrival - self.t0
+        self.results[req.index] = Result(arrival, arrival, req.input_len,
                                          req.output_len if error is None else 0, ttft, tpot, e2e, error)
         req.prompt, req.hashes, req.plan, req.save_job = None, [], None, None  # instances hold their own copies
         self.done += 1
         if self.on_progress is not None:
             self.on_progress(req)
+
+    def _release_transit(self, req: SimRequest) -> None:
+        """A transit pool (no cache) drops the request's blocks once nobody needs them."""
+        if self.pool is not None and not self.pool.cache and req.save_job is not None:
+            job = req.save_job
+            if job.done:
+                self.pool.release(job.hashes)
+            else:
+                job.on_done.append(lambda t: self.pool.release(job.hashes))
+
+    def _end_warmup(self, now: float, req: SimRequest) -> None:
+        """A warm-up request ended; once its run's last one has, the next run (or the trace) starts after the
+        client's turnaround."""
+        req.prompt, req.hashes, req.plan, req.save_job = None, [], None, None
+        self._warmup_left -= 1
+        if not self._warmup_left:
+            self.clock.at(now + self.warmup_gap_s, self._next_run)
 
     # --- what came out ---------------------------------------------------------------------------------------
 
@@ -392,7 +448,7 @@ class Simulation:
     def makespan(self) -> float:
         """Seconds from the first arrival to the last request's end."""
         ends = [r.finish or r.first_token or r.arrival for r in self.requests]
-        return max(ends) - self.replay.arrival_s(0) if ends else 0.0
+        return max(ends) - self.t0 - self.replay.arrival_s(0) if ends else 0.0
 
     def pool_stats(self) -> dict:
         prompt = sum(r.input_len for r in self.requests if r.error is None)

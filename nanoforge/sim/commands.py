@@ -122,9 +122,13 @@ def config_from_args(args, **shape) -> ClusterConfig:
 
 
 def simulate(replay: TraceReplay, config: ClusterConfig, profile: Profile, *, progress: bool = True,
-             stop_after_failures: int | None = None, desc: str | None = None) -> tuple[Simulation, bool]:
-    """One run, with a progress bar over the requests (rate and ETA) unless `progress` is False."""
+             stop_after_failures: int | None = None, desc: str | None = None,
+             warmup: tuple[list, float] | None = None) -> tuple[Simulation, bool]:
+    """One run, with a progress bar over the requests (rate and ETA) unless `progress` is False; `warmup`:
+    (runs, gap in seconds) sent first (`Simulation.warm_up`)."""
     sim = Simulation(replay, config, profile)
+    if warmup is not None:
+        sim.warm_up(*warmup)
     bar = None
     if progress:
         from tqdm import tqdm

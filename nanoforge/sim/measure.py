@@ -411,9 +411,11 @@ def measure_stream(engine, tokenizer, *, requests: int = 8, prompt_len: int = 64
     benchmark), each is replayed as the decode route streams it (one cumulative RequestOutput per token with the
     tokenizer's text, through `OutputEncoder.event` and `json.dumps`), and every `every`-th event is timed.
     Returns samples {"tokens": output tokens before the event, "seconds": its cost, the mean over requests of
-    each one's median over `repeats`}. Why: the encoder finds the text already sent by comparing it with the
-    whole text, so its cost grows with the output, which the colocated server's per-token cost (`per_token_s`,
-    32-token outputs) does not see; it runs on the host, so it must be measured on the machine that serves."""
+    each one's median over `repeats`}. Why: until session 12 the encoder found the text already sent with a
+    character loop over the whole text, so an event's cost grew with the output (1.7 us a token held), which
+    the colocated server's per-token cost (`per_token_s`, 32-token outputs) did not see; it is one `startswith`
+    now, so the slope measured should be ~0, and this keeps it honest. It runs on the host, so it is measured on
+    the machine that serves."""
     import json
 
     from nanoforge.serve.disagg.handover import OutputEncoder

@@ -22,9 +22,10 @@ disaggregated cluster; and `per_token_s`, the server's own work per streamed tok
 detokenizer, the event loop, SSE or NDJSON), which runs in the engine's process, under the same GIL, and so
 lengthens every step by `per_token_s` for each chunk that samples a token. A small model on a fast GPU spends
 more of its step there than in the forward pass. A disaggregated decode instance streams each step's tokens to
-the conductor as hand-over events (`serve/disagg/handover.py`'s `OutputEncoder`), whose work grows with the
-output: it finds the text already sent by comparing it with the whole text, character by character, so each
-event costs `stream_per_output_token_s` per output token the request holds (optional, 0 in older profiles).
+the conductor as hand-over events (`serve/disagg/handover.py`'s `OutputEncoder`); each event costs
+`stream_per_output_token_s` per output token the request holds (optional, 0 in older profiles): ~0 since
+session 12, 1.7 us on the 2-core box before, when the encoder compared the whole text character by character
+(the runs before then carry it; `docs/results/issue15/session12/h200-qwen3-0.6b-stream-cpu.json`).
 
 A step is split into its device part (the forms above: what instances on one GPU share) and its host part (the
 server's work per token: the GIL's, not the GPU's; `step_parts`).

@@ -22,9 +22,11 @@ from pathlib import Path
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.bench_serve import (
     MOONCAKE_BLOCK_TOKENS,
+    Request,
     TraceReplay,
     Vocab,
     metric_values,
+    poisson_workload,
     read_trace,
     summarize,
 )
@@ -42,6 +44,7 @@ CONFIGS = {
 STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default staging buffer (EngineConfig)
 METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
            ("throughput (req/s)", "request_throughput", None))
+WARMUP_LENS = (128, 1024, 4096)  # gpu_disagg.sh's default WARMUP_LENS, in the order it sends them
 _INSTANCE = re.compile(r"context (\d+) tokens, (\d+) KV blocks")
 
 
@@ -81,6 +84,39 @@ def replay_of(run: dict, trace: Path) -> TraceReplay:
                        block_tokens=c.get("trace_block_tokens") or MOONCAKE_BLOCK_TOKENS, seed=c.get("seed") or 0)
 
 
+def warmup_of(config_dir: Path, trace_tokens: int) -> list[list[Request]]:
+    """The bench serve runs gpu_disagg.sh sent before the trace (its WARMUP_LENS, each `--num-requests N --rate
+    R` with the settings its last run recorded in warmup/serve.json: the runs differ only in length, and the same
+    seed draws the same arrivals and tokens), or [] if the run kept no warm-up. The script's default lengths are
+    taken when the servers' /metrics agree (the conductor's or the server's prompt tokens, less the trace's,
+    are the warm-up's); else only the recorded run."""
+    path = config_dir / "warmup" / "serve.json"
+    if not path.is_file():
+        return []
+    c = json.loads(path.read_text())["config"]
+    lens = [n for n in WARMUP_LENS if n != c["input_len"]] + [c["input_len"]]
+    seen = config_dir / "metrics.txt"
+    if seen.is_file():
+        total = metric_values(seen.read_text()).get("nanoforge_prompt_tokens_total")
+        if total is not None and total - trace_tokens != c["num_requests"] * sum(lens):
+            lens = [c["input_len"]]
+    vocab = Vocab(c["vocab_size"])
+    return [poisson_workload(c["num_requests"], c["rate"], n, c["output_len"], vocab, c.get("seed") or 0)
+            for n in lens]
+
+
+def recorded_gap_s(config_dir: Path, run: dict) -> float | None:
+    """The seconds between the last warm-up run's end and the trace's start, from the wall clocks bench serve
+    records (session 12 on; None for runs without them)."""
+    path = config_dir / "warmup" / "serve.json"
+    if "started_unix" not in run or not path.is_file():
+        return None
+    w = json.loads(path.read_text())
+    if "started_unix" not in w:
+        return None
+    return max(0.0, run["started_unix"] - w["started_unix"] - w["summary"]["duration_s"])
+
+
 def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: str) -> ClusterConfig:
     """The cluster gpu_disagg.sh started for configuration `name`."""
     shape = CONFIGS[name]
@@ -98,7 +134,10 @@ def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: st
 
 
 def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str, tolerance: float = 0.15,
-             configs: list[str] | None = None, progress: bool = True) -> dict:
+             configs: list[str] | None = None, progress: bool = True, warmup_gap_s: float | None = None) -> dict:
+    """`warmup_gap_s`: replay the run's warm-up (`warmup_of`) first, each bench serve run starting that long after
+    the one before it ended, the trace that long after the last (None: the gap the run recorded, `recorded_gap_s`;
+    no warm-up where it recorded none, as the runs before session 12 did not)."""
     from nanoforge.sim.commands import simulate
 
     trace = run_dir.parent / "trace.jsonl"
@@ -112,7 +151,10 @@ def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str
         replay = replay_of(run, path)
         log = (d / "server.log").read_text() if (d / "server.log").is_file() else ""
         config = cluster_of(name, run, log, pool_memory=pool_memory, device=device)
-        sim, _ = simulate(replay, config, profile, progress=progress, desc=name)
+        trace_tokens = sum(replay.input_len(i) for i in range(len(replay)))
+        gap = warmup_gap_s if warmup_gap_s is not None else recorded_gap_s(d, run)
+        warmup = None if gap is None else (warmup_of(d, trace_tokens), gap)
+        sim, _ = simulate(replay, config, profile, progress=progress, desc=name, warmup=warmup)
         predicted = summarize(sim.results, sim.makespan or 1e-9, run["summary"].get("slo_ms") or {})
         measured = run["summary"]
         metrics = {}
@@ -136,6 +178,7 @@ def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str
         raise NanoforgeError(f"{run_dir}: no configuration directory with a serve.json ({', '.join(CONFIGS)})",
                              param="run")
     return {"run_dir": str(run_dir), "profile": {"name": profile.name, "status": profile.status},
+            "warmup_gap_s": warmup_gap_s,
             "device": device, "pool_memory_gib": pool_memory, "tolerance": tolerance, "rows": rows,
             "ok": all(r["ok"] for r in rows)}
 
@@ -178,6 +221,10 @@ def add_cli_arguments(p) -> None:
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None)
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument("--out", default=None, help="directory for sim_validation.json/.txt (default: RUN_DIR)")
+    p.add_argument("--warmup-gap-s", type=float, default=None, metavar="S",
+                   help="replay the run's warm-up first (gpu_disagg.sh's WARMUP_LENS), each bench serve run S seconds "
+                        "after the one before it ended (its blocks lease pool room); default: the gap the run "
+                        "recorded, or no warm-up where it recorded none")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -185,6 +232,8 @@ def run_cli(args) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise NanoforgeError(f"no run directory {run_dir}", param="run_dir")
+    if args.warmup_gap_s is not None and not args.warmup_gap_s >= 0:
+        raise NanoforgeError(f"--warmup-gap-s must be >= 0, got {args.warmup_gap_s}", param="warmup_gap_s")
     if not args.pool_memory > 0 or not args.tolerance > 0:
         raise NanoforgeError(f"--pool-memory and --tolerance must be > 0, got {args.pool_memory}, {args.tolerance}",
                              param="pool_memory")
@@ -193,7 +242,8 @@ def run_cli(args) -> int:
         gpu = run_dir.parent / "gpu.txt"
         device = "cuda" if gpu.is_file() and gpu.read_text().strip() else "cpu"
     report = validate(run_dir, Profile.load(args.profile), pool_memory=args.pool_memory, device=device,
-                      tolerance=args.tolerance, configs=args.configs, progress=not args.quiet)
+                      tolerance=args.tolerance, configs=args.configs, progress=not args.quiet,
+                      warmup_gap_s=args.warmup_gap_s)
     text = table(report)
     print(text)
     out = Path(args.out) if args.out else run_dir
