@@ -30,13 +30,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def kernel_mode() -> str:
-    mode = os.environ.get("NANOFORGE_KERNELS", "auto").lower()
-    if mode not in ("auto", "torch", "triton"):
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment switch `name` (lower-cased; unset: the first of `choices`), or one line naming the problem."""
+    value = os.environ.get(name, choices[0]).lower()
+    if value not in choices:
         from nanoforge.errors import NanoforgeError
 
-        raise NanoforgeError(f"NANOFORGE_KERNELS must be auto, torch or triton, not {mode!r}", param="NANOFORGE_KERNELS")
-    return mode
+        allowed = f"{', '.join(choices[:-1])} or {choices[-1]}"
+        raise NanoforgeError(f"{name} must be {allowed}, not {value!r}", param=name)
+    return value
+
+
+def kernel_mode() -> str:
+    return env_choice("NANOFORGE_KERNELS", ("auto", "torch", "triton"))
 
 
 def use_fast(*tensors: torch.Tensor) -> bool:

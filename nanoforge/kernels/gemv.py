@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import interpreting, use_fast
+from nanoforge.kernels.dispatch import env_choice, interpreting, use_fast
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
@@ -148,12 +148,7 @@ def prefetch_k(weight: torch.Tensor) -> int:
 
 def mode() -> str:
     """NANOFORGE_GEMV: "auto" (per shape, the fastest way, measured), "1" (this kernel) or "0" (cuBLAS)."""
-    m = os.environ.get("NANOFORGE_GEMV", "auto").lower()
-    if m not in ("auto", "1", "0"):
-        from nanoforge.errors import NanoforgeError
-
-        raise NanoforgeError(f"NANOFORGE_GEMV must be auto, 1 or 0, not {m!r}", param="NANOFORGE_GEMV")
-    return m
+    return env_choice("NANOFORGE_GEMV", ("auto", "1", "0"))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -386,12 +381,7 @@ _TUNED = {name: triton.autotune(
 
 def configs() -> str:
     """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (five) or "wide" (session 10's eight)."""
-    c = os.environ.get("NANOFORGE_GEMV_CONFIGS", "default").lower()
-    if c not in GEMV_CONFIGS:
-        from nanoforge.errors import NanoforgeError
-
-        raise NanoforgeError(f"NANOFORGE_GEMV_CONFIGS must be default or wide, not {c!r}", param="NANOFORGE_GEMV_CONFIGS")
-    return c
+    return env_choice("NANOFORGE_GEMV_CONFIGS", tuple(GEMV_CONFIGS))
 
 
 def decisions() -> dict:

@@ -30,25 +30,19 @@ wherever the device supports it), `late` (LATE there), `0` (off).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoforge.kernels.dispatch import interpreting
+from nanoforge.kernels.dispatch import env_choice, interpreting
 
 
 OFF, EARLY, LATE = 0, 1, 2
 
 
 def mode() -> str:
-    m = os.environ.get("NANOFORGE_PDL", "auto").lower()
-    if m not in ("auto", "1", "late", "0"):
-        from nanoforge.errors import NanoforgeError
-
-        raise NanoforgeError(f"NANOFORGE_PDL must be auto, 1, late or 0, not {m!r}", param="NANOFORGE_PDL")
-    return m
+    return env_choice("NANOFORGE_PDL", ("auto", "1", "late", "0"))
 
 
 def enabled(t: torch.Tensor) -> int:

@@ -82,7 +82,6 @@ class SimInstance:
         self.gpu = gpu
         self.in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()  # launched, not collected (+ device
         # and host seconds)
-        self.stream = role == "decode"  # streams its tokens to the conductor as hand-over events
         self.depth = 1 + (ahead and (pool is None or role == "decode"))  # steps in flight at most
         self.requests: dict[str, object] = {}  # request id -> the simulator's request state
         self.busy_s = 0.0
@@ -128,7 +127,7 @@ class SimInstance:
             self.sim.on_error(now, self, self.requests.pop(group.request_id), group.error)
         if out.is_empty:
             return False
-        device, host = self.sim.profile.step_parts(out, stream=self.stream)
+        device, host = self.sim.profile.step_parts(out, stream=self.role == "decode")  # hand-over events
         self.in_flight.append((out, device, host))
         if len(self.in_flight) == 1:  # else it starts when the step ahead of it ends
             self._run(now)
