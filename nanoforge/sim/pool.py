@@ -231,9 +231,7 @@ class SimConnector:
         hashes = seq.block_hashes
         known = self.known if self.pool.cache else {}  # a transit pool forgets: every block goes each time
         todo = [hashes[i] for i in range(n_full) if hashes[i] not in known]
-        if not todo:
-            return None
-        todo = todo[:self._reserve(len(todo))]
+        todo = todo[:self._reserve(len(todo))]  # none to save reserves nothing
         if not todo:
             return None
         self.counters["saves"] += 1
