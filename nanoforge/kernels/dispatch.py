@@ -12,6 +12,7 @@ Override with the environment variable NANOFORGE_KERNELS:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -56,3 +57,11 @@ def use_fast(*tensors: torch.Tensor) -> bool:
     if mode == "triton":
         return True
     return all(t.is_cuda for t in tensors)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (1 for a CPU: the interpreter runs one program at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -4,7 +4,10 @@ A decode step multiplies a few token rows (batch 1-16) by every weight matrix on
 HBM. cuBLAS picks general GEMM tiles for these shapes (on the H200, Llama-3.2-1B's attention-out, 2,048 x 2,048,
 took 5.8 us, ~1.4 TB/s, and MLP-down a split-K GEMM plus a reduce kernel). Here each program owns BLOCK_N rows
 of W and streams them along K in BLOCK_K tiles (the loads software-pipelined under `tl.dot` on the x rows, padded
-to 16), so every SM reads its own contiguous rows; the output needs no reduction across programs.
+to 16), so every SM reads its own contiguous rows; the output needs no reduction across programs. Where a matrix
+has too few rows for that to keep every SM streaming (2,048 outputs in tiles of 16-32 rows are 64-128 programs on
+132 SMs), the autotuner may also cut K into SPLIT_K ranges, one program each: the tile's last range to finish adds
+the fp32 sums up in a fixed order (deterministic, no atomics on the data) and finishes the tile.
 
 What a decode layer does around its projections rides along, so that a layer is fewer launches:
 
@@ -43,7 +46,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import env_choice, interpreting, use_fast
+from nanoforge.kernels.dispatch import env_choice, interpreting, sm_count, use_fast
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
@@ -112,23 +115,52 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
     out = _empty(m, n, like=rows)
     summed = _empty(m, k, like=rows) if res is not None else None
     on = pdl.enabled(rows)
+    interpret = interpreting()
+    # the split sums: fp32, room for the largest split a candidate takes (none where no candidate splits)
+    splits = INTERPRET_CONFIG["SPLIT_K"] if interpret else max(c.kwargs["SPLIT_K"] for c in _TUNED[configs()].configs)
+    width = 2 * n if swiglu else n
+    sums = torch.empty((splits, m, width), device=rows.device, dtype=torch.float32) if splits > 1 else out
     args = (rows, res if res is not None else rows, norm_weight.contiguous() if norm_weight is not None else rows,
-            summed if summed is not None else out, weight, bias if bias is not None else out, out, m, n, k,
-            rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), float(eps),
-            prefetch_k(weight) if on else 0)
+            summed if summed is not None else out, weight, bias if bias is not None else out, out, sums,
+            _counters(rows.device, triton.cdiv(n, 16)) if splits > 1 else out, m, n, k,
+            rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), m * width,
+            width, float(eps), prefetch_k(weight) if on else 0)
     meta = {"NORM": norm_weight is not None, "HAS_RES": res is not None, "SWIGLU": swiglu,
             "HAS_BIAS": bias is not None, "PDL": on, "LINE": 128 // weight.element_size(),
             "BLOCK_M": max(16, triton.next_power_of_2(m))}
-    if interpreting():  # one small configuration: the autotuner would run every one of them on the CPU
-        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **meta, BLOCK_N=16, BLOCK_K=32, num_warps=1)
+    if interpret:  # one small configuration: the autotuner would run every one of them on the CPU
+        c = INTERPRET_CONFIG
+        _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, **c, num_warps=1)
     else:
         kernel = _TUNED[configs()]
         tuned, started = len(kernel.cache), time.perf_counter()
-        kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=bool(on))
+        kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, launch_pdl=bool(on))
         if len(kernel.cache) != tuned and not _TUNING["choosing"]:  # this call compiled and timed configurations
             _TUNING["s"] += time.perf_counter() - started
     s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
     return out.reshape(*x.shape[:-1], n), s
+
+
+INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1}  # under TRITON_INTERPRET (tests set SPLIT_K)
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split kernels' arrival counts, one per output tile, zero between launches (each tile's last program
+    resets its own), per device and stream: two launches on one stream never count at once, as a kernel counts
+    only after its wait for the one before it (PDL's; stream order without it). Made on the first launch, which
+    is eager (the autotuner and the engine's warm-up run a shape before any capture); grown, never shrunk (a
+    captured graph keeps the one it was captured with alive here)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < tiles:
+        have = _COUNTERS[key] = torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)
+        _KEPT.append(have)
+    return have
+
+
+_KEPT: list[torch.Tensor] = []  # every counter buffer made: graphs captured with one still use it
 
 
 def prefetch_k(weight: torch.Tensor) -> int:
@@ -289,22 +321,35 @@ def _residual_tile(X, R, k, mask, HAS_RES: tl.constexpr, ty: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, R, G, S, W, B, Y, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps, PREFETCH_K,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-    LINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X, R, G, S, W, B, Y, P, C, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, stride_ps, stride_pm,
+    eps, PREFETCH_K, NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr, LINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """Y[:, n] for this program's BLOCK_N outputs n. NORM: x is rms_norm(X + R) with weight G (HAS_RES: the sum
     stored to S, its K tiles shared out among the programs). SWIGLU: outputs silu(x W[n]) * (x W[n + N]).
-    With PDL, the program first asks L2 for its rows' first PREFETCH_K columns of W (LINE elements a line)."""
+    With PDL, the program first asks L2 for its rows' first PREFETCH_K columns of W (LINE elements a line).
+    SPLIT_K > 1: program (n, s) takes the s-th of SPLIT_K ranges of K, stores its fp32 sums to P[s] (stride_ps a
+    split) and counts itself in at C[n]; the tile's last program to arrive adds the SPLIT_K sums up in split order
+    (the same order whoever arrives last: deterministic), resets C[n] for the next launch, and finishes the tile."""
     pid = tl.program_id(0)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+        prefetch_hi = PREFETCH_K
+    else:
+        k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = tl.program_id(1) * k_span
+        k_hi = tl.minimum(K, k_lo + k_span)
+        prefetch_hi = tl.minimum(k_hi, k_lo + PREFETCH_K // SPLIT_K)  # its share of the columns to prefetch
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = W + offs_n[None, :].to(tl.int64) * stride_wn
     if PDL:  # launched early: no kernel writes W, so it can stream in while the kernel before this one finishes
         lines = tl.arange(0, BLOCK_K // LINE) * LINE
-        for k0 in range(0, PREFETCH_K, BLOCK_K):
+        for k0 in range(k_lo, prefetch_hi, BLOCK_K):
             kk = k0 + lines
-            at = tl.where((kk < PREFETCH_K)[:, None] & n_ok[None, :], w_rows + kk[:, None], W)
+            at = tl.where((kk < prefetch_hi)[:, None] & n_ok[None, :], w_rows + kk[:, None], W)
             pdl.prefetch_l2(at)
             if SWIGLU:
                 pdl.prefetch_l2(at + N * stride_wn)
@@ -322,16 +367,18 @@ def _gemv_kernel(
             mask = m_ok[:, None] & (k < K)[None, :]
             h = _residual_tile(x_rows, r_rows, k, mask, HAS_RES, ty)
             if HAS_RES:  # tile k0 / BLOCK_K is stored by one program
-                mine = (offs_k * 0 + (k0 // BLOCK_K) % tl.num_programs(0)) == pid
+                programs = tl.num_programs(0) * SPLIT_K
+                me = pid if SPLIT_K == 1 else tl.program_id(1) * tl.num_programs(0) + pid
+                mine = (offs_k * 0 + (k0 // BLOCK_K) % programs) == me
                 tl.store(S + offs_m[:, None].to(tl.int64) * stride_sm + k[None, :], h.to(ty),
                          mask=mask & mine[None, :])
             ssq += tl.sum(h * h, axis=1)
         rstd = tl.rsqrt(ssq / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
-        k_ok = k < K
+        k_ok = k < k_hi
         x_mask = m_ok[:, None] & k_ok[None, :]
         if NORM:  # as rmsnorm's kernel rounds it: x * rstd * g in fp32, to the dtype
             g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -343,6 +390,30 @@ def _gemv_kernel(
         if SWIGLU:
             up = _dot(xt, tl.load(w_rows + N * stride_wn + k[:, None], mask=w_mask, other=0.0), up)
     pdl.leave(PDL)
+    if SPLIT_K == 1:
+        _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU, HAS_BIAS, ty)
+    else:
+        mask = m_ok[:, None] & n_ok[None, :]
+        sums = P + offs_m[:, None] * stride_pm + offs_n[None, :]
+        tl.store(sums + tl.program_id(1) * stride_ps, acc, mask=mask)
+        if SWIGLU:
+            tl.store(sums + tl.program_id(1) * stride_ps + N, up, mask=mask)
+        tl.debug_barrier()  # every thread's sums stored before the count (the atomic releases them)
+        if tl.atomic_add(C + pid, 1, sem="acq_rel") == SPLIT_K - 1:  # the last: the others' sums are visible
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # .cg: from L2, where the other SMs' stores are
+                acc += tl.load(sums + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    up += tl.load(sums + s * stride_ps + N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(C + pid, 0)
+            _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU, HAS_BIAS, ty)
+
+
+@triton.jit
+def _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+            ty: tl.constexpr):
+    """The tile's epilogue from its fp32 sums: the bias, SwiGLU, the store."""
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SWIGLU:
@@ -358,29 +429,50 @@ def _gemv_kernel(
 # Rows per program trade parallelism (N / BLOCK_N programs over 132 SMs) against the loads each one keeps in
 # flight; the autotuner picks per (N, K, rows, fusion) on the first call, which the engine makes before it captures.
 # PDL is not in the key: a configuration is timed as the kernel runs alone, whether or not it later launches early.
-# Five configurations, not session 10's eight: each is a compile per constexpr variant at a fresh server's start
-# (session 12's first run on the H200: the engine started in 6.8 s, 4.2 s of it tuning over the first three; the
-# 207 s of session 11's first run against 87 now were not this). Session 12's H200 picks were 32 x 256 wherever
+# Few candidates: each is a compile per constexpr variant at a fresh server's start (session 12's first run on the
+# H200: the engine started in 6.8 s, 4.2 s of it tuning over three). Session 12's H200 picks were 32 x 256 wherever
 # K <= 2,048 and 16 x 512 for MLP-down; session 11's tuner took 64 x 256 and 128 x 128 once each (Llama's
 # gate-and-up, Qwen3's Q/K/V: 28.3 and 10.1 us a layer), which session 12 measured slower than 32 x 256 (26.4 and
-# 7.0 us): noise in timing ~5 us kernels, which fewer candidates also cut down. The last two hold fewer W tiles
-# in flight: compiled as launched (`kernels inspect gemv_decode`), the fused gate-and-up at 32 x 256 with four
-# stages takes 157 KB of shared memory, one program an SM, so Llama-3.2-1B's 256 programs run in two waves and
-# a successor launched early finds no room beside it; three stages take 108 KB (two an SM, one wave), and
-# 64 x 256 with two stages 91 KB for half the programs. Not yet timed on a GPU: the autotuner will say.
-# NANOFORGE_GEMV_CONFIGS=wide tunes over session 10's eight instead (a measurement lever: what the five leave out).
-GEMV_CONFIGS = {"default": ((32, 256, 4, 4), (16, 512, 4, 3), (16, 256, 4, 4),  # BLOCK_N, BLOCK_K, warps, stages
-                            (32, 256, 4, 3), (64, 256, 4, 2)),
-                "wide": ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (32, 128, 4, 5),
-                         (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3))}
+# 7.0 us): noise in timing ~5 us kernels, which fewer candidates also cut down. 32 x 256 x 3 stages and 64 x 256 x 2
+# hold fewer W tiles in flight: compiled as launched (`kernels inspect gemv_decode`), the fused gate-and-up at
+# 32 x 256 with four stages takes 157 KB of shared memory, one program an SM, so Llama-3.2-1B's 256 programs run in
+# two waves and a successor launched early finds no room beside it; three stages take 108 KB (two an SM).
+# The split ones (SPLIT_K > 1) are for the matrices with fewer rows than SMs x BLOCK_N (attention-out, MLP-down,
+# Llama's Q/K/V: 64-96 programs of 32 rows on 132 SMs, the other SMs idle while each streams 128-512 KB): K is cut
+# into SPLIT_K ranges, so every SM streams, and the tile's last range adds the sums up. `_prune` keeps them only
+# there, so the other shapes tune over the first five alone.
+# NANOFORGE_GEMV_CONFIGS=wide tunes over session 10's eight instead, and "nosplit" over the five without the split
+# ones (measurement levers: what the default leaves out, and what the splits bring).
+_UNSPLIT = ((32, 256, 4, 4, 1), (16, 512, 4, 3, 1), (16, 256, 4, 4, 1), (32, 256, 4, 3, 1), (64, 256, 4, 2, 1))
+GEMV_CONFIGS = {"default": _UNSPLIT + ((16, 256, 4, 4, 2), (32, 256, 4, 3, 2), (16, 512, 4, 3, 2), (16, 256, 4, 4, 4)),
+                "nosplit": _UNSPLIT,  # BLOCK_N, BLOCK_K, warps, stages, SPLIT_K
+                "wide": tuple((*c, 1) for c in ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4),
+                                                (32, 128, 4, 5), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3)))}
+
+
+def _prune(configs, named_args, **kwargs):
+    """The candidates worth timing for this shape: every unsplit one; a split one only where, unsplit, its tiles
+    would leave SMs idle (fewer programs than SMs) and each range of K still holds two BLOCK_K tiles."""
+    n, k = named_args["N"], named_args["K"]
+    sms = sm_count(named_args["X"].device)
+
+    def worth(c):
+        bn, bk, split = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
+        return split == 1 or (triton.cdiv(n, bn) < sms and k >= 2 * split * bk)
+
+    return [c for c in configs if worth(c)]
+
+
 _TUNED = {name: triton.autotune(
-    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in cfgs],
-    key=["N", "K", "BLOCK_M", "SWIGLU", "NORM", "HAS_RES"],
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=w, num_stages=s)
+             for bn, bk, w, s, split in cfgs],
+    key=["N", "K", "BLOCK_M", "SWIGLU", "NORM", "HAS_RES"], prune_configs_by={"early_config_prune": _prune},
 )(_gemv_kernel) for name, cfgs in GEMV_CONFIGS.items()}
 
 
 def configs() -> str:
-    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (five) or "wide" (session 10's eight)."""
+    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (nine, four of them split where they may
+    help), "nosplit" (the five others) or "wide" (session 10's eight)."""
     return env_choice("NANOFORGE_GEMV_CONFIGS", tuple(GEMV_CONFIGS))
 
 
@@ -401,9 +493,11 @@ def decisions() -> dict:
 BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28)]
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
-# ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not) and late
+# ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not; K split where
+# it may help, and not) and late
 BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
               "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
+              "ours+pdl-nosplit": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_CONFIGS": "nosplit"},
               "ours+pdl-late": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "late"},
               "ours+pdl-no-prefetch": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_PREFETCH_MB": "0"}}
 

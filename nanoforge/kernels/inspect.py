@@ -247,6 +247,13 @@ _PAGED_SIGNATURE = {  # paged attention's kernel: decode and prefill differ in c
 
 
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
+
+_GEMV_SIGNATURE = {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")}, "P": "*fp32", "C": "*i32",
+                   **_i32("M", "N", "K", "stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym", "stride_ps",
+                          "stride_pm"), "eps": "fp32", "PREFETCH_K": "i32"}
+_GEMV_ALIGNED = ("N", "K", "stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym", "stride_ps", "stride_pm",
+                 "PREFETCH_K")
+
 TRITON_KERNELS: dict[str, TritonKernel] = {
     "matmul": TritonKernel(
         "nanoforge.kernels.matmul:_matmul_tiled_kernel",
@@ -307,13 +314,16 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         {"HALF": 64, "BLOCK_HQ": 16, "BLOCK_HKV": 8, "BLOCK_D": 64, "HAS_Q": True, "HAS_NORM": True, "PDL": False},
     ),
     "gemv_decode": TritonKernel(  # Llama's gate-and-up at one row: the norm prologue, SwiGLU, PDL and W's prefetch
-        "nanoforge.kernels.gemv:_gemv_kernel",
-        {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")}, **_i32("M", "N", "K"),
-         **_i32("stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym"), "eps": "fp32", "PREFETCH_K": "i32"},
+        "nanoforge.kernels.gemv:_gemv_kernel", _GEMV_SIGNATURE,
         {"NORM": True, "HAS_RES": True, "SWIGLU": True, "HAS_BIAS": False, "PDL": 1, "LINE": 64, "BLOCK_M": 16,
-         "BLOCK_N": 32, "BLOCK_K": 256},
-        num_warps=4, num_stages=4,
-        aligned=("N", "K", "stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym", "PREFETCH_K"),
+         "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1},
+        num_warps=4, num_stages=4, aligned=_GEMV_ALIGNED,
+    ),
+    "gemv_decode_split": TritonKernel(  # MLP-down at one row, K cut in two: the split sums and their fix-up
+        "nanoforge.kernels.gemv:_gemv_kernel", _GEMV_SIGNATURE,
+        {"NORM": False, "HAS_RES": False, "SWIGLU": False, "HAS_BIAS": False, "PDL": 1, "LINE": 64, "BLOCK_M": 16,
+         "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 2},
+        num_warps=4, num_stages=3, aligned=_GEMV_ALIGNED,
     ),
     "rmsnorm_fwd": TritonKernel(
         "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",

@@ -23,7 +23,6 @@ tiles whatever the lengths, and zero-length (padding) sequences cost nothing.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -32,7 +31,7 @@ import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import interpreting, use_fast
+from nanoforge.kernels.dispatch import interpreting, sm_count, use_fast
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
@@ -201,18 +200,13 @@ def _tile_config(max_q_len: int, group: int) -> tuple[int, int, int, int, int]:
     return block_m, block_m // group, 64, 4, 3
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _num_splits(busy: int, programs: int, max_context: int, device: torch.device) -> int:
     """How many pieces to cut each context into, from launch shapes only (never from tensor values): enough for
     `busy` working programs to fill the GPU, while the grid (`programs` per split, most of them empty in a
     graphed step's padding) stays under _MAX_PROGRAMS."""
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), busy)
+    want = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), busy)
     return max(1, min(want, triton.cdiv(max_context, _MIN_SPLIT_TOKENS), _MAX_SPLITS, _MAX_PROGRAMS // programs))
 
 
