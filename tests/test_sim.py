@@ -267,6 +267,57 @@ def test_the_pool_admits_and_evicts_as_mooncake_does():
     assert pool.leading([7, 8], 11.0) == 2 and pool.start_put([5], 12.0) == ([], [])  # 1's lease runs to 15
 
 
+LOCAL = {**SIMPLE["transfer"], "local_latency_s": 0.001, "local_per_block_s": 0.00025}  # a put into one's segment
+
+
+def test_profile_local_transfer_fields_round_trip_and_default_to_the_remote_ones(tmp_path):
+    for transfer in (SIMPLE["transfer"], LOCAL):
+        path = tmp_path / "p.json"
+        Profile.from_dict({**SIMPLE, "transfer": transfer}).save(path)
+        p = Profile.load(path)
+        assert p.transfer == transfer  # an older profile is written back without the local fields
+        remote = 0.002 + 4 * 0.001
+        assert p.transfer_time(4) == pytest.approx(remote)
+        assert p.transfer_time(4, local=True) == pytest.approx(0.002 if transfer is LOCAL else remote)
+    with pytest.raises(NanoforgeError, match=r"transfer.local_per_block_s must be a number >= 0, got -1"):
+        Profile.from_dict({**SIMPLE, "transfer": {**LOCAL, "local_per_block_s": -1}})
+
+
+def test_the_transfer_fit_gives_the_local_form_from_the_local_puts():
+    from nanoforge.sim.measure import fit_transfer
+
+    remote = [{"kind": k, "blocks": n, "seconds": 0.002 + 0.001 * n} for k in ("put", "get") for n in (1, 16, 256)]
+    local = [{"kind": "put_local", "blocks": n, "seconds": 0.001 + 0.00025 * n} for n in (1, 16, 256)]
+    section, fits = fit_transfer(remote + local)
+    assert section == pytest.approx({k: v for k, v in LOCAL.items() if k != "block_bytes"}, rel=1e-6)
+    assert set(fits) == {"transfer", "transfer_local"} and fits["transfer_local"]["samples"] == 3
+    section, fits = fit_transfer(remote)  # samples measured before the local puts were: no local form
+    assert section == pytest.approx({"latency_s": 0.002, "per_block_s": 0.001}, rel=1e-6) and set(fits) == {"transfer"}
+
+
+def test_transfer_measured_through_mooncake_times_local_puts_into_the_clients_own_segment(monkeypatch):
+    """`measure_transfer` on a real Mooncake Store on loopback (small blocks): remote puts and gets, then puts by a
+    client holding a segment, checked once to have landed there (not in the holder's segment)."""
+    from disagg_helpers import need_mooncake
+
+    need_mooncake()
+    from nanoforge.serve.disagg.mooncake_store import MooncakeStore
+    from nanoforge.sim.measure import fit_transfer, measure_transfer
+
+    looked_up = []
+    segments = MooncakeStore.segments
+    monkeypatch.setattr(MooncakeStore, "segments", lambda self, key: looked_up.append(key) or segments(self, key))
+    lines = []
+    samples = measure_transfer(1 << 16, blocks=(1, 8), repeats=1, progress=lines.append)
+    assert [(s["kind"], s["blocks"]) for s in samples] == [("put", 1), ("get", 1), ("put", 8), ("get", 8),
+                                                           ("put_local", 1), ("put_local", 8)]
+    assert all(s["seconds"] > 0 for s in samples) and lines[-1].startswith("put_local of 8 blocks: ")
+    # once where the holder's segment is (the first remote put), once where the largest local put's last block is
+    assert looked_up == ["nanoforge-profile/put/1/0/0", "nanoforge-profile/put_local/8/0/7"]
+    section, _ = fit_transfer(samples)
+    assert set(section) == {"latency_s", "per_block_s", "local_latency_s", "local_per_block_s"}
+
+
 def test_a_warm_up_runs_first_and_its_blocks_hold_pool_room_until_their_leases_end():
     """Simulation.warm_up, as gpu_disagg.sh warms a server up before the trace. A 4-block pool (1P+1D); the warm-up
     is one run of one 64-token prompt (4 full blocks, 1 output token) at 0: the prefill instance asks the pool for

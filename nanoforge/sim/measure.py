@@ -21,7 +21,9 @@ forms of `profile.py` are fitted by least squares with non-negative coefficients
 and every sample are kept in the JSON. With `--pool`, the KV transfer is measured on the real Mooncake Store:
 a `mooncake_master` on loopback, a second process holding the pool's memory (as a peer instance does), and
 this one moving whole blocks (header + K and V of every layer, as the KV connector does) with one batched
-`put_from` / `get_into` per size; without it the transfer section is derived from `--link-gbs` and says so.
+`put_from` / `get_into` per size (the remote form), then a client holding a segment of its own putting blocks
+into it, as a prefill instance saves (the local form); without it the transfer section is derived from
+`--link-gbs` and says so.
 With `--frontend`, what serving adds is measured through the real server (`measure_frontend`), and a
 disaggregated decode instance's hand-over events on the engine's own outputs (`measure_stream`).
 """
@@ -250,15 +252,33 @@ store.close()
 
 def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int = 3, progress=None) -> list[dict]:
     """Seconds of one batched put and one batched get of n whole blocks, through Mooncake Store on loopback,
-    the pool's memory in another process."""
+    the pool's memory in another process (kinds "put" and "get": remote, as a decode instance's gets are); then
+    of one batched put of n blocks by a client that holds a segment of its own (kind "put_local"), which Mooncake
+    places there (`preferred_segment`: a local copy, as a prefill instance's saves are while its segment has
+    room). The local client joins after the remote calls are timed, so that those see the pool they always did:
+    the holder's segment alone."""
     from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore
 
     need = max(blocks) * block_bytes
     # every timed call uses fresh keys (removed after it, once Mooncake's lease on them lets it): room for all of
     # them and half as much again, as a pool filled close to its size turns puts away (an H200 run with 64 MiB
-    # to spare: a 256-block get after a 5 GB fill found half its keys missing)
-    pool_bytes = 3 * (repeats + 1) * sum(blocks) * block_bytes + (64 << 20)
+    # to spare: a 256-block get after a 5 GB fill found half its keys missing); the local client's segment, room
+    # for its own puts' keys and half as much again, so that none of them spills into the holder's
+    keys_bytes = (repeats + 1) * sum(blocks) * block_bytes
+    pool_bytes, local_bytes = 3 * keys_bytes + (64 << 20), 3 * keys_bytes // 2 + (64 << 20)
     samples = []
+
+    def timed(store, kinds: tuple[str, ...], base: int, check=None, at: tuple | None = None) -> None:
+        """Sample each of `kinds` at every size, in turn; `check(keys)` on the first call's keys of `at`, a
+        (kind, blocks)."""
+        for n in blocks:
+            for kind in kinds:
+                check_here = check if (kind, n) == at else None
+                seconds = _time_calls(store, kind, n, base, block_bytes, repeats, check_here)
+                samples.append({"kind": kind, "blocks": n, "seconds": seconds})
+                if progress:
+                    progress(f"{kind} of {n} blocks: {1000 * seconds:.2f} ms")
+
     with MooncakeMaster() as master:
         holder = subprocess.Popen([sys.executable, "-c", _HOLDER, master.address, str(pool_bytes)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -266,35 +286,60 @@ def measure_transfer(block_bytes: int, *, blocks=TRANSFER_BLOCKS, repeats: int =
             if holder.stdout.readline().strip() != "ready":
                 raise NanoforgeError("the process holding the pool's memory did not start", param="pool")
             store = MooncakeStore(master.address, segment_bytes=0)
+            clients = [store]
             buf = torch.zeros(need, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             base = buf.data_ptr()
             store.register_buffer(base, need)
             try:
-                for n in blocks:
-                    ptrs = [base + i * block_bytes for i in range(n)]
-                    for kind in ("put", "get"):
-                        times = []
-                        for rep in range(repeats + 1):
-                            keys = [f"nanoforge-profile/{kind}/{n}/{rep}/{i}" for i in range(n)]  # fresh keys
-                            if kind == "get" and not all(store.put_from(keys, ptrs, block_bytes)):
-                                raise RuntimeError(f"the pool turned away some of the {n} blocks to get back")
-                            start = time.perf_counter()
-                            ok = (store.put_from if kind == "put" else store.get_into)(keys, ptrs, block_bytes)
-                            seconds = time.perf_counter() - start
-                            store.remove(keys)
-                            if not all(ok):
-                                raise RuntimeError(f"a {kind} of {n} blocks: {n - sum(ok)} of them failed")
-                            if rep:
-                                times.append(seconds)
-                        samples.append({"kind": kind, "blocks": n, "seconds": statistics.median(times)})
-                        if progress:
-                            progress(f"{kind} of {n} blocks: {1000 * samples[-1]['seconds']:.2f} ms")
+                # where the holder's segment is (its transport endpoint), from the pool's only segment so far (a
+                # block looked up stays leased: it outlives its call, one block of the room to spare)
+                held = set()
+                timed(store, ("put", "get"), base, lambda keys: held.update(store.segments(keys[0])),
+                      at=("put", blocks[0]))
+                local = MooncakeStore(master.address, segment_bytes=local_bytes)
+                clients.append(local)
+                local.wait_warm()  # timed into resident memory, as the holder's are
+                local.register_buffer(base, need)
+
+                def landed_locally(keys):
+                    # the pool's segments are the holder's and the local client's: a block in no segment of the
+                    # holder's is in the local one (the last block of the largest call: the first to spill over)
+                    home = set(local.segments(keys[-1]))
+                    if not home or home & held:
+                        raise RuntimeError(f"a put by a client holding a segment landed in {sorted(home)}, the "
+                                           f"holder's segment: not a local copy")
+
+                timed(local, ("put_local",), base, landed_locally, at=("put_local", max(blocks)))
             finally:
-                store.unregister_buffer(base)
-                store.close()
+                for client in reversed(clients):
+                    client.unregister_buffer(base)
+                    client.close()
         finally:
             holder.communicate("", timeout=60)
     return samples
+
+
+def _time_calls(store, kind: str, n: int, base: int, block_bytes: int, repeats: int, check=None) -> float:
+    """The median seconds of `repeats` batched calls of `kind` ("put", "get" or "put_local": a put by `store`,
+    wherever it places it) moving n blocks from or into the registered buffer at `base`, after one to warm up;
+    each call's keys are fresh, and removed after it. `check(keys)` runs once, on the first call's keys (not timed)."""
+    ptrs = [base + i * block_bytes for i in range(n)]
+    times = []
+    for rep in range(repeats + 1):
+        keys = [f"nanoforge-profile/{kind}/{n}/{rep}/{i}" for i in range(n)]  # fresh keys
+        if kind == "get" and not all(store.put_from(keys, ptrs, block_bytes)):
+            raise RuntimeError(f"the pool turned away some of the {n} blocks to get back")
+        start = time.perf_counter()
+        ok = (store.get_into if kind == "get" else store.put_from)(keys, ptrs, block_bytes)
+        seconds = time.perf_counter() - start
+        if all(ok) and check is not None and not rep:
+            check(keys)
+        store.remove(keys)
+        if not all(ok):
+            raise RuntimeError(f"a {kind} of {n} blocks: {n - sum(ok)} of them failed")
+        if rep:
+            times.append(seconds)
+    return statistics.median(times)
 
 
 # --- what serving adds: the front door, the server's work per token, the conductor's hop --------------------------
@@ -460,7 +505,8 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
     - per_token_s: k requests sent at once decode in lock-step, so each one's TPOT is a decode step of batch k plus
       the server's work for the k tokens it streams: fitted (through 0) to TPOT - decode_time(k, context) over k;
     - handover_s: a lone request's TTFT through the conductor (1 prefill + 1 decode) less the request's latency,
-      the prefill step, the sampled token and saving the prompt's blocks to the pool;
+      the prefill step, the sampled token and saving the prompt's blocks to the pool (a put into the prefill
+      instance's own segment, which has room for them);
     - stream_per_output_token_s: the slope of a decode instance's hand-over event cost over the output tokens
       its request holds (`measure_stream`; its intercept is the kind of work `per_token_s` already counts)."""
     n = samples["prompt_len"]
@@ -480,10 +526,23 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
     if len(samples.get("stream") or []) >= 2:
         (_, section["stream_per_output_token_s"]), _ = fit(samples["stream"], ("tokens",))
     if samples.get("disagg_ttft_s") is not None:
-        save = profile.transfer_time(n // profile.engine["block_size"])
+        save = profile.transfer_time(n // profile.engine["block_size"], local=True)  # into the instance's segment
         section["handover_s"] = max(0.0, samples["disagg_ttft_s"] - request_s - per_prompt_token_s * n
                                     - profile.prefill_time(n) - per_token_s - save)
     return section
+
+
+def fit_transfer(samples: list[dict]) -> tuple[dict, dict]:
+    """The transfer section's forms fitted to `measure_transfer`'s samples, and each fit's residuals: latency_s +
+    per_block_s x n to the remote puts and gets, local_latency_s + local_per_block_s x n to the puts into the
+    client's own segment (samples without those leave the local fields out: the remote ones stand for them)."""
+    local = [s for s in samples if s["kind"] == "put_local"]
+    (a, b), remote_fit = fit([s for s in samples if s["kind"] != "put_local"], ("blocks",))
+    section, fits = {"latency_s": a, "per_block_s": b}, {"transfer": remote_fit}
+    if local:
+        (a, b), fits["transfer_local"] = fit(local, ("blocks",))
+        section.update(local_latency_s=a, local_per_block_s=b)
+    return section, fits
 
 
 def fit_steps(prefill: list[dict], decode: list[dict]) -> tuple[dict, dict, dict]:
@@ -532,11 +591,12 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
     prefill_section, decode_section, fits = fit_steps(prefill, decode)
     if pool:
         transfer = measure_transfer(slot, repeats=repeats, progress=progress)
-        (ta, tb), transfer_fit = fit(transfer, ("blocks",))
-        transfer_section = {"latency_s": ta, "per_block_s": tb, "block_bytes": kv_block, "measured": True,
-                            "link": "Mooncake Store over TCP on loopback, the pool's memory in another process"}
+        transfer_section, transfer_fits = fit_transfer(transfer)
+        transfer_section.update(block_bytes=kv_block, measured=True,
+                                link="Mooncake Store over TCP on loopback, the pool's memory in another process "
+                                     "(local: a put into the client's own segment)")
     else:
-        transfer, transfer_fit = [], None
+        transfer, transfer_fits = [], {"transfer": None}
         transfer_section = {"latency_s": 0.001, "per_block_s": slot / (link_gbs * 1e9), "block_bytes": kv_block,
                             "measured": False, "link": f"assumed {link_gbs:g} GB/s per pool call (no --pool)"}
     device = engine.model.embed.weight.device
@@ -551,7 +611,7 @@ def measure_profile(engine, *, name: str, model: str, pool: bool = False, link_g
                         f"CUDA graphs {'on' if getattr(engine.runner, 'graphs', None) else 'off'}; frontend latencies "
                         f"are not measured here (0)",
               "model": model, "device": device_name, "max_model_len": cfg.max_model_len,
-              "fit": {**fits, "transfer": transfer_fit},
+              "fit": {**fits, **transfer_fits},
               "samples": {"prefill": prefill, "decode": decode, "transfer": transfer},
               "skipped_by_budget": skipped, "budget_s": budget_s})
 
@@ -699,8 +759,12 @@ def _print_fits(profile: Profile, frontend: bool = True) -> None:
     print(f"decode step = {1000 * profile.decode['a_s']:.3f} ms + {1e6 * profile.decode['per_seq_s']:.2f} us/seq "
           f"+ {1e9 * profile.decode['per_context_s']:.3f} ns/context token (mean error "
           f"{100 * fits['decode']['mean_rel_error']:.1f}%)")
-    print(f"KV transfer = {1000 * profile.transfer['latency_s']:.3f} ms + {1000 * profile.transfer['per_block_s']:.3f} "
-          f"ms/block ({'measured' if profile.transfer.get('measured') else 'assumed'})")
+    t = profile.transfer
+    local = (f"; a put into its own segment {1000 * t.get('local_latency_s', t['latency_s']):.3f} ms + "
+             f"{1000 * t.get('local_per_block_s', t['per_block_s']):.3f} ms/block"
+             if "local_latency_s" in t or "local_per_block_s" in t else "")
+    print(f"KV transfer = {1000 * t['latency_s']:.3f} ms + {1000 * t['per_block_s']:.3f} ms/block "
+          f"({'measured' if t.get('measured') else 'assumed'}){local}")
     f = profile.frontend
     print(f"frontend: request {1000 * f['request_s']:.2f} ms + {1e6 * f['per_prompt_token_s']:.2f} us per prompt "
           f"token, conductor hop {1000 * f['handover_s']:.2f} ms, {1e6 * f['per_token_s']:.1f} us per streamed token, "

@@ -11,6 +11,14 @@ A profile is a JSON file (`profiles/NAME.json`, or any path) holding small fitte
                    older profiles); C_d: the context of the decodes batched with them
     decode step    a + per_seq * B + per_context * C      (a step of B one-token decodes over C context tokens)
     KV transfer    latency + per_block * n                 (one batched pool call moving n blocks)
+    local put      local_latency + local_per_block * n     (a batched put into the caller's own segment)
+
+The transfer's remote form is what `measure_transfer` times between a client and a segment in another process
+(a decode instance's gets, and the saves a prefill instance's full segment sends elsewhere); the local one, a put
+by a client that holds a segment into that segment (Mooncake's `preferred_segment`: a local copy, as a prefill
+instance's saves are while its segment has room). The local fields are optional: older profiles lack them and
+take the remote ones for them (`local_latency_s` = `latency_s`, `local_per_block_s` = `per_block_s`), so a put
+costs what it did before.
 
 A step that holds any chunk other than a plain decode (`ScheduledSeq.is_decode`) is a prefill step: the engine
 runs those eagerly, while plain decode batches replay CUDA graphs.
@@ -59,6 +67,9 @@ _FIELDS = {
 _OPTIONAL = {"prefill": {"per_prefix_s": 0.0},
              "frontend": {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0,
                           "stream_per_output_token_s": 0.0}}
+# optional fields whose value, where a profile lacks them, is another field's: kept as read (a profile without
+# them is written back without them)
+_DEFAULTS_TO = {"transfer": {"local_latency_s": "latency_s", "local_per_block_s": "per_block_s"}}
 
 
 @dataclass
@@ -80,6 +91,7 @@ class Profile:
         self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p["per_prefix_s"])
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
         self._t = (t["latency_s"], t["per_block_s"])
+        self._t_local = tuple(t.get(name, t[other]) for name, other in _DEFAULTS_TO["transfer"].items())
         self._per_output = self.frontend["per_token_s"]
         self._per_held = self.frontend["stream_per_output_token_s"]
 
@@ -132,9 +144,11 @@ class Profile:
         """From the client to the engine's queue, for a prompt of `prompt_tokens` tokens."""
         return self.frontend["request_s"] + self.frontend["per_prompt_token_s"] * prompt_tokens
 
-    def transfer_time(self, blocks: int) -> float:
-        """One pool call moving `blocks` KV blocks (to or from the pool)."""
-        return self._t[0] + self._t[1] * blocks
+    def transfer_time(self, blocks: int, *, local: bool = False) -> float:
+        """One pool call moving `blocks` KV blocks (to or from the pool); `local`: a put into the caller's own
+        segment."""
+        latency, per_block = self._t_local if local else self._t
+        return latency + per_block * blocks
 
     # --- files -------------------------------------------------------------------------------------------
 
@@ -159,7 +173,7 @@ class Profile:
                 values = {**_OPTIONAL[section], **values}
             if not isinstance(values, dict):
                 raise NanoforgeError(f"{where}: needs a {section!r} object with {', '.join(names)}", param="profile")
-            for name in names:
+            for name in (*names, *(n for n in _DEFAULTS_TO.get(section, ()) if n in values)):
                 v = values.get(name)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                     raise NanoforgeError(f"{where}: {section}.{name} must be a number >= 0, got {v!r}",
