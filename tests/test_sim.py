@@ -207,7 +207,7 @@ def test_calls_share_the_connectors_staging_buffer():
     from nanoforge.sim.cluster import Clock
     from nanoforge.sim.pool import KVPool, SimConnector
 
-    sim = SimpleNamespace(clock=Clock(), transfer_time=lambda n: 0.002 + 0.001 * n)
+    sim = SimpleNamespace(clock=Clock(), transfer_time=lambda n, local=0: 0.002 + 0.001 * n)
     conn = SimConnector(sim, KVPool(None), SimpleNamespace(block_size=16), load=False, save=True, staging_blocks=10,
                         on_ready=None)
 
@@ -232,7 +232,7 @@ def test_the_connector_runs_loads_ahead_of_queued_saves():
     from nanoforge.sim.cluster import Clock
     from nanoforge.sim.pool import Job, KVPool, SimConnector
 
-    sim = SimpleNamespace(clock=Clock(), transfer_time=lambda n: 0.002 + 0.001 * n)
+    sim = SimpleNamespace(clock=Clock(), transfer_time=lambda n, local=0: 0.002 + 0.001 * n)
     back = []
     conn = SimConnector(sim, KVPool(None), None, load=True, save=True, staging_blocks=None,
                         on_ready=lambda now: back.append(now))
@@ -255,19 +255,62 @@ def test_the_pool_admits_and_evicts_as_mooncake_does():
     from nanoforge.sim.pool import KVPool
 
     pool = KVPool(4)
-    written, held = pool.start_put([0, 1, 2, 3], 0.0)
+    written, held, _ = pool.start_put([0, 1, 2, 3], 0.0)
     assert (written, held) == ([0, 1, 2, 3], []) and pool.get([0], 0.0) == 0  # pending until the put ends
     pool.end_put(written, 0.0)
-    assert pool.start_put([9], 1.0) == ([], []) and pool.counters["turned_away"] == 1
-    assert pool.start_put([2], 1.0) == ([], [2])  # held already: no transfer
+    assert pool.start_put([9], 1.0) == ([], [], 0) and pool.counters["turned_away"] == 1
+    assert pool.start_put([2], 1.0) == ([], [2], 0)  # held already: no transfer
     assert pool.leading([1], 5.0) == 1 and pool.get([2], 6.0) == 1
-    written, _ = pool.start_put([7, 8], 10.5)
+    written, _, _ = pool.start_put([7, 8], 10.5)
     assert written == [7, 8] and sorted(pool._blocks) == [1, 2, 7, 8] and pool.counters["evictions"] == 2
     pool.end_put(written, 10.5)
-    assert pool.leading([7, 8], 11.0) == 2 and pool.start_put([5], 12.0) == ([], [])  # 1's lease runs to 15
+    assert pool.leading([7, 8], 11.0) == 2 and pool.start_put([5], 12.0) == ([], [], 0)  # 1's lease runs to 15
 
 
 LOCAL = {**SIMPLE["transfer"], "local_latency_s": 0.001, "local_per_block_s": 0.00025}  # a put into one's segment
+
+
+def test_a_save_into_the_instances_own_segment_costs_the_local_rate_and_its_overflow_the_remote_one():
+    """1P+1D, one 64-token prompt (4 full blocks, 1 output token): the prefill instance asks the pool for its first 3
+    blocks (none there: a get, at the remote rate, 2 ms), prefills 2-76 ms (10 + 64 x 1) and answers once its put
+    is done. A 16-block pool is two 8-block segments, the prefill instance's first: its 4 blocks fit its own, a local
+    copy, 1 + 4 x 0.25 = 2 ms: TTFT 78 ms. A 5-block pool's segments are 3 and 2 blocks: 3 go into its own, the
+    4th into the decode instance's, so the call crosses the link: the remote latency, 2 + 1 x 1 + 3 x 0.25 = 3.75 ms,
+    TTFT 79.75 ms. A profile without a local rate: 2 + 4 x 1 = 6 ms, TTFT 82 ms, whatever the segments."""
+    local = Profile.from_dict({**SIMPLE, "transfer": LOCAL})
+
+    def save(prof, blocks):
+        sim = run([row(0, 64, 1, [0])], prof, prefill=1, decode=1, pool_gib=blocks * (1024 + 192) / 2**30)
+        assert sim.pool.capacity == blocks
+        return sim.results[0].ttft_ms, sim.pool.counters["local_put_blocks"], sim.pool._free
+
+    assert save(local, 16) == (ms(0.078), 4, [4, 8])
+    assert save(local, 5) == (ms(0.07975), 3, [0, 1])
+    assert save(profile(), 16)[0] == save(profile(), 5)[0] == ms(0.082)
+
+
+def test_eviction_frees_room_in_the_evicted_blocks_segment():
+    """A 4-block pool of two 2-block segments (instance 0's, instance 1's), leases of 10 s. At t=0 instance 0 puts
+    blocks 0-2: 0 and 1 into its own segment, 2 into the other (the only one with room); block 3 goes there too,
+    and the pool is full. At t=5 instance 1's put is turned away (every lease live). At t=10.5 the leases are out:
+    instance 0's put of block 5 evicts block 0 (the least recently touched, in its segment) and takes its room, a
+    local copy; the pool is then over its high watermark (4 > 3.6) and evicts block 1 too, from the same segment,
+    whose room instance 1's next block takes (its own segment is full: a remote put), which evicts block 2 from
+    instance 1's segment."""
+    from nanoforge.sim.pool import KVPool
+
+    pool = KVPool(4, segments=2)
+    written, held, local = pool.start_put([0, 1, 2], 0.0, segment=0)
+    assert (written, held, local, pool._free) == ([0, 1, 2], [], 2, [0, 1])
+    pool.end_put(written, 0.0)
+    assert pool.start_put([3], 0.0, segment=0) == ([3], [], 0) and pool._free == [0, 0]
+    pool.end_put([3], 0.0)
+    assert pool.start_put([4], 5.0, segment=1) == ([], [], 0) and pool.counters["turned_away"] == 1
+    assert pool.start_put([5], 10.5, segment=0) == ([5], [], 1)
+    assert sorted(pool._blocks) == [2, 3, 5] and pool._free == [1, 0]
+    assert pool.start_put([6], 10.5, segment=1) == ([6], [], 0)
+    assert sorted(pool._blocks) == [3, 5, 6] and pool._free == [0, 1] and pool.counters["evictions"] == 3
+    assert pool.counters["local_put_blocks"] == 3 and pool._home == {3: 1, 5: 0, 6: 0}
 
 
 def test_profile_local_transfer_fields_round_trip_and_default_to_the_remote_ones(tmp_path):

@@ -16,6 +16,8 @@ A request's life, as the real conductor (`serve/disagg/conductor.py`) runs it, w
 With colocated instances ("both", the vLLM-style baseline) the Router is built with `colocated=True`: one
 instance runs the whole request, the first token leaves at the end of the step that sampled it, and the
 pool, if any, is shared by every instance through its connector as in `nanoforge serve --role both --store`.
+Either way every instance holds an equal segment of the pool (`--pool-gib` / instances), as every server
+started with `--store` mounts its `--pool-memory`, and its saves go there first (`pool.py`).
 
 A warm-up (`Simulation.warm_up`: the bench serve runs gpu_disagg.sh sends before the trace) runs through the
 same cluster first and counts in no result; what it leaves behind stays, as on the real servers: its blocks in
@@ -185,15 +187,27 @@ class Simulation:
         # a block in the pool: its KV at the simulated block size, plus the connector's header (as KVConnector)
         self.block_bytes = pool_block_bytes(profile.transfer["block_bytes"] * bs // engine["block_size"], bs)
         # a pool call: the profile's latency, and its time per block scaled to this block's bytes (or the link's)
+        t = profile.transfer
+        profile_block = pool_block_bytes(t["block_bytes"], engine["block_size"])
         if config.link_gbs:
             self.block_seconds = self.block_bytes / (config.link_gbs * 1e9)
         else:
-            profile_block = pool_block_bytes(profile.transfer["block_bytes"], engine["block_size"])
-            self.block_seconds = profile.transfer["per_block_s"] * self.block_bytes / profile_block
-        self.transfer_latency = profile.transfer["latency_s"]
+            self.block_seconds = t["per_block_s"] * self.block_bytes / profile_block
+        self.transfer_latency = t["latency_s"]
+        # a put into the instance's own segment is a local copy, which crosses no link: the profile's local rate
+        # (a profile without one: the remote rate, whatever sets it, as before there was one)
+        self.local_block_seconds = (t["local_per_block_s"] * self.block_bytes / profile_block
+                                    if "local_per_block_s" in t else self.block_seconds)
+        self.local_latency = profile.transfer_time(0, local=True)
         staging = None if config.staging_gib is None else max(1, int(config.staging_gib * 2**30 // self.block_bytes))
-        if config.pool_gib:
-            self.pool = KVPool(int(config.pool_gib * 2**30 // self.block_bytes), lease_s=config.pool_lease_s)
+        if config.colocated:
+            roles = [(f"both{i}", "both") for i in range(config.colocated)]
+        else:
+            roles = [(f"prefill{i}", "prefill") for i in range(config.prefill)]
+            roles += [(f"decode{i}", "decode") for i in range(config.decode)]
+        if config.pool_gib:  # every instance mounts its share (the servers' --pool-memory): instance i, segment i
+            self.pool = KVPool(int(config.pool_gib * 2**30 // self.block_bytes), lease_s=config.pool_lease_s,
+                               segments=len(roles), seed=config.seed)
         elif config.disaggregated:
             self.pool = KVPool(None, cache=False)  # only the medium from prefill to decode instances
         else:
@@ -203,15 +217,8 @@ class Simulation:
         ahead = config.schedule_ahead
         if ahead is None:  # the engine's default: on a GPU
             ahead = str(profile.meta.get("device") or "cpu").lower() != "cpu"
-
-        def make(name, role):
-            return SimInstance(self, name, role, cfg, self.pool, staging, gpu, ahead=ahead)
-
-        if config.colocated:
-            self.instances = [make(f"both{i}", "both") for i in range(config.colocated)]
-        else:
-            self.instances = [make(f"prefill{i}", "prefill") for i in range(config.prefill)]
-            self.instances += [make(f"decode{i}", "decode") for i in range(config.decode)]
+        self.instances = [SimInstance(self, name, role, cfg, self.pool, staging, gpu, ahead=ahead, segment=i)
+                          for i, (name, role) in enumerate(roles)]
         info = {"block_size": bs, "num_gpu_blocks": num_blocks,
                 "kv_block_bytes": self.block_bytes if self.pool is not None else None}
         self.views = {inst.name: Instance(inst.name, "decode" if inst.role == "decode" else "prefill", dict(info))
@@ -234,9 +241,12 @@ class Simulation:
         self._warmup_left = 0  # requests of the running warm-up run not ended yet
         self._warmup_count = 0
 
-    def transfer_time(self, blocks: int) -> float:
-        """One pool call moving `blocks` blocks."""
-        return self.transfer_latency + self.block_seconds * blocks
+    def transfer_time(self, blocks: int, local: int = 0) -> float:
+        """One pool call moving `blocks` blocks, `local` of them into the caller's own segment: the remote rate
+        a block, less what a local copy saves, and one latency, the local one only if no block crosses the link
+        (a profile without a local rate: exactly the remote cost, as before)."""
+        latency = self.local_latency if local and local == blocks else self.transfer_latency
+        return latency + self.block_seconds * blocks + (self.local_block_seconds - self.block_seconds) * local
 
     # --- running ---------------------------------------------------------------------------------------------
 

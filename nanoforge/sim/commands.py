@@ -68,8 +68,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shape: bool = True) -> 
     g.add_argument("--early-reject", action="store_true",
                    help="the conductor rejects at once what it predicts would miss an SLO (429)")
     g.add_argument("--pool-gib", type=float, default=0.0, metavar="G",
-                   help="KV pool capacity (GiB, the whole cluster's); 0: no pool (disaggregated: blocks only go "
-                        "from prefill to decode instances)")
+                   help="KV pool capacity (GiB, the whole cluster's: each instance holds an equal segment of it, "
+                        "which its own saves fill first); 0: no pool (disaggregated: blocks only go from prefill to "
+                        "decode instances)")
     g.add_argument("--pool-lease-s", type=float, default=LEASE_S, metavar="S",
                    help="how long after its last use a block in the pool cannot be evicted; a full pool turns "
                         "puts away meanwhile (mooncake_master's default_kv_lease_ttl: 10)")

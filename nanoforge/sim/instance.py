@@ -71,14 +71,16 @@ class SharedGPU:
 
 class SimInstance:
     def __init__(self, sim, name: str, role: str, config: SchedulerConfig, pool: KVPool | None,
-                 staging_blocks: int | None, gpu: SharedGPU | None = None, ahead: bool = False):
+                 staging_blocks: int | None, gpu: SharedGPU | None = None, ahead: bool = False,
+                 segment: int | None = None):
+        """`segment`: the instance's own segment of `pool` (None: it holds none)."""
         self.sim, self.name, self.role = sim, name, role
         self.scheduler = Scheduler(config)
         self.connector = None
         if pool is not None:  # a decode instance loads and never saves; a prefill instance loads only from a cache
             self.connector = SimConnector(sim, pool, self.scheduler.block_manager,
                                           load=role == "decode" or pool.cache, save=role != "decode",
-                                          staging_blocks=staging_blocks, on_ready=self.kick)
+                                          staging_blocks=staging_blocks, on_ready=self.kick, segment=segment)
         self.gpu = gpu
         self.in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()  # launched, not collected (+ device
         # and host seconds)

@@ -14,6 +14,16 @@ With `cache=False` it is only the medium that carries a prompt's blocks from its
 decode instance ("no pool" in a disaggregated cluster): nobody looks anything up, and a block is dropped once
 no request in flight still needs it.
 
+The capacity is split into segments, one an instance (each server mounts `--pool-memory` of its own memory),
+and a block lives in one of them. A put by an instance places each block as Mooncake's RandomAllocationStrategy
+does with `preferred_segment` set to the writer (`MooncakeStore`): in the writer's own segment while it has
+room, else in a random segment that has some (a remote transfer). So a prefill instance's saves are local
+copies until its segment is full, and cost `local_per_block_s` a block, the rest the remote rate (one call, one
+latency: the remote one if any block of it crosses the link; `Simulation.transfer_time`). Admission and
+eviction stay the whole pool's, as the master's are (its watermark is of the whole capacity; an evicted block
+frees room in its own segment). Gets are costed at the remote rate: a decode instance reads a prefill
+instance's segment (a colocated instance reading its own segment would be faster; not modelled).
+
 `SimConnector` mirrors the engine's `KVConnector` (`serve/kv_connector.py`) decision for decision, with
 the pool calls replaced by modelled transfers:
 
@@ -30,11 +40,12 @@ the pool calls replaced by modelled transfers:
 - the calls go one after another, loads ahead of saves, as in the engine's connector (its worker threads
   take loads first; they are several, but Mooncake's rate did not grow with calls at once on the H200's host:
   `benchmarks/pool_transfer.py`, so the link is modelled as one): a call starts when the one before it is
-  done, and takes `Simulation.transfer_time(blocks moved)` (the profile's).
+  done, and takes `Simulation.transfer_time(blocks moved, of them into its own segment)` (the profile's).
 """
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -50,7 +61,10 @@ EVICTION_RATIO = 0.05  # eviction_ratio: of the capacity, at most, per eviction
 
 
 class KVPool:
-    def __init__(self, capacity_blocks: int | None, *, cache: bool = True, lease_s: float = LEASE_S):
+    def __init__(self, capacity_blocks: int | None, *, cache: bool = True, lease_s: float = LEASE_S,
+                 segments: int = 1, seed: int = 0):
+        """`segments`: how many equal segments the capacity is split into (segment i: instance i's; where they
+        do not divide it, the first ones take a block more). An unbounded pool has none: every put is remote."""
         self.capacity = capacity_blocks  # None: unbounded
         self.cache = cache
         self.lease_s = lease_s
@@ -58,8 +72,13 @@ class KVPool:
         self._blocks: OrderedDict[int, int] = OrderedDict()
         self._touched: dict[int, float] = {}  # key -> when its lease was last renewed
         self._pending: set[int] = set()  # allocated by a put still in flight: not readable yet
-        self.counters = dict.fromkeys(("lookups", "lookup_hit_blocks", "put_blocks", "get_blocks", "got_blocks",
-                                       "evictions", "turned_away"), 0)
+        # each segment's free blocks (their sum: the capacity less the blocks held), and each block's segment
+        self._free = None if capacity_blocks is None else \
+            [capacity_blocks // segments + (i < capacity_blocks % segments) for i in range(segments)]
+        self._home: dict[int, int] = {}
+        self._rng = random.Random(seed)  # where a block that finds its writer's segment full goes
+        self.counters = dict.fromkeys(("lookups", "lookup_hit_blocks", "put_blocks", "local_put_blocks",
+                                       "get_blocks", "got_blocks", "evictions", "turned_away"), 0)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -94,9 +113,10 @@ class KVPool:
         self.counters["got_blocks"] += n
         return n
 
-    def start_put(self, hashes: list[int], now: float) -> tuple[list[int], list[int]]:
-        """A put starts: (the blocks it writes, the blocks the pool already holds); the rest are turned away."""
-        blocks, written, held = self._blocks, [], []
+    def start_put(self, hashes: list[int], now: float, segment: int | None = None) -> tuple[list[int], list[int], int]:
+        """A put by the holder of `segment` (None: a client without one) starts: (the blocks it writes, the blocks
+        the pool already holds, how many of those it writes land in `segment`); the rest are turned away."""
+        blocks, written, held, local = self._blocks, [], [], 0
         for h in hashes:
             if h in blocks:
                 if self.cache:
@@ -110,13 +130,29 @@ class KVPool:
                 continue
             else:
                 blocks[h] = 1
+                if self._free is not None:
+                    local += self._place(h, segment)
             self._pending.add(h)
             self._touched[h] = now
             written.append(h)
         self.counters["put_blocks"] += len(written)
+        self.counters["local_put_blocks"] += local
         if self.capacity is not None and len(blocks) > HIGH_WATERMARK * self.capacity:
             self._evict(now)
-        return written, held
+        return written, held, local
+
+    def _place(self, h: int, segment: int | None) -> bool:
+        """Give new block `h` room in `segment` if it has some, else in a random segment that has (there is one:
+        the pool is not full); True if it is `segment`."""
+        free = self._free
+        if segment is None or not free[segment]:
+            room = [i for i, n in enumerate(free) if n]
+            where = room[0] if len(room) == 1 else self._rng.choice(room)
+        else:
+            where = segment
+        free[where] -= 1
+        self._home[h] = where
+        return where == segment
 
     def end_put(self, written: list[int], now: float) -> None:
         """The put's blocks are readable now (and their leases start again)."""
@@ -134,7 +170,7 @@ class KVPool:
             h = next(iter(blocks))
             if h in self._pending or self._touched[h] + self.lease_s > now:
                 break  # the least recently touched is still leased: so is everything after it
-            del blocks[h], self._touched[h]
+            self._drop(h)
             n += 1
         self.counters["evictions"] += n
         return n
@@ -148,11 +184,17 @@ class KVPool:
             if left is None:
                 continue
             if left <= 1:
-                del self._blocks[h]
-                self._touched.pop(h, None)
-                self._pending.discard(h)
+                self._drop(h)
             else:
                 self._blocks[h] = left - 1
+
+    def _drop(self, h: int) -> None:
+        """Forget block `h`, and free its room in its segment."""
+        del self._blocks[h]
+        self._touched.pop(h, None)
+        self._pending.discard(h)
+        if self._free is not None:
+            self._free[self._home.pop(h)] += 1
 
 
 @dataclass(eq=False)
@@ -167,6 +209,7 @@ class Job:
     done: bool = False
     on_done: list = field(default_factory=list)  # callbacks(now) once it is done
     written: list[int] = field(default_factory=list)  # put: the blocks it writes (the pool had room for them)
+    local: int = 0  # put: how many of those went into the instance's own segment
     stored: list[int] = field(default_factory=list)  # put: those and the ones the pool held already
 
 
@@ -174,8 +217,9 @@ class SimConnector:
     """An instance's KV connector (see the module's docstring); `link` runs its jobs one at a time."""
 
     def __init__(self, sim, pool: KVPool, bm: BlockManager, *, load: bool, save: bool,
-                 staging_blocks: int | None, on_ready):
+                 staging_blocks: int | None, on_ready, segment: int | None = None):
         self.sim, self.pool, self.bm = sim, pool, bm
+        self.segment = segment  # the instance's own segment of the pool (None: it holds none)
         self.on_ready = on_ready  # on_ready(now): a get is back (the instance steps if it was idle)
         self.load_enabled, self.save_enabled = load, save
         self.free_slots = staging_blocks  # staging slots not held by a call in flight (None: unbounded)
@@ -273,9 +317,9 @@ class SimConnector:
             job.found = self.pool.get(job.hashes, now)
             seconds = self.sim.transfer_time(job.found)
         else:  # what the pool turns away costs no transfer
-            job.written, held = self.pool.start_put(job.hashes, now)
+            job.written, held, job.local = self.pool.start_put(job.hashes, now, self.segment)
             job.stored = job.written + held
-            seconds = self.sim.transfer_time(len(job.written))
+            seconds = self.sim.transfer_time(len(job.written), job.local)
         self.busy_s += seconds
         self.sim.clock.at(now + seconds, self._done, job)
 
