@@ -303,8 +303,11 @@ def cmd_conductor(args) -> int:
 def _add_simulate(sub):
     from nanoforge.sim import commands
 
+    # allow_abbrev=False: its verbs have flags its own are prefixes of (`simulate profile --pool` against
+    # --pool-gib, --pool-lease-s), which Python 3.11's argparse matches as an ambiguous abbreviation
     p = sub.add_parser("simulate", help="simulate a disaggregated or colocated cluster on a trace (the real "
-                                        "scheduler and router on modelled time): goodput, latencies, capacity")
+                                        "scheduler and router on modelled time): goodput, latencies, capacity",
+                       allow_abbrev=False)
     commands.add_run_arguments(p)
     p.set_defaults(func=commands.run_cli)
     commands.add_verbs(p.add_subparsers(dest="sim_verb", parser_class=_Parser,

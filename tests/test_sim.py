@@ -541,6 +541,15 @@ def test_bad_input_from_the_shell(tmp_path):
     assert proc.returncode == 2 and proc.stderr == "nanoforge simulate: error: trace file not found: missing.jsonl\n"
 
 
+def test_profile_verbs_flags_are_not_taken_for_abbreviations_of_the_run_flags():
+    """`simulate profile --pool` (gpu_sim_profile.sh's flag): --pool is a prefix of the run's --pool-gib and
+    --pool-lease-s, which Python 3.11's argparse called ambiguous before the verb got to parse it."""
+    from nanoforge.cli import build_parser
+
+    args = build_parser().parse_args(["simulate", "profile", "--pool", "--model-preset", "tiny-qwen3", "--out", "p.json"])
+    assert args.sim_verb == "profile" and args.pool is True
+
+
 def test_profile_measured_on_the_cpu_engine(tmp_path):
     from test_serve_api import one_torch_thread
 
