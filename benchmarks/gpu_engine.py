@@ -295,7 +295,7 @@ DECODE_VARIANTS = {
     "pdl_late": {"NANOFORGE_PDL": "late"},  # the big kernels let their successor launch after their main loop
     "no_prefetch": {"NANOFORGE_GEMV_PREFETCH_MB": "0"},  # the skinny matmul does not ask L2 for W before its wait
     "wide_configs": {"NANOFORGE_GEMV_CONFIGS": "wide"},  # its autotuner over session 10's eight candidates
-    "no_split": {"NANOFORGE_GEMV_CONFIGS": "nosplit"},  # over the five unsplit ones: what cutting K brings
+    "split": {"NANOFORGE_GEMV_CONFIGS": "split"},  # also over the four that cut K: what that brings
     "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},

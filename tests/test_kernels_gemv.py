@@ -68,9 +68,12 @@ def test_matches_float64(poisoned, lead, k, n, dtype, swiglu, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_norm_prologue_matches_float64(poisoned, lead, k, n, dtype, residual, swiglu):
+@pytest.mark.parametrize("stats", [4096, 32])
+def test_norm_prologue_matches_float64(poisoned, monkeypatch, lead, k, n, dtype, residual, swiglu, stats):
     """The residual add and RMSNorm fused before the projection: the projection of the normalised sum, and the
-    sum itself (every element stored by exactly one program; x itself without a residual)."""
+    sum itself (every element stored by exactly one program; x itself without a residual). The statistics' pass
+    takes whole rows at once, or (stats=32) rows in pieces of 32 columns, one row at a time."""
+    monkeypatch.setattr(gv, "STATS_ELEMENTS", stats)
     gen = torch.Generator().manual_seed(3 * k + n)
     x = torch.randn(*lead, k, generator=gen).to(dtype)
     a = torch.randn(*lead, k, generator=gen).to(dtype) if residual else None
@@ -115,11 +118,11 @@ def test_split_k_matches_float64_and_leaves_its_counters_at_zero(poisoned, monke
 
 
 def test_split_candidates_are_timed_only_where_programs_would_leave_sms_idle(monkeypatch):
-    """The autotuner's pruning: on 132 SMs, Llama-3.2-1B's attention-out and MLP-down (2,048 outputs: 64-128
+    """The autotuner's pruning (NANOFORGE_GEMV_CONFIGS=split): on 132 SMs, Llama-3.2-1B's attention-out and MLP-down (2,048 outputs: 64-128
     programs unsplit) and its Q/K/V at 32 rows a program (96) are offered the split candidates; its gate-and-up
     (16,384 outputs) is not; nor is K too short for two tiles a range."""
     monkeypatch.setattr(gv, "sm_count", lambda device: 132)
-    cands = gv._TUNED["default"].configs
+    cands = gv._TUNED["split"].configs
 
     def kept(n, k):
         got = gv._prune(cands, {"N": n, "K": k, "X": torch.empty(1)})
@@ -131,7 +134,7 @@ def test_split_candidates_are_timed_only_where_programs_would_leave_sms_idle(mon
     assert kept(3072, 2048) == {(32, 256, 2)}  # Q/K/V: 16 rows a program are 192 programs already
     assert kept(16384, 2048) == set()  # gate-and-up: 512-1,024 programs
     assert kept(2048, 768) == set()  # K too short for two 256-column tiles in each of two ranges
-    assert {c.kwargs["SPLIT_K"] for c in gv._TUNED["nosplit"].configs} == {1}
+    assert {c.kwargs["SPLIT_K"] for c in gv._TUNED["default"].configs} == {1}
 
 
 def test_takes_the_reference_where_the_kernel_does_not_apply(monkeypatch):
@@ -174,7 +177,7 @@ def test_the_weight_prefetch_takes_a_share_of_its_budget(monkeypatch):
     with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_PREFETCH_MB must be a number of MiB, not 'lots'"):
         gv.prefetch_k(qkv)
     monkeypatch.setenv("NANOFORGE_GEMV_CONFIGS", "all")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_CONFIGS must be default, nosplit or wide, not 'all'"):
+    with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_CONFIGS must be default, split or wide, not 'all'"):
         gv.configs()
 
 
@@ -273,7 +276,7 @@ def test_gpu_model_shapes_bf16(poisoned, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [c for c in gv.GEMV_CONFIGS["default"] if c[4] > 1], ids=str)
+@pytest.mark.parametrize("cfg", [c for c in gv.GEMV_CONFIGS["split"] if c[4] > 1], ids=str)
 @pytest.mark.parametrize("k,n", [(8192, 2048), (2048, 2048), (3072, 1024), (2048, 3072)])
 def test_gpu_each_split_candidate_is_right_in_graph_replays(poisoned, monkeypatch, cfg, k, n):
     """Every split candidate compiled for the GPU, at the shapes it is offered (MLP-down, attention-out, Q/K/V),

@@ -6,8 +6,9 @@ took 5.8 us, ~1.4 TB/s, and MLP-down a split-K GEMM plus a reduce kernel). Here 
 of W and streams them along K in BLOCK_K tiles (the loads software-pipelined under `tl.dot` on the x rows, padded
 to 16), so every SM reads its own contiguous rows; the output needs no reduction across programs. Where a matrix
 has too few rows for that to keep every SM streaming (2,048 outputs in tiles of 16-32 rows are 64-128 programs on
-132 SMs), the autotuner may also cut K into SPLIT_K ranges, one program each: the tile's last range to finish adds
-the fp32 sums up in a fixed order (deterministic, no atomics on the data) and finishes the tile.
+132 SMs), the kernel can also cut K into SPLIT_K ranges, one program each: the tile's last range to finish adds
+the fp32 sums up in a fixed order (deterministic, no atomics on the data) and finishes the tile (candidates of
+NANOFORGE_GEMV_CONFIGS=split only: on the H200 they were no faster; see GEMV_CONFIGS).
 
 What a decode layer does around its projections rides along, so that a layer is fewer launches:
 
@@ -127,7 +128,7 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
             width, float(eps), prefetch_k(weight) if on else 0)
     meta = {"NORM": norm_weight is not None, "HAS_RES": res is not None, "SWIGLU": swiglu,
             "HAS_BIAS": bias is not None, "PDL": on, "LINE": 128 // weight.element_size(),
-            "BLOCK_M": max(16, triton.next_power_of_2(m))}
+            "BLOCK_M": max(16, triton.next_power_of_2(m)), **_stats_tile(k)}
     if interpret:  # one small configuration: the autotuner would run every one of them on the CPU
         c = INTERPRET_CONFIG
         _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, **c, num_warps=1)
@@ -161,6 +162,16 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 _KEPT: list[torch.Tensor] = []  # every counter buffer made: graphs captured with one still use it
+
+
+STATS_ELEMENTS = 4096  # of x the norm's first pass loads at once (32 fp32 registers a thread at 4 warps)
+
+
+def _stats_tile(k: int) -> dict:
+    """The norm's first pass loads STATS_ROWS x STATS_K of x (+ the residual) at once: whole rows up to
+    STATS_ELEMENTS columns, as many rows as fit in STATS_ELEMENTS (up to a tile's 16)."""
+    cols = min(triton.next_power_of_2(k), STATS_ELEMENTS)
+    return {"STATS_ROWS": max(1, min(16, STATS_ELEMENTS // cols)), "STATS_K": cols}
 
 
 def prefetch_k(weight: torch.Tensor) -> int:
@@ -324,7 +335,7 @@ def _gemv_kernel(
     X, R, G, S, W, B, Y, P, C, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, stride_ps, stride_pm,
     eps, PREFETCH_K, NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr, LINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, STATS_ROWS: tl.constexpr, STATS_K: tl.constexpr,
 ):  # fmt: skip
     """Y[:, n] for this program's BLOCK_N outputs n. NORM: x is rms_norm(X + R) with weight G (HAS_RES: the sum
     stored to S, its K tiles shared out among the programs). SWIGLU: outputs silu(x W[n]) * (x W[n + N]).
@@ -361,19 +372,31 @@ def _gemv_kernel(
     r_rows = R + offs_m[:, None].to(tl.int64) * stride_rm
     ty = Y.dtype.element_ty
     if NORM:  # first pass: each row's 1/rms (the rows are a few KB, read again from cache below)
-        ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            mask = m_ok[:, None] & (k < K)[None, :]
-            h = _residual_tile(x_rows, r_rows, k, mask, HAS_RES, ty)
-            if HAS_RES:  # tile k0 / BLOCK_K is stored by one program
-                programs = tl.num_programs(0) * SPLIT_K
-                me = pid if SPLIT_K == 1 else tl.program_id(1) * tl.num_programs(0) + pid
-                mine = (offs_k * 0 + (k0 // BLOCK_K) % programs) == me
-                tl.store(S + offs_m[:, None].to(tl.int64) * stride_sm + k[None, :], h.to(ty),
-                         mask=mask & mine[None, :])
-            ssq += tl.sum(h * h, axis=1)
-        rstd = tl.rsqrt(ssq / K + eps)
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # STATS_ROWS rows of STATS_K columns at once (the whole row where K <= 4,096): one round trip to L2 for
+        # a row, not one per BLOCK_K tile (compiled, such a loop waits for each load before the next: 8 for
+        # K = 2,048, most of what fusing the norm cost Llama-3.2-1B's Q/K/V against the norm kernel + cuBLAS)
+        offs_sr = tl.arange(0, STATS_ROWS)
+        offs_sk = tl.arange(0, STATS_K)
+        if HAS_RES:  # the sum's K tiles are shared out: tile t is stored by program t % programs
+            programs = tl.num_programs(0) * SPLIT_K
+            me = pid if SPLIT_K == 1 else tl.program_id(1) * tl.num_programs(0) + pid
+        for m0 in range(0, M, STATS_ROWS):
+            rows_s = m0 + offs_sr
+            ssq = tl.zeros([STATS_ROWS], dtype=tl.float32)
+            for k0 in range(0, K, STATS_K):
+                k = k0 + offs_sk
+                mask = (rows_s < M)[:, None] & (k < K)[None, :]
+                h = _residual_tile(X + rows_s[:, None].to(tl.int64) * stride_xm,
+                                   R + rows_s[:, None].to(tl.int64) * stride_rm, k, mask, HAS_RES, ty)
+                if HAS_RES:
+                    mine = ((k // BLOCK_K) % programs) == me
+                    tl.store(S + rows_s[:, None].to(tl.int64) * stride_sm + k[None, :], h.to(ty),
+                             mask=mask & mine[None, :])
+                ssq += tl.sum(h * h, axis=1)
+            inv = tl.rsqrt(ssq / K + eps)
+            for j in tl.static_range(STATS_ROWS):  # into the rows' vector of the main loop's layout
+                rstd = tl.where(offs_m == m0 + j, tl.sum(tl.where(offs_sr == j, inv, 0.0)), rstd)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -440,12 +463,16 @@ def _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU: tl.
 # The split ones (SPLIT_K > 1) are for the matrices with fewer rows than SMs x BLOCK_N (attention-out, MLP-down,
 # Llama's Q/K/V: 64-96 programs of 32 rows on 132 SMs, the other SMs idle while each streams 128-512 KB): K is cut
 # into SPLIT_K ranges, so every SM streams, and the tile's last range adds the sums up. `_prune` keeps them only
-# there, so the other shapes tune over the first five alone.
-# NANOFORGE_GEMV_CONFIGS=wide tunes over session 10's eight instead, and "nosplit" over the five without the split
-# ones (measurement levers: what the default leaves out, and what the splits bring).
+# there. They are not in the default: session 13's H200 run (`kernels bench --kinds gemv --quick`, in CUDA graphs)
+# found them no faster at any of those shapes (Llama's attention-out 5.2 us a layer either way, MLP-down 16.7
+# against 17.1, Q/K/V 11.5 against 10.9; batch-1 decode 936 tok/s against 924 without, within the run's own
+# spread: 909 for the same engine again), and the engine's start twice as long tuning (8.3 s, not 4.2): such a
+# kernel is bound by its latency, not by how many SMs stream.
+# NANOFORGE_GEMV_CONFIGS picks the set: "split" (the five and the four split ones), "wide" (session 10's eight):
+# measurement levers, for what the default leaves out.
 _UNSPLIT = ((32, 256, 4, 4, 1), (16, 512, 4, 3, 1), (16, 256, 4, 4, 1), (32, 256, 4, 3, 1), (64, 256, 4, 2, 1))
-GEMV_CONFIGS = {"default": _UNSPLIT + ((16, 256, 4, 4, 2), (32, 256, 4, 3, 2), (16, 512, 4, 3, 2), (16, 256, 4, 4, 4)),
-                "nosplit": _UNSPLIT,  # BLOCK_N, BLOCK_K, warps, stages, SPLIT_K
+GEMV_CONFIGS = {"default": _UNSPLIT,  # BLOCK_N, BLOCK_K, warps, stages, SPLIT_K
+                "split": _UNSPLIT + ((16, 256, 4, 4, 2), (32, 256, 4, 3, 2), (16, 512, 4, 3, 2), (16, 256, 4, 4, 4)),
                 "wide": tuple((*c, 1) for c in ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4),
                                                 (32, 128, 4, 5), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3)))}
 
@@ -471,8 +498,8 @@ _TUNED = {name: triton.autotune(
 
 
 def configs() -> str:
-    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (nine, four of them split where they may
-    help), "nosplit" (the five others) or "wide" (session 10's eight)."""
+    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (five), "split" (those and four that cut K,
+    where they may help) or "wide" (session 10's eight)."""
     return env_choice("NANOFORGE_GEMV_CONFIGS", tuple(GEMV_CONFIGS))
 
 
@@ -494,10 +521,10 @@ BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16), ("qwen3-0.6b", 1024, 
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
 # ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not; K split where
-# it may help, and not) and late
+# it may help) and late
 BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
               "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
-              "ours+pdl-nosplit": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_CONFIGS": "nosplit"},
+              "ours+pdl-split": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_CONFIGS": "split"},
               "ours+pdl-late": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "late"},
               "ours+pdl-no-prefetch": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_PREFETCH_MB": "0"}}
 

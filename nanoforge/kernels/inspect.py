@@ -316,13 +316,13 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
     "gemv_decode": TritonKernel(  # Llama's gate-and-up at one row: the norm prologue, SwiGLU, PDL and W's prefetch
         "nanoforge.kernels.gemv:_gemv_kernel", _GEMV_SIGNATURE,
         {"NORM": True, "HAS_RES": True, "SWIGLU": True, "HAS_BIAS": False, "PDL": 1, "LINE": 64, "BLOCK_M": 16,
-         "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1},
+         "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "STATS_ROWS": 2, "STATS_K": 2048},
         num_warps=4, num_stages=4, aligned=_GEMV_ALIGNED,
     ),
     "gemv_decode_split": TritonKernel(  # MLP-down at one row, K cut in two: the split sums and their fix-up
         "nanoforge.kernels.gemv:_gemv_kernel", _GEMV_SIGNATURE,
         {"NORM": False, "HAS_RES": False, "SWIGLU": False, "HAS_BIAS": False, "PDL": 1, "LINE": 64, "BLOCK_M": 16,
-         "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 2},
+         "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 2, "STATS_ROWS": 1, "STATS_K": 4096},
         num_warps=4, num_stages=3, aligned=_GEMV_ALIGNED,
     ),
     "rmsnorm_fwd": TritonKernel(
