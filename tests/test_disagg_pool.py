@@ -173,7 +173,9 @@ def test_a_full_pool_means_not_cached(model, tok):
             assert run(a, [prompt])[0].kv_save.result(timeout=10) == 0  # nothing stored
             out = run(b, [prompt])[0]
             assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(model, [prompt], 6)[0]
-            assert a.stats()["kv_pool"]["failures"] == 0  # no room is not a failure
+            pool = a.stats()["kv_pool"]
+            assert pool["failures"] == 0 and pool["saved_blocks"] == 0  # no room is not a failure
+            assert pool["refused_blocks"] == len(prompt) // a.config.block_size  # but counted: its full blocks
         finally:
             a.close()
             b.close()

@@ -224,7 +224,8 @@ class KVConnector:
         self._known: OrderedDict[int, None] = OrderedDict()  # block keys saved or loaded lately: not saved again
         self.breaker = Breaker(retry_s)
         self._backlog = 0  # jobs submitted and not done
-        self.counters = dict.fromkeys(("loaded_blocks", "saved_blocks", "load_misses", "skipped", "collisions"), 0)
+        self.counters = dict.fromkeys(("loaded_blocks", "saved_blocks", "refused_blocks", "load_misses", "skipped",
+                                       "collisions"), 0)
         self._pending: dict[str, _Load] = {}  # request id -> its load (engine thread only)
         self._done = threading.Event()  # set by the worker after each job
         # loads before saves: a load holds up a request before its prefill, a save only the hand-over after it
@@ -376,6 +377,7 @@ class KVConnector:
                     if good:
                         self._remember(hashes[i])
                 self.counters["saved_blocks"] += sum(ok)
+                self.counters["refused_blocks"] += len(ok) - sum(ok)  # no room in the pool: not cached
             stored.set_result(sum(ok))
 
         job.future.add_done_callback(done)

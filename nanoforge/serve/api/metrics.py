@@ -68,6 +68,8 @@ class EngineCollector(StatsCollector):
             yield gauge("kv_pool_up", "1 while the KV cache pool answers, 0 while it is skipped", p["up"])
             yield counter("kv_pool_loaded_blocks", "KV blocks loaded from the pool", p["loaded_blocks"])
             yield counter("kv_pool_saved_blocks", "KV blocks saved to the pool", p["saved_blocks"])
+            yield counter("kv_pool_refused_blocks", "KV blocks the pool turned away (no room it could evict)",
+                          p["refused_blocks"])
             yield counter("kv_pool_load_misses", "lookups that found no block in the pool", p["load_misses"])
             yield counter("kv_pool_failures", "pool calls that failed or ran out of time", p["failures"])
             yield counter("kv_pool_skipped", "loads and saves skipped (pool down, staging full)", p["skipped"])
