@@ -1,6 +1,6 @@
 """`nanoforge simulate validate`: the simulator's predictions against a real run of `benchmarks/gpu_disagg.sh`.
 
-    nanoforge simulate validate RUN_DIR --profile PROFILE.json [--pool-memory GIB] [--device cuda|cpu]
+    nanoforge simulate validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--pool-memory GIB] [--device cuda|cpu]
 
 RUN_DIR is one preset's directory of that script's output ($OUT/PRESET): one directory per configuration
 (colocated, 1p1d, 2p1d-rr, 2p1d-ca, 2p1d-ca-slo), each with `serve.json` (bench serve's summary, its settings and
@@ -16,6 +16,7 @@ request throughput, relative errors, and whether each is within `--tolerance` (1
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -133,15 +134,66 @@ def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: st
                          shared_gpu=True, schedule_ahead=device == "cuda")
 
 
-def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str, tolerance: float = 0.15,
-             configs: list[str] | None = None, progress: bool = True, warmup_gap_s: float | None = None) -> dict:
-    """`warmup_gap_s`: replay the run's warm-up (`warmup_of`) first, each bench serve run starting that long after
+def validate(run_dirs: Path | list[Path], profile: Profile, *, pool_memory: float, device: str,
+             tolerance: float = 0.15, configs: list[str] | None = None, progress: bool = True,
+             warmup_gap_s: float | None = None) -> dict:
+    """Each configuration of one run directory, or of several: repeats of the same run (the same trace and
+    settings). The real runs vary from run to run more than the simulator's error (session 13, 1P+1D on one
+    H200, minutes apart: TTFT p50 80 and 119 ms), so with repeats the judged numbers are the medians over the
+    runs, measured and predicted (each run simulated with its own warm-up), and the table shows the measured
+    range beside them.
+
+    `warmup_gap_s`: replay each run's warm-up (`warmup_of`) first, each bench serve run starting that long after
     the one before it ended, the trace that long after the last (None: the gap the run recorded, `recorded_gap_s`;
     no warm-up where it recorded none, as the runs before session 12 did not)."""
+    dirs = [run_dirs] if isinstance(run_dirs, Path) else list(run_dirs)
+    runs = [_validate_run(d, profile, pool_memory=pool_memory, device=device, configs=configs, progress=progress,
+                          warmup_gap_s=warmup_gap_s) for d in dirs]
+    rows = []
+    for name in CONFIGS:
+        each = [r[name] for r in runs if name in r]
+        if not each:
+            continue
+        metrics = {}
+        for label, _, _ in METRICS:
+            ms = [r["metrics"][label]["measured"] for r in each]
+            ps = [r["metrics"][label]["predicted"] for r in each]
+            m, p = _median(ms), _median(ps)
+            err = (p - m) / m if m and p is not None else None
+            metrics[label] = {"measured": m, "predicted": p, "rel_error": err,
+                              "ok": err is not None and abs(err) <= tolerance, "measured_runs": ms,
+                              "predicted_runs": ps}
+        row = {**each[0], "runs": len(each), "metrics": metrics,
+               "measured_summary": [r["measured_summary"] for r in each],
+               "predicted_summary": [r["predicted_summary"] for r in each]}
+        for key in ("decode_step_ms", "decode_pool_loaded_blocks"):
+            row[key] = {side: _median([r[key][side] for r in each]) for side in ("measured", "predicted")}
+        row["ok"] = all(v["ok"] for v in metrics.values())
+        rows.append(row)
+    if not rows:
+        raise NanoforgeError(f"{', '.join(map(str, dirs))}: no configuration directory with a serve.json "
+                             f"({', '.join(CONFIGS)})", param="run")
+    return {"run_dir": str(dirs[0]), "run_dirs": [str(d) for d in dirs],
+            "profile": {"name": profile.name, "status": profile.status}, "warmup_gap_s": warmup_gap_s,
+            "device": device, "pool_memory_gib": pool_memory, "tolerance": tolerance, "rows": rows,
+            "ok": all(r["ok"] for r in rows)}
+
+
+def _median(values: list) -> float | None:
+    """The median (of two, their mean); None if any is missing."""
+    if not values or any(v is None for v in values):
+        return None
+    v, mid = sorted(values), len(values) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def _validate_run(run_dir: Path, profile: Profile, *, pool_memory: float, device: str, configs, progress: bool,
+                  warmup_gap_s: float | None) -> dict:
+    """config -> its row (measured and predicted metrics, unjudged) for one run directory."""
     from nanoforge.sim.commands import simulate
 
     trace = run_dir.parent / "trace.jsonl"
-    rows = []
+    rows = {}
     for name in configs or list(CONFIGS):
         d = run_dir / name
         if not (d / "serve.json").is_file():
@@ -157,43 +209,40 @@ def validate(run_dir: Path, profile: Profile, *, pool_memory: float, device: str
         sim, _ = simulate(replay, config, profile, progress=progress, desc=name, warmup=warmup)
         predicted = summarize(sim.results, sim.makespan or 1e-9, run["summary"].get("slo_ms") or {})
         measured = run["summary"]
-        metrics = {}
-        for label, key, sub in METRICS:
-            m, p = _value(measured, key, sub), _value(predicted, key, sub)
-            err = (p - m) / m if m and p is not None else None
-            metrics[label] = {"measured": m, "predicted": p, "rel_error": err,
-                              "ok": err is not None and abs(err) <= tolerance}
+        metrics = {label: {"measured": _value(measured, key, sub), "predicted": _value(predicted, key, sub)}
+                   for label, key, sub in METRICS}
         instances = sim.instance_stats()
         predicted_loads = sum(i.get("loaded_blocks", 0) for i in instances if i["role"] == "decode")
         loads = {"measured": measured_decode_loads(d), "predicted": predicted_loads if config.disaggregated else None}
         decoder = next(i for i in instances if i["role"] != "prefill")  # the (first) decoding instance
         steps = {"measured": measured_step_ms(d / ("metrics.txt" if name == "colocated" else "metrics-decode1.txt")),
                  "predicted": decoder["step_ms"].get("decode")}
-        rows.append({"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
-                     "decode_step_ms": steps,
-                     "decode_pool_loaded_blocks": loads,
-                     "ok": all(v["ok"] for v in metrics.values()),
-                     "measured_summary": measured, "predicted_summary": predicted})
-    if not rows:
-        raise NanoforgeError(f"{run_dir}: no configuration directory with a serve.json ({', '.join(CONFIGS)})",
-                             param="run")
-    return {"run_dir": str(run_dir), "profile": {"name": profile.name, "status": profile.status},
-            "warmup_gap_s": warmup_gap_s,
-            "device": device, "pool_memory_gib": pool_memory, "tolerance": tolerance, "rows": rows,
-            "ok": all(r["ok"] for r in rows)}
+        rows[name] = {"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
+                      "decode_step_ms": steps, "decode_pool_loaded_blocks": loads,
+                      "measured_summary": measured, "predicted_summary": predicted}
+    return rows
 
 
 def table(report: dict) -> str:
     tol = report["tolerance"]
-    lines = [(f"simulator vs measured, {report['run_dir']} (profile {report['profile']['name']}, "
+    dirs = report.get("run_dirs") or [report["run_dir"]]
+    repeats = any(r.get("runs", 1) > 1 for r in report["rows"])
+    where = dirs[0] if len(dirs) == 1 else f"{len(dirs)} runs: {', '.join(dirs)}; medians, measured range beside"
+    lines = [(f"simulator vs measured, {where} (profile {report['profile']['name']}, "
              f"{report['profile']['status']}; pass: within {100 * tol:.0f}%)"),
-             f"{'config':<13}{'metric':<20}{'measured':>10}{'predicted':>11}{'error':>9}  pass"]
+             f"{'config':<13}{'metric':<20}{'measured':>10}{'predicted':>11}{'error':>9}  pass"
+             + ("  measured range (spread)" if repeats else "")]
+    num = (lambda x: "-" if x is None else f"{x:.2f}")
     for r in report["rows"]:
         for label, v in r["metrics"].items():
-            fmt = (lambda x: "-" if x is None else f"{x:.2f}")
             err = "-" if v["rel_error"] is None else f"{100 * v['rel_error']:+.1f}%"
-            lines.append(f"{r['config']:<13}{label:<20}{fmt(v['measured']):>10}{fmt(v['predicted']):>11}{err:>9}  "
-                         f"{'yes' if v['ok'] else 'NO'}")
+            line = (f"{r['config']:<13}{label:<20}{num(v['measured']):>10}{num(v['predicted']):>11}{err:>9}  "
+                    f"{'yes' if v['ok'] else 'NO '}")
+            runs = v.get("measured_runs") or []
+            if repeats and len(runs) > 1 and None not in runs and v["measured"]:
+                lo, hi = min(runs), max(runs)
+                line += f"  {lo:.2f}-{hi:.2f} ({100 * (hi - lo) / v['measured']:.0f}%)"
+            lines.append(line.rstrip())
         for label, key, fmt, what in (("decode step (ms)", "decode_step_ms", ".2f", "the decoding instance's steps"),
                                       ("pool blocks loaded", "decode_pool_loaded_blocks", "", "the decode instances' loads")):
             v = r.get(key) or {}
@@ -212,7 +261,9 @@ def table(report: dict) -> str:
 def add_cli_arguments(p) -> None:
     from nanoforge.sim.profile import DEFAULT_PROFILE
 
-    p.add_argument("run_dir", metavar="RUN_DIR", help="one preset's output of benchmarks/gpu_disagg.sh ($OUT/PRESET)")
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                   help="one preset's output of benchmarks/gpu_disagg.sh ($OUT/PRESET), or several: repeats of the "
+                        "same run (benchmarks/gpu_validate.sh), judged by their medians")
     p.add_argument("--profile", default=DEFAULT_PROFILE, help="the profile measured on the same model and device")
     p.add_argument("--pool-memory", type=float, default=8.0, metavar="GIB",
                    help="the run's POOL_MEMORY: pool GiB per instance (gpu_disagg.sh's default: 8)")
@@ -220,7 +271,8 @@ def add_cli_arguments(p) -> None:
                    help="the run's device (default: cuda if $OUT/gpu.txt names a GPU, else cpu)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None)
     p.add_argument("--tolerance", type=float, default=0.15)
-    p.add_argument("--out", default=None, help="directory for sim_validation.json/.txt (default: RUN_DIR)")
+    p.add_argument("--out", default=None, help="directory for sim_validation.json/.txt (default: RUN_DIR; with "
+                                               "several, the folder they have in common)")
     p.add_argument("--warmup-gap-s", type=float, default=None, metavar="S",
                    help="replay the run's warm-up first (gpu_disagg.sh's WARMUP_LENS), each bench serve run S seconds "
                         "after the one before it ended (its blocks lease pool room); default: the gap the run "
@@ -229,9 +281,11 @@ def add_cli_arguments(p) -> None:
 
 
 def run_cli(args) -> int:
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise NanoforgeError(f"no run directory {run_dir}", param="run_dir")
+    dirs = [Path(d) for d in args.run_dir]
+    for d in dirs:
+        if not d.is_dir():
+            raise NanoforgeError(f"no run directory {d}", param="run_dir")
+    run_dir = dirs[0]
     if args.warmup_gap_s is not None and not args.warmup_gap_s >= 0:
         raise NanoforgeError(f"--warmup-gap-s must be >= 0, got {args.warmup_gap_s}", param="warmup_gap_s")
     if not args.pool_memory > 0 or not args.tolerance > 0:
@@ -241,12 +295,12 @@ def run_cli(args) -> int:
     if device is None:
         gpu = run_dir.parent / "gpu.txt"
         device = "cuda" if gpu.is_file() and gpu.read_text().strip() else "cpu"
-    report = validate(run_dir, Profile.load(args.profile), pool_memory=args.pool_memory, device=device,
+    report = validate(dirs, Profile.load(args.profile), pool_memory=args.pool_memory, device=device,
                       tolerance=args.tolerance, configs=args.configs, progress=not args.quiet,
                       warmup_gap_s=args.warmup_gap_s)
     text = table(report)
     print(text)
-    out = Path(args.out) if args.out else run_dir
+    out = Path(args.out) if args.out else run_dir if len(dirs) == 1 else Path(os.path.commonpath(dirs))
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim_validation.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "sim_validation.txt").write_text(text + "\n")
