@@ -210,6 +210,39 @@ def test_a_full_pool_turns_puts_away_until_leases_run_out():
             close_all([store])
 
 
+@pytest.mark.parametrize("touch", ["nothing", "get", "contains"])
+def test_a_put_grants_no_lease_a_read_or_lookup_does(touch):
+    """What the simulator's pool assumes of Mooncake (`sim/pool.py`): PutEnd grants no lease, a read
+    (batch_get_into) or a lookup (batch_is_exist) one of default_kv_lease_ttl (10 s). Objects are written one at
+    a time, 20 ms apart (the master's eviction thread runs every 10 ms once usage is over 90%), into a segment
+    that holds half of them: written only, every one is admitted (the master evicts the unread ones behind them);
+    each read or looked up right after its put, the pool fills and turns every later put away."""
+    size = 1 << 20
+    with MooncakeMaster() as m:
+        store = MooncakeStore(m.address, segment_bytes=SEGMENT)
+        buf = torch.zeros(size, dtype=torch.uint8)
+        store.register_buffer(buf.data_ptr(), buf.numel())
+        try:
+            keys = [f"k/{i}" for i in range(2 * SEGMENT // size)]
+            admitted = []
+            for key in keys:
+                admitted += store.put_from([key], [buf.data_ptr()], size)
+                if admitted[-1] and touch == "get":
+                    assert store.get_into([key], [buf.data_ptr()], size) == [True]
+                elif admitted[-1] and touch == "contains":
+                    assert store.contains([key]) == [True]
+                time.sleep(0.02)
+            if touch == "nothing":
+                assert all(admitted) and not all(store.contains(keys))  # the oldest made room
+            else:
+                first = admitted.index(False)
+                assert first >= SEGMENT // size // 2 and not any(admitted[first:])
+                assert all(store.contains(keys[:first]))
+        finally:
+            store.unregister_buffer(buf.data_ptr())
+            close_all([store])
+
+
 def test_collisions_are_detected_and_aborted_loads_free_everything(model, tok, stores):
     a, b = engine(model, tok, stores[0]), engine(model, tok, stores[1])
     try:

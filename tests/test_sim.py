@@ -248,23 +248,33 @@ def test_the_connector_runs_loads_ahead_of_queued_saves():
 
 
 def test_the_pool_admits_and_evicts_as_mooncake_does():
-    """Hand-computed (LEASE_S 10 s): 4 blocks fill a 4-block pool at t=0; a put at t=1 is turned away (every
-    lease live); a lookup at t=5 renews block 1's lease; a get at t=6 renews block 2's; at t=10.5 a put of two
-    blocks evicts block 0 (the least recently touched, lease out) and, with one eviction per round (5% of 4,
-    at least 1), block 3 next, never 1 or 2; a block being written is not readable until its put ends."""
+    """Hand-computed (LEASE_S 10 s; one eviction per round: 5% of 4, at least 1; rounds when a put finds the pool
+    full and after a put that leaves it over 90%). A put grants no lease, a lookup or a read one of 10 s:
+    - t=0: blocks 0-3 fill the pool, unread; not readable until their put ends. A lookup of 1 (t=0.5) and a read
+      of 2 (t=0.6) lease them to 10.5 and 10.6.
+    - t=1: a put of 9 finds the pool full: block 0 goes (unread: its "lease" ended with its put), and after it,
+      over 90%, block 3 (unread too); 2 is held already (no transfer, no lease). 9 is read at t=2 (leased to 12).
+    - t=3: 7 fits; 8 finds the pool full of leased blocks and is turned away. 7 is never read.
+    - t=4: 5 takes the room of 7 (unread), not of any leased block; looked up at 4.5 (leased to 14.5).
+    - t=10.55: 6 takes 1's room (its lease ended at 10.5), not 2's (10.6)."""
     from nanoforge.sim.pool import KVPool
 
     pool = KVPool(4)
     written, held, _ = pool.start_put([0, 1, 2, 3], 0.0)
     assert (written, held) == ([0, 1, 2, 3], []) and pool.get([0], 0.0) == 0  # pending until the put ends
     pool.end_put(written, 0.0)
-    assert pool.start_put([9], 1.0) == ([], [], 0) and pool.counters["turned_away"] == 1
+    assert pool.leading([1], 0.5) == 1 and pool.get([2], 0.6) == 1
+    assert pool.start_put([9], 1.0) == ([9], [], 0) and sorted(pool._blocks) == [1, 2, 9]
     assert pool.start_put([2], 1.0) == ([], [2], 0)  # held already: no transfer
-    assert pool.leading([1], 5.0) == 1 and pool.get([2], 6.0) == 1
-    written, _, _ = pool.start_put([7, 8], 10.5)
-    assert written == [7, 8] and sorted(pool._blocks) == [1, 2, 7, 8] and pool.counters["evictions"] == 2
-    pool.end_put(written, 10.5)
-    assert pool.leading([7, 8], 11.0) == 2 and pool.start_put([5], 12.0) == ([], [], 0)  # 1's lease runs to 15
+    pool.end_put([9], 1.0)
+    assert pool.get([9], 2.0) == 1
+    assert pool.start_put([7, 8], 3.0) == ([7], [], 0) and pool.counters["turned_away"] == 1
+    pool.end_put([7], 3.0)
+    assert pool.start_put([5], 4.0) == ([5], [], 0) and sorted(pool._blocks) == [1, 2, 5, 9]
+    pool.end_put([5], 4.0)
+    assert pool.leading([5], 4.5) == 1
+    assert pool.start_put([6], 10.55) == ([6], [], 0) and sorted(pool._blocks) == [2, 5, 6, 9]
+    assert pool.counters["evictions"] == 4 and pool.counters["turned_away"] == 1
 
 
 LOCAL = {**SIMPLE["transfer"], "local_latency_s": 0.001, "local_per_block_s": 0.00025}  # a put into one's segment
@@ -290,9 +300,10 @@ def test_a_save_into_the_instances_own_segment_costs_the_local_rate_and_its_over
 
 
 def test_eviction_frees_room_in_the_evicted_blocks_segment():
-    """A 4-block pool of two 2-block segments (instance 0's, instance 1's), leases of 10 s. At t=0 instance 0 puts
-    blocks 0-2: 0 and 1 into its own segment, 2 into the other (the only one with room); block 3 goes there too,
-    and the pool is full. At t=5 instance 1's put is turned away (every lease live). At t=10.5 the leases are out:
+    """A 4-block pool of two 2-block segments (instance 0's, instance 1's), leases of 10 s from each block's read.
+    At t=0 instance 0 puts blocks 0-2: 0 and 1 into its own segment, 2 into the other (the only one with room);
+    block 3 goes there too, and the pool is full; all four are read at once. At t=5 instance 1's put is turned
+    away (every lease live). At t=10.5 the leases are out:
     instance 0's put of block 5 evicts block 0 (the least recently touched, in its segment) and takes its room, a
     local copy; the pool is then over its high watermark (4 > 3.6) and evicts block 1 too, from the same segment,
     whose room instance 1's next block takes (its own segment is full: a remote put), which evicts block 2 from
@@ -303,8 +314,10 @@ def test_eviction_frees_room_in_the_evicted_blocks_segment():
     written, held, local = pool.start_put([0, 1, 2], 0.0, segment=0)
     assert (written, held, local, pool._free) == ([0, 1, 2], [], 2, [0, 1])
     pool.end_put(written, 0.0)
+    assert pool.get(written, 0.0) == 3
     assert pool.start_put([3], 0.0, segment=0) == ([3], [], 0) and pool._free == [0, 0]
     pool.end_put([3], 0.0)
+    assert pool.get([3], 0.0) == 1
     assert pool.start_put([4], 5.0, segment=1) == ([], [], 0) and pool.counters["turned_away"] == 1
     assert pool.start_put([5], 10.5, segment=0) == ([5], [], 1)
     assert sorted(pool._blocks) == [2, 3, 5] and pool._free == [1, 0]
@@ -361,20 +374,24 @@ def test_transfer_measured_through_mooncake_times_local_puts_into_the_clients_ow
     assert set(section) == {"latency_s", "per_block_s", "local_latency_s", "local_per_block_s"}
 
 
-def test_a_warm_up_runs_first_and_its_blocks_hold_pool_room_until_their_leases_end():
+def test_a_warm_up_runs_first_and_its_blocks_hold_pool_room_once_read():
     """Simulation.warm_up, as gpu_disagg.sh warms a server up before the trace. A 4-block pool (1P+1D); the warm-up
-    is one run of one 64-token prompt (4 full blocks, 1 output token) at 0: the prefill instance asks the pool for
-    its first 3 blocks (none there: the call's 2 ms), prefills 2-76 ms (10 + 64 x 1), puts its 4 blocks 76-82 ms
-    (2 + 4 x 1) and answers at 82 ms: the run is over. The trace starts 1 s later (t0 = 1.082) with its own
-    64-token prompt: get 2 ms, prefill 74 ms, then its put finds the pool full of the warm-up's blocks, leased
-    until 10.082: turned away, the call's latency only (2 ms), TTFT 78 ms. Without the warm-up, or with a lease
-    shorter than the gap (0.5 s: they ran out at 0.582), the put writes its 4 blocks: TTFT 82 ms. A second warm-up
-    run starts 1 s after the first ended (its put turned away too: answered at 1.082 + 0.078), the trace 1 s after
-    that (t0 = 2.160). Warm-up requests count in no result."""
+    is one run of one 64-token prompt (4 full blocks) at 0: the prefill instance asks the pool for its first 3
+    blocks (none there: the call's 2 ms), prefills 2-76 ms (10 + 64 x 1), puts its 4 blocks 76-82 ms (2 + 4 x 1)
+    and answers at 82 ms. The trace starts 1 s after the warm-up ends with its own 64-token prompt: get 2 ms,
+    prefill 74 ms, then its put.
+    - A warm-up of one output token ends there (t0 = 1.082): no decode instance reads its blocks, so they hold no
+      lease, and the trace's put evicts them and writes its 4: TTFT 82 ms, as without a warm-up.
+    - With two output tokens the decode instance loads them (a read: leased for 10 s), and the trace's put finds
+      the pool full of leased blocks: turned away, the call's latency only (2 ms), TTFT 78 ms; with a lease
+      shorter than the gap (0.5 s) they ran out: 82 ms.
+    - Two one-token warm-up runs, the second 1 s after the first ended (its put evicts the first's unread blocks:
+      answered at 1.082 + 0.082): the trace 1 s after that, t0 = 2.164.
+    Warm-up requests count in no result."""
     from nanoforge.serve.bench_serve import Request
 
-    def warm(first):
-        return [Request(0.0, list(range(first, first + 64)), 64, 1)]
+    def warm(first, output=1):
+        return [Request(0.0, list(range(first, first + 64)), 64, output)]
 
     rows = [row(0, 64, 1, [0])]
     cfg = {"prefill": 1, "decode": 1, "pool_gib": 4 * (1024 + 192) / 2**30}
@@ -387,11 +404,14 @@ def test_a_warm_up_runs_first_and_its_blocks_hold_pool_room_until_their_leases_e
         return sim, sim.results[0].ttft_ms
 
     sim, ttft = trace_ttft([warm(0)])
-    assert (sim.t0, ttft, sim.pool.counters["turned_away"]) == (pytest.approx(1.082), ms(0.078), 4)
-    assert sim.makespan == pytest.approx(0.078)
-    assert trace_ttft([])[1] == ms(0.082) and trace_ttft([warm(0)], pool_lease_s=0.5)[1] == ms(0.082)
+    assert (sim.t0, ttft, sim.pool.counters["turned_away"]) == (pytest.approx(1.082), ms(0.082), 0)
+    assert sim.pool.counters["evictions"] == 4 and sim.makespan == pytest.approx(0.082)
+    assert trace_ttft([])[1] == ms(0.082)
+    sim, ttft = trace_ttft([warm(0, output=2)], max_model_len=512)  # room for a token after the prompt
+    assert sim.t0 > 1.082 and (ttft, sim.pool.counters["turned_away"]) == (ms(0.078), 4)
+    assert trace_ttft([warm(0, output=2)], max_model_len=512, pool_lease_s=0.5)[1] == ms(0.082)
     sim, ttft = trace_ttft([warm(0), warm(100)])
-    assert (sim.t0, ttft) == (pytest.approx(2.160), ms(0.078))
+    assert (sim.t0, ttft) == (pytest.approx(2.164), ms(0.082))
 
 
 def test_early_rejection_when_the_predicted_ttft_is_over_the_slo():

@@ -1,15 +1,21 @@
 """The KV cache pool and each instance's KV connector, on modelled time.
 
 `KVPool` stands for Mooncake Store: whole KV blocks keyed by the block manager's chained prefix hashes, a
-capacity in blocks, admitted and evicted the way `mooncake_master` 0.3.13 does it (seen on loopback, with
-`benchmarks/pool_transfer.py`'s clients: a writer filling two 64-block segments, then writing on). A put
-allocates its blocks when it starts (they count against the capacity, and are not readable until it ends); an
-object carries a lease, renewed whenever it is written, read or looked up (`default_kv_lease_ttl`: 10 s), and
-only objects whose lease has run out can be evicted. Once usage is over the high watermark (90%) the master
-evicts up to 5% of the capacity (`eviction_ratio`) of those, least recently touched first; a put that finds no
-room and nothing to evict is turned away, block by block (the connector's "not cached": the blocks are computed
-where they are needed). So a pool that fills faster than leases run out turns saves away, and decode instances
-then find nothing to load, until the first leases end; it never evicts what was touched in the last 10 s.
+capacity in blocks, admitted and evicted the way `mooncake_master` 0.3.13 does it. A put allocates its blocks
+when it starts (they count against the capacity, and are not readable until it ends). An object is leased by
+a read or a lookup (`BatchGetReplicaList`, `BatchExistKey`: `default_kv_lease_ttl`, 10 s from then), never by
+its put: `PutEnd` grants a lease of 0, so an object nobody has read since it was written can be evicted at once.
+Only objects whose lease has run out can be evicted. Once usage is over the high watermark (90%) the master
+evicts up to 5% of the capacity (`eviction_ratio`) of those, the earliest lease end first (an unread object's
+"lease" ends when its put did); a put that finds no room and nothing to evict is turned away, block by block (the
+connector's "not cached": the blocks are computed where they are needed). So a pool fills with what decode
+instances read and lookups found, and turns saves away while all of that was touched in the last 10 s, while
+blocks saved and never read make room for new ones. Seen on loopback with the real master
+(`tests/test_disagg_pool.py::test_a_put_grants_no_lease_a_read_or_lookup_does`): objects written one after
+another into a segment that holds half of them are all admitted when nothing reads them, and once it is full every
+later one is turned away when each is read or looked up right after its put. (Before session 13 the model leased objects on their put too; then
+the simulated 1P+1D pool turned away 6,660 blocks that the real one admitted, mostly blocks the decode instance
+had in its own prefix cache and so never read.)
 With `cache=False` it is only the medium that carries a prompt's blocks from its prefill instance to its
 decode instance ("no pool" in a disaggregated cluster): nobody looks anything up, and a block is dropped once
 no request in flight still needs it.
@@ -68,9 +74,12 @@ class KVPool:
         self.capacity = capacity_blocks  # None: unbounded
         self.cache = cache
         self.lease_s = lease_s
-        # key -> requests holding it (transit mode only), least recently touched first
-        self._blocks: OrderedDict[int, int] = OrderedDict()
-        self._touched: dict[int, float] = {}  # key -> when its lease was last renewed
+        self._blocks: dict[int, int] = {}  # key -> requests holding it (transit mode only)
+        self._ends: dict[int, float] = {}  # key -> when its lease ends (an unread one's: when its put did)
+        # the readable keys in the order their leases end, in two runs that are each in that order: unread since
+        # their put (by the put's end), and leased by a read or lookup (by the last one)
+        self._unread: OrderedDict[int, None] = OrderedDict()
+        self._leased: OrderedDict[int, None] = OrderedDict()
         self._pending: set[int] = set()  # allocated by a put still in flight: not readable yet
         # each segment's free blocks (their sum: the capacity less the blocks held), and each block's segment
         self._free = None if capacity_blocks is None else \
@@ -83,9 +92,12 @@ class KVPool:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _touch(self, h: int, now: float) -> None:
-        self._blocks.move_to_end(h)
-        self._touched[h] = now
+    def _lease(self, h: int, now: float) -> None:
+        """A read or lookup of readable block `h`: leased until `lease_s` from now."""
+        self._unread.pop(h, None)
+        self._leased[h] = None
+        self._leased.move_to_end(h)
+        self._ends[h] = max(self._ends.get(h, now), now + self.lease_s)
 
     def _found(self, hashes: list[int], now: float) -> int:
         """How many leading `hashes` are readable; their leases are renewed."""
@@ -93,7 +105,7 @@ class KVPool:
         for h in hashes:
             if h not in self._blocks or h in self._pending:
                 break
-            self._touch(h, now)
+            self._lease(h, now)
             n += 1
         return n
 
@@ -119,10 +131,8 @@ class KVPool:
         blocks, written, held, local = self._blocks, [], [], 0
         for h in hashes:
             if h in blocks:
-                if self.cache:
+                if self.cache:  # already there (PutStart's OBJECT_ALREADY_EXISTS: no lease either)
                     held.append(h)
-                    if h not in self._pending:
-                        self._touch(h, now)
                     continue
                 blocks[h] += 1  # transit: one more request holds it (and it is written again)
             elif self.capacity is not None and len(blocks) >= self.capacity and not self._evict(now):
@@ -133,7 +143,6 @@ class KVPool:
                 if self._free is not None:
                     local += self._place(h, segment)
             self._pending.add(h)
-            self._touched[h] = now
             written.append(h)
         self.counters["put_blocks"] += len(written)
         self.counters["local_put_blocks"] += local
@@ -155,22 +164,29 @@ class KVPool:
         return where == segment
 
     def end_put(self, written: list[int], now: float) -> None:
-        """The put's blocks are readable now (and their leases start again)."""
+        """The put's blocks are readable now, with no lease (PutEnd's lease of 0): evictable at once. A block
+        written again (transit mode) keeps the lease a read gave it."""
         for h in written:
             if h in self._pending:
                 self._pending.discard(h)
-                self._touch(h, now)
+                if h not in self._leased:
+                    self._unread[h] = None
+                    self._unread.move_to_end(h)
+                    self._ends[h] = now
 
     def _evict(self, now: float) -> int:
-        """Evict up to EVICTION_RATIO of the capacity among objects whose lease has run out, least recently
-        touched first; the number evicted."""
-        blocks, n = self._blocks, 0
-        limit = max(1, int(EVICTION_RATIO * self.capacity))
-        while n < limit and blocks:
-            h = next(iter(blocks))
-            if h in self._pending or self._touched[h] + self.lease_s > now:
-                break  # the least recently touched is still leased: so is everything after it
-            self._drop(h)
+        """Evict up to EVICTION_RATIO of the capacity among objects whose lease has run out, the earliest lease
+        end first; the number evicted."""
+        n, limit = 0, max(1, int(EVICTION_RATIO * self.capacity))
+        while n < limit:
+            best = None
+            for run in (self._unread, self._leased):  # each in lease-end order: its first is its earliest
+                h = next(iter(run), None)
+                if h is not None and self._ends[h] <= now and (best is None or self._ends[h] < self._ends[best]):
+                    best = h
+            if best is None:
+                break  # both earliest still leased: so is everything after them
+            self._drop(best)
             n += 1
         self.counters["evictions"] += n
         return n
@@ -191,7 +207,9 @@ class KVPool:
     def _drop(self, h: int) -> None:
         """Forget block `h`, and free its room in its segment."""
         del self._blocks[h]
-        self._touched.pop(h, None)
+        self._ends.pop(h, None)
+        self._unread.pop(h, None)
+        self._leased.pop(h, None)
         self._pending.discard(h)
         if self._free is not None:
             self._free[self._home.pop(h)] += 1
