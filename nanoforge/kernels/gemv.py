@@ -132,6 +132,14 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
     if interpret:  # one small configuration: the autotuner would run every one of them on the CPU
         c = INTERPRET_CONFIG
         _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, **c, num_warps=1)
+    elif tune_mode() == "chain":
+        def launch(cfg, w):
+            _gemv_kernel[(triton.cdiv(n, cfg.kwargs["BLOCK_N"]), cfg.kwargs["SPLIT_K"])](
+                *args[:4], w, *args[5:], **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                launch_pdl=bool(on))
+
+        key = (str(rows.device), rows.dtype, n, k, swiglu, bias is not None, configs(), *meta.values())
+        launch(_chain_pick(key, launch, weight, {"N": n, "K": k, "X": rows}), weight)
     else:
         kernel = _TUNED[configs()]
         tuned, started = len(kernel.cache), time.perf_counter()
@@ -140,6 +148,39 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
             _TUNING["s"] += time.perf_counter() - started
     s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
     return out.reshape(*x.shape[:-1], n), s
+
+
+def tune_mode() -> str:
+    """NANOFORGE_GEMV_TUNE: how a shape's configuration is picked, "triton" (Triton's autotuner: each candidate
+    timed alone, L2 flushed before every run, no PDL; the default) or "chain" (`_chain_pick`: each timed as the
+    engine runs it, a chain of launches over copies of W in a CUDA graph, with PDL as launched). A lever to
+    compare: on the H200 the autotuner's pick for one shape read 22.5 or 29.2 us a layer between two runs."""
+    return env_choice("NANOFORGE_GEMV_TUNE", ("triton", "chain"))
+
+
+_PICKS: dict[tuple, triton.Config] = {}  # chain tuning: (device, dtype, N, K, swiglu, bias, set, meta) -> config
+
+
+def _chain_pick(key: tuple, launch, weight: torch.Tensor, shape: dict) -> triton.Config:
+    """The candidate (of `configs()`, pruned for `shape`) that runs fastest in a chain: `launch(config, w)` over
+    enough copies w of `weight` that L2 holds none of them (as `_fastest` times the ways), replayed from CUDA
+    graphs in turns (`_graphs_us`); picked once per key, the time counted in `tuning_s`. Inside a capture, or
+    with nothing to time on, a key not picked yet takes the first candidate."""
+    cfg = _PICKS.get(key)
+    if cfg is not None:
+        return cfg
+    candidates = _prune(_TUNED[configs()].configs, shape)
+    if not _can_time(weight):
+        return candidates[0]
+    started = time.perf_counter()
+    try:
+        copies = _weight_copies(weight)
+        times = _graphs_us({i: (lambda c=c: [launch(c, w) for w in copies]) for i, c in enumerate(candidates)})
+        cfg = _PICKS[key] = candidates[min(times, key=times.get)]
+    finally:
+        if not _TUNING["choosing"]:  # else counted in the choice's own time
+            _TUNING["s"] += time.perf_counter() - started
+    return cfg
 
 
 INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1}  # under TRITON_INTERPRET (tests set SPLIT_K)
@@ -249,10 +290,8 @@ def _can_time(x: torch.Tensor) -> bool:
 
 
 def _fastest(x, weight, bias, swiglu, norm, residual) -> str:
-    """Time both ways on copies of the operands (W rotated through enough copies that L2 holds none of them, as a
-    model's layers stream theirs from HBM) and return the faster."""
-    copies = max(1, min(16, -(-(96 << 20) // (weight.numel() * weight.element_size()))))
-    ws = [weight.clone() for _ in range(copies)]
+    """Time both ways on copies of the operands (W rotated through `_weight_copies`) and return the faster."""
+    ws = _weight_copies(weight)
     xs = _rows(x).clone()
     if norm:
         g, a = torch.ones(xs.shape[-1], device=xs.device, dtype=xs.dtype), xs.clone() if residual else None
@@ -263,6 +302,12 @@ def _fastest(x, weight, bias, swiglu, norm, residual) -> str:
                 "cublas": lambda w: _cublas(xs, w, bias, swiglu)}
     times = _graphs_us({name: lambda f=f: [f(w) for w in ws] for name, f in ways.items()})
     return min(times, key=times.get)
+
+
+def _weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of W to time a way on, as many as make 96 MiB (up to 16): L2 (50 MB on an H200) holds none of them
+    by the time it comes round again, as a model's layers stream theirs from HBM."""
+    return [weight.clone() for _ in range(max(1, min(16, -(-(96 << 20) // (weight.numel() * weight.element_size())))))]
 
 
 def _cublas(x, w, bias, swiglu):
@@ -507,6 +552,7 @@ def decisions() -> dict:
     """What this process has decided per shape: the autotuner's pick for each key (per candidate set) and the
     way `choose` took for each projection (benchmarks print them beside their numbers)."""
     return {"picks": {f"{name} {key}": str(cfg) for name, t in _TUNED.items() for key, cfg in t.cache.items()},
+            "chain_picks": {str(key): str(cfg) for key, cfg in _PICKS.items()},
             "ways": {str(key): way for key, way in _CHOICES.items()}}
 
 
@@ -521,10 +567,11 @@ BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16), ("qwen3-0.6b", 1024, 
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
 # ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not; K split where
-# it may help) and late
+# it may help; configurations picked in a chain) and late
 BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
               "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
               "ours+pdl-split": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_CONFIGS": "split"},
+              "ours+pdl-chain": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_TUNE": "chain"},
               "ours+pdl-late": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "late"},
               "ours+pdl-no-prefetch": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_PREFETCH_MB": "0"}}
 
