@@ -656,6 +656,9 @@ def bench_rows(quick: bool) -> list[dict]:
                         times[name] = _chain_us(make, n_layers, x0, quick)
                 rows += [make_row("gemv", f"{model} {label} {name} {m}x{d}", times[name] / 1000, times["cublas"] / 1000,
                                   "cuBLAS + norm, SwiGLU kernels", 2.0 * m * b / 2, b) for name in times if name != "cublas"]
-    for key, cfg in decisions()["picks"].items():
+    made = decisions()
+    for key, cfg in made["picks"].items():
         print(f"  gemv autotune {key}: {cfg}")
+    for key, cfg in made["chain_picks"].items():
+        print(f"  gemv chain tuning {key}: {cfg}")
     return rows
