@@ -75,6 +75,19 @@ def test_step_time_of_prefill_decode_and_mixed_steps():
     assert q.prefill_time(10, cached=30) == pytest.approx(0.01 + 10e-3 + 355e-6 + 30e-4)
 
 
+def test_decode_step_by_batch_is_linear_between_the_measured_batch_sizes():
+    p = Profile.from_dict({**SIMPLE, "decode": {"a_s": 0.0, "per_seq_s": 0.0, "per_context_s": 1e-8,
+                                                "batch_s": [[1, 0.001], [8, 0.0015], [32, 0.002]]}})
+    params = SamplingParams()
+    decodes = SchedulerOutput([ScheduledSeq(Sequence(list(range(100)), params), 99, 1, 1) for _ in range(4)])
+    assert p.step_time(decodes) == pytest.approx(0.001 + 3 / 7 * 0.0005 + 400e-8)  # between batch 1 and 8
+    assert p.decode_time(8, 1000) == pytest.approx(0.0015 + 1000e-8)  # a measured batch size
+    assert p.decode_time(64, 0) == pytest.approx(0.002 + 32 * 0.0005 / 24)  # past the last: its segment, extended
+    for bad in ([[1, 0.001]], [[8, 0.001], [1, 0.002]], [[0, 0.001], [8, 0.002]], [[1, -1.0], [8, 0.002]], "x"):
+        with pytest.raises(NanoforgeError, match="decode.batch_s"):
+            Profile.from_dict({**SIMPLE, "decode": {**SIMPLE["decode"], "batch_s": bad}})
+
+
 # --- hand-computed timelines ----------------------------------------------------------------------------------
 
 def test_one_request_colocated_and_disaggregated():
@@ -99,6 +112,20 @@ def test_one_request_colocated_and_disaggregated():
     # the server's work per streamed token lengthens every step that samples: 0.5 ms per sampled token
     r = run(rows, profile(per_token_s=0.0005), colocated=1).results[0]
     assert (r.ttft_ms, r.tpot_ms) == (ms(0.1105), ms(0.0065))
+
+    # the server's work on a request that finds its instance idle is only its latency (request_s)
+    r = run(rows, profile(request_host_s=0.002, request_host_per_token_s=1e-5), colocated=1).results[0]
+    assert (r.ttft_ms, r.tpot_ms) == (ms(0.110), ms(0.006))
+
+
+def test_a_request_arriving_at_a_busy_instance_lengthens_its_next_step_by_the_servers_work_on_it():
+    """As test_scheduling_a_step_ahead_...'s first timeline, with the server's work on a request 2 ms + 10 us a
+    prompt token: B (50 tokens) arrives during A's prompt step, so the next step (A's decode + B's prompt, 110-171)
+    takes 2.5 ms more; A arrived at an idle instance and pays nothing."""
+    rows = [row(0, 100, 3, [0, 1]), row(50, 50, 2, [2])]
+    host = profile(request_host_s=0.002, request_host_per_token_s=1e-5)
+    a, b = run(rows, host, colocated=1, schedule_ahead=False).results
+    assert (a.ttft_ms, a.e2e_ms, b.ttft_ms, b.e2e_ms) == (ms(0.110), ms(0.1805), ms(0.1235), ms(0.1305))
 
 
 def test_two_requests_queue_behind_each_other():
@@ -602,6 +629,15 @@ def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_pat
                 "ttft_s": 0.004 + 512e-6 + truth.prefill_time(512),  # request 4 ms + 1 us a prompt token
                 "long_ttft_s": 0.004 + 4096e-6 + truth.prefill_time(4096),
                 "tpot_s": {str(k): truth.decode_time(k, k * 528) + k * 5e-6 for k in (1, 4, 16)}}  # 5 us a token
+
+    def arrivals(n):  # 8 requests of n tokens among 4 decodes; the server's work on each: 1 ms + 0.2 us a token
+        k, context, base = 4, 4 * (128 + 128), 0.002
+        lost = (truth.chunk_extra(n, k, context) + truth.decode_time(k + 1, context) - truth.decode_time(k, context)
+                + 2 * 5e-6 + 0.001 + 2e-7 * n)
+        return {"prompt_len": n, "streams": k, "stream_prompt_len": 128, "stream_output_len": 256, "arrivals": 8,
+                "base_tpot_s": base, "tpot_s": base + lost * 8 / 255}
+
+    frontend["arrivals"] = [arrivals(512), arrivals(4096)]
     old = {**SIMPLE, "status": "measured", "prefill": {**pre, "per_prefix_s": 0.0}, "decode": dec,
            "samples": {"prefill": prefill, "decode": decode, "frontend": frontend}}
     path = tmp_path / "old.json"
@@ -616,7 +652,23 @@ def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_pat
     assert p.frontend["per_prompt_token_s"] == pytest.approx(1e-6, rel=1e-6)
     assert p.frontend["per_token_s"] == pytest.approx(5e-6, rel=1e-6)
     assert p.request_time(1000) == pytest.approx(0.005)
+    assert p.frontend["request_host_s"] == pytest.approx(0.001, rel=1e-6)
+    assert p.frontend["request_host_per_token_s"] == pytest.approx(2e-7, rel=1e-6)
     assert "refit" in p.meta["source"] and "wrote" in capsys.readouterr().out
+
+    # a step's cost by batch size, not a line (as on a GPU, where batch 1 runs the skinny matmul): the levels and
+    # the per-context slope come back, and the line through the levels is the summary
+    levels = {1: 0.001, 8: 0.0014, 32: 0.0018, 64: 0.0019}
+    old["samples"]["decode"] = [{"batch": b, "context": b * c, "seconds": v + 2e-8 * b * c}
+                                for b, v in levels.items() for c in (128, 2048)]
+    path.write_text(json.dumps(old))
+    assert main(["simulate", "profile", "--refit", str(path), "--out", str(tmp_path / "new.json")]) == 0
+    p = Profile.load(tmp_path / "new.json")
+    assert [b for b, _ in p.decode["batch_s"]] == list(levels)
+    assert [v for _, v in p.decode["batch_s"]] == pytest.approx(list(levels.values()), rel=1e-6)
+    assert p.decode["per_context_s"] == pytest.approx(2e-8, rel=1e-6)
+    assert 0.001 < p.decode["a_s"] + p.decode["per_seq_s"] * 16 < 0.0019
+    assert "by batch: 1 1.000, 8 1.400, 32 1.800, 64 1.900 ms" in capsys.readouterr().out
 
 
 def test_decode_steps_are_timed_as_a_run():

@@ -3,7 +3,8 @@
 `LLMEngine.step()` without the model: take the requests whose pool loads are back (`SimConnector`), ask the
 scheduler for the step (continuous batching, chunked prefill, prefix caching, preemption: all the engine's own
 code), let the step take `Profile.step_parts(out)` seconds (its device part, then its host part: the server's
-work for the tokens it streams; a decode instance's hand-over events included), then save the prompts it
+work for the tokens it streams, a decode instance's hand-over events included, and its work on the requests
+that arrived since the last step: `Profile.request_host_time`), then save the prompts it
 finished to the pool and report one token per chunk that samples (`Scheduler.update`). The token is the
 request's own non-end id, so a request runs to its `max_tokens`.
 
@@ -87,6 +88,7 @@ class SimInstance:
         self.depth = 1 + (ahead and (pool is None or role == "decode"))  # steps in flight at most
         self.requests: dict[str, object] = {}  # request id -> the simulator's request state
         self.busy_s = 0.0
+        self.host_due = 0.0  # the server's work on requests taken while busy, for the next step (request_host_time)
         self.turns = {k: [0, 0.0] for k in KINDS}  # per step kind: steps, seconds from going on the device to done
         self._on_device_at = 0.0
         self.steps = self.prefill_steps = self.prefill_tokens = self.decode_tokens = self.peak_blocks = 0
@@ -96,6 +98,8 @@ class SimInstance:
     def add(self, now: float, group: SequenceGroup, req, hashes: list[int]) -> None:
         """LLMEngine.add_request after its checks: look in the pool first, else queue."""
         self.requests[group.request_id] = req
+        if self.in_flight:  # the server's work on it takes the GIL from the steps running (idle: only its latency)
+            self.host_due += self.sim.profile.request_host_time(len(group.prompt_token_ids))
         if self.connector is None or not self.connector.start_load(group, hashes):
             self.scheduler.enqueue(group)
         self.kick(now)
@@ -130,6 +134,7 @@ class SimInstance:
         if out.is_empty:
             return False
         device, host = self.sim.profile.step_parts(out, stream=self.role == "decode")  # hand-over events
+        host, self.host_due = host + self.host_due, 0.0  # the requests taken meanwhile: the server's work on them
         self.in_flight.append((out, device, host))
         if len(self.in_flight) == 1:  # else it starts when the step ahead of it ends
             self._run(now)

@@ -386,13 +386,12 @@ class _Server:
                 self.proc.wait()
 
 
-def _latencies(url: str, vocab: int, prompt_len: int, output_len: int, k: int, rng: random.Random) -> list:
-    """k requests sent at once (random prompts, nothing cached); their bench serve results."""
+def _send(url: str, reqs: list) -> list:
+    """bench serve's results for `reqs` (each sent at its arrival time)."""
     import asyncio
 
-    from nanoforge.serve.bench_serve import Request, run_requests
+    from nanoforge.serve.bench_serve import run_requests
 
-    reqs = [Request(0.0, _prompt(rng, prompt_len, vocab), prompt_len, output_len) for _ in range(k)]
     results, _ = asyncio.run(run_requests(url, "m", reqs, ignore_eos=True))
     bad = [r.error for r in results if not r.ok]
     if bad:
@@ -400,12 +399,47 @@ def _latencies(url: str, vocab: int, prompt_len: int, output_len: int, k: int, r
     return results
 
 
+def _latencies(url: str, vocab: int, prompt_len: int, output_len: int, k: int, rng: random.Random) -> list:
+    """k requests sent at once (random prompts, nothing cached); their bench serve results."""
+    from nanoforge.serve.bench_serve import Request
+
+    return _send(url, [Request(0.0, _prompt(rng, prompt_len, vocab), prompt_len, output_len) for _ in range(k)])
+
+
+def _arrivals(url: str, vocab: int, prompt_len: int, rng: random.Random, repeats: int, *, streams: int = 4,
+              stream_prompt_len: int = 128, stream_output_len: int = 256, arrivals: int = 8) -> dict:
+    """What requests arriving among running decodes cost the decodes: `streams` requests decoding at once, alone
+    and while `arrivals` requests of `prompt_len` tokens (2 output tokens each) arrive, spread evenly over the
+    first 80% of the decodes' time alone; their median TPOT either way. `frontend_section` takes the arrivals'
+    prompt steps out of the difference: the rest is the server's host work on each request."""
+    from nanoforge.serve.bench_serve import Request
+
+    def run(gap_s: float | None) -> list:
+        reqs = [Request(0.0, _prompt(rng, stream_prompt_len, vocab), stream_prompt_len, stream_output_len)
+                for _ in range(streams)]
+        if gap_s is not None:
+            reqs += [Request((i + 0.5) * gap_s, _prompt(rng, prompt_len, vocab), prompt_len, 2)
+                     for i in range(arrivals)]
+        return _send(url, reqs)[:streams]
+
+    base, loaded = [], []
+    for _ in range(repeats):
+        alone = run(None)
+        took = statistics.median(r.ttft_ms + r.tpot_ms * (stream_output_len - 1) for r in alone) / 1000
+        base += [r.tpot_ms / 1000 for r in alone]
+        loaded += [r.tpot_ms / 1000 for r in run(0.8 * took / arrivals)]
+    return {"prompt_len": prompt_len, "streams": streams, "stream_prompt_len": stream_prompt_len,
+            "stream_output_len": stream_output_len, "arrivals": arrivals,
+            "base_tpot_s": statistics.median(base), "tpot_s": statistics.median(loaded)}
+
+
 def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args: list[str], disagg: bool = True,
-                     prompt_len: int = 512, long_prompt_len: int | None = 4096, output_len: int = 32,
+                     serve_len: int = 8192, prompt_len: int = 512, long_prompt_len: int | None = 4096, output_len: int = 32,
                      concurrency=(1, 4, 16), repeats: int = 3, stream: list | None = None,
                      progress=None) -> tuple[dict, dict]:
     """The frontend section of `profile` (whose engine sections are measured), from the real server on loopback:
-    lone requests of `prompt_len` and `long_prompt_len` tokens (TTFT), k requests at once (TPOT), and with
+    lone requests of `prompt_len` and `long_prompt_len` tokens (TTFT), k requests at once (TPOT), requests of
+    both lengths arriving among running decodes (`_arrivals`; `serve_len`: the server's context), and with
     `disagg` lone requests through `nanoforge serve --disagg --prefill 1 --decode 1`; `stream`, what
     `measure_stream` measured. `frontend_section` turns what was measured (the samples) into the section. Returns
     the section and the samples."""
@@ -425,6 +459,14 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
                 progress(f"through the server, {k} at once: TPOT {1000 * tpot[k]:.2f} ms"
                          + (f", TTFT {1000 * statistics.median(ttft):.2f} ms" if k == 1 else ""))
         samples.update(ttft_s=statistics.median(ttft), tpot_s={str(k): v for k, v in tpot.items()})
+        samples["arrivals"] = []
+        for n in sorted({prompt_len, long_prompt_len or prompt_len}):
+            a = _arrivals(server.url, vocab, n, rng, repeats, stream_prompt_len=min(128, serve_len // 4),
+                          stream_output_len=min(256, serve_len - min(128, serve_len // 4) - 1))
+            samples["arrivals"].append(a)
+            if progress:
+                progress(f"through the server, {a['arrivals']} requests of {n} tokens arriving among {a['streams']} "
+                         f"decodes: their TPOT {1000 * a['tpot_s']:.2f} ms against {1000 * a['base_tpot_s']:.2f}")
         if long_prompt_len:
             _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)  # its prefill shape, compiled outside the timing
             got = [r for _ in range(repeats) for r in _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)]
@@ -508,7 +550,11 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
       the prefill step, the sampled token and saving the prompt's blocks to the pool (a put into the prefill
       instance's own segment, which has room for them);
     - stream_per_output_token_s: the slope of a decode instance's hand-over event cost over the output tokens
-      its request holds (`measure_stream`; its intercept is the kind of work `per_token_s` already counts)."""
+      its request holds (`measure_stream`; its intercept is the kind of work `per_token_s` already counts);
+    - request_host_s + request_host_per_token_s * L: what each request of L tokens arriving among running
+      decodes adds to their time (their TPOT's rise over their tokens, per arrival) beyond its prompt's chunk in
+      their steps (`Profile.chunk_extra`) and its sampled tokens: the server's host work on it (`_arrivals`; a
+      line through the prompt lengths measured)."""
     n = samples["prompt_len"]
     short = samples["ttft_s"] - profile.prefill_time(n)
     per_prompt_token_s = 0.0
@@ -525,6 +571,17 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
                "per_token_s": per_token_s, "stream_per_output_token_s": 0.0}
     if len(samples.get("stream") or []) >= 2:
         (_, section["stream_per_output_token_s"]), _ = fit(samples["stream"], ("tokens",))
+    host = []  # (prompt tokens, seconds of host work per request)
+    for a in samples.get("arrivals") or []:
+        k, lost = a["streams"], (a["tpot_s"] - a["base_tpot_s"]) * (a["stream_output_len"] - 1) / a["arrivals"]
+        context = k * (a["stream_prompt_len"] + a["stream_output_len"] // 2)
+        device = profile.chunk_extra(a["prompt_len"], k, context) + profile.decode_time(k + 1, context) \
+            - profile.decode_time(k, context)  # its chunk in a step, and its second token in the next
+        host.append((a["prompt_len"], max(0.0, lost - device - 2 * per_token_s)))
+    if host:
+        (n0, h0), (n1, h1) = host[0], host[-1]
+        slope = max(0.0, (h1 - h0) / (n1 - n0)) if n1 > n0 else 0.0
+        section.update(request_host_s=max(0.0, h0 - slope * n0), request_host_per_token_s=slope)
     if samples.get("disagg_ttft_s") is not None:
         save = profile.transfer_time(n // profile.engine["block_size"], local=True)  # into the instance's segment
         section["handover_s"] = max(0.0, samples["disagg_ttft_s"] - request_s - per_prompt_token_s * n
@@ -548,9 +605,27 @@ def fit_transfer(samples: list[dict]) -> tuple[dict, dict]:
 def fit_steps(prefill: list[dict], decode: list[dict]) -> tuple[dict, dict, dict]:
     """The prefill and decode sections of a profile fitted to step samples, and each fit's residuals."""
     (pa, pt, pp, px), prefill_fit = fit(prefill, PREFILL_FEATURES)
-    (da, db, dc), decode_fit = fit(decode, ("batch", "context"))
-    return ({"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px},
-            {"a_s": da, "per_seq_s": db, "per_context_s": dc}, {"prefill": prefill_fit, "decode": decode_fit})
+    decode_section, decode_fit = fit_decode(decode)
+    return ({"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px}, decode_section,
+            {"prefill": prefill_fit, "decode": decode_fit})
+
+
+def fit_decode(decode: list[dict]) -> tuple[dict, dict]:
+    """The decode section: a level per measured batch size (`batch_s`) and one per-context slope, fitted together
+    (a step's cost is not linear in the batch: profile.py), and the line through the levels as `a_s`, `per_seq_s`.
+    One batch size measured: the line alone."""
+    batches = sorted({s["batch"] for s in decode})
+    if len(batches) < 2:
+        (da, db, dc), decode_fit = fit(decode, ("batch", "context"))
+        return {"a_s": da, "per_seq_s": db, "per_context_s": dc}, decode_fit
+    names = tuple(f"batch_{b}" for b in batches[1:])  # each a step on the first batch size's level
+    rows = [{**s, **{n: float(s["batch"] == b) for n, b in zip(names, batches[1:])}} for s in decode]
+    (first, dc, *steps), decode_fit = fit(rows, ("context", *names))
+    levels = [first, *(first + d for d in steps)]
+    db, da = np.polyfit(batches, levels, 1, w=1 / np.array(levels))
+    section = {"a_s": max(0.0, float(da)), "per_seq_s": max(0.0, float(db)), "per_context_s": dc,
+               "batch_s": [[b, v] for b, v in zip(batches, levels)]}
+    return section, decode_fit
 
 
 def refit(profile: Profile) -> Profile:
@@ -734,7 +809,7 @@ def run_cli(args) -> int:
         prompt_len = min(512, (max_len - output_len - 1) // args.block_size * args.block_size)
         long_len = min(4096, args.max_num_batched_tokens, (serve_len - 3) // args.block_size * args.block_size)
         frontend, samples = measure_frontend(args.model, profile, vocab=vocab, serve_args=serve_args,
-                                             disagg=args.pool, repeats=args.repeats, prompt_len=prompt_len,
+                                             serve_len=serve_len, disagg=args.pool, repeats=args.repeats, prompt_len=prompt_len,
                                              long_prompt_len=long_len if long_len >= 2 * prompt_len else None,
                                              output_len=output_len, stream=stream,
                                              progress=lambda line: print("  " + line, flush=True))
@@ -756,9 +831,12 @@ def _print_fits(profile: Profile, frontend: bool = True) -> None:
           f"+ {1e9 * p['per_pair_s']:.4f} ns/query-key pair + {1e9 * p['per_prefix_s']:.1f} ns/prefix token "
           f"(mean error "
           f"{100 * fits['prefill']['mean_rel_error']:.1f}%)")
-    print(f"decode step = {1000 * profile.decode['a_s']:.3f} ms + {1e6 * profile.decode['per_seq_s']:.2f} us/seq "
-          f"+ {1e9 * profile.decode['per_context_s']:.3f} ns/context token (mean error "
-          f"{100 * fits['decode']['mean_rel_error']:.1f}%)")
+    d = profile.decode
+    by_batch = ("; at no context, by batch: " + ", ".join(f"{b} {1000 * v:.3f}" for b, v in d["batch_s"]) + " ms"
+                if d.get("batch_s") else "")
+    print(f"decode step = {1000 * d['a_s']:.3f} ms + {1e6 * d['per_seq_s']:.2f} us/seq "
+          f"+ {1e9 * d['per_context_s']:.3f} ns/context token (mean error "
+          f"{100 * fits['decode']['mean_rel_error']:.1f}%){by_batch}")
     t = profile.transfer
     local = (f"; a put into its own segment {1000 * t.get('local_latency_s', t['latency_s']):.3f} ms + "
              f"{1000 * t.get('local_per_block_s', t['per_block_s']):.3f} ms/block"
@@ -768,5 +846,6 @@ def _print_fits(profile: Profile, frontend: bool = True) -> None:
     f = profile.frontend
     print(f"frontend: request {1000 * f['request_s']:.2f} ms + {1e6 * f['per_prompt_token_s']:.2f} us per prompt "
           f"token, conductor hop {1000 * f['handover_s']:.2f} ms, {1e6 * f['per_token_s']:.1f} us per streamed token, "
-          f"{1e9 * f['stream_per_output_token_s']:.0f} ns per output token held per hand-over event"
-          + ("" if frontend else " (not measured: --frontend)"))
+          f"{1e9 * f['stream_per_output_token_s']:.0f} ns per output token held per hand-over event, "
+          f"{1000 * f['request_host_s']:.2f} ms + {1e6 * f['request_host_per_token_s']:.2f} us per prompt token of "
+          f"host work per request" + ("" if frontend else " (not measured: --frontend)"))

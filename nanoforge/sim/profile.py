@@ -10,6 +10,12 @@ A profile is a JSON file (`profiles/NAME.json`, or any path) holding small fitte
                    chunk after a long cached prefix is bound by that walk, not by its pairs; optional, 0 in
                    older profiles); C_d: the context of the decodes batched with them
     decode step    a + per_seq * B + per_context * C      (a step of B one-token decodes over C context tokens)
+                   or, where the section holds `batch_s` ([[B_i, s_i], ...], B_i increasing), s(B) + per_context * C:
+                   s_i measured at each B_i, linear between them, the last segment's slope past the last (the first
+                   value below the first). A step's cost is not linear in B on a GPU: batch 1 runs the skinny
+                   matmul at the weights' read, batch 8 already pays the rows (H200, Qwen3-0.6B: 1.03 ms at
+                   batch 1, 1.42 at 8, 1.85 at 32). `a` and `per_seq` are then the line through the s_i, a summary
+                   (profiles before session 14 hold the line alone)
     KV transfer    latency + per_block * n                 (one batched pool call moving n blocks)
     local put      local_latency + local_per_block * n     (a batched put into the caller's own segment)
 
@@ -35,6 +41,13 @@ the conductor as hand-over events (`serve/disagg/handover.py`'s `OutputEncoder`)
 session 12, 1.7 us on the 2-core box before, when the encoder compared the whole text character by character
 (the runs before then carry it; `docs/results/issue15/session12/h200-qwen3-0.6b-stream-cpu.json`).
 
+A request also costs the server host work that the steps already running pay for: its HTTP request, the
+prompt's parsing and checks, its block hashes, its queueing into the engine thread, all in the engine's process
+under the same GIL. `request_host_s` + `request_host_per_token_s` x prompt tokens (optional, 0 in profiles before
+session 14) is that work, measured as what requests arriving among running decodes add to their TPOT beyond
+their prompt's share of the steps (`measure.py`'s `_arrivals`); an instance adds it to the host part of its next
+step for each request it takes (H200, Qwen3-0.6B: ~2 ms for a 2,000-token prompt, against ~1.4 ms steps).
+
 A step is split into its device part (the forms above: what instances on one GPU share) and its host part (the
 server's work per token: the GIL's, not the GPU's; `step_parts`).
 
@@ -46,6 +59,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,12 +75,13 @@ _FIELDS = {
     "decode": ("a_s", "per_seq_s", "per_context_s"),
     "transfer": ("latency_s", "per_block_s", "block_bytes"),
     "engine": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
-    "frontend": ("request_s", "per_prompt_token_s", "handover_s", "per_token_s", "stream_per_output_token_s"),
+    "frontend": ("request_s", "per_prompt_token_s", "handover_s", "per_token_s", "stream_per_output_token_s",
+                 "request_host_s", "request_host_per_token_s"),
 }
 # fields a profile may lack (older ones; the frontend, wholly), and their value then
 _OPTIONAL = {"prefill": {"per_prefix_s": 0.0},
              "frontend": {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0,
-                          "stream_per_output_token_s": 0.0}}
+                          "stream_per_output_token_s": 0.0, "request_host_s": 0.0, "request_host_per_token_s": 0.0}}
 # optional fields whose value, where a profile lacks them, is another field's: kept as read (a profile without
 # them is written back without them)
 _DEFAULTS_TO = {"transfer": {"local_latency_s": "latency_s", "local_per_block_s": "per_block_s"}}
@@ -90,6 +105,9 @@ class Profile:
         p, d, t = self.prefill, self.decode, self.transfer
         self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p["per_prefix_s"])
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
+        points = d.get("batch_s") or []
+        self._batches = [float(b) for b, _ in points]
+        self._levels = [float(v) for _, v in points]
         self._t = (t["latency_s"], t["per_block_s"])
         self._t_local = tuple(t.get(name, t[other]) for name, other in _DEFAULTS_TO["transfer"].items())
         self._per_output = self.frontend["per_token_s"]
@@ -126,8 +144,7 @@ class Profile:
         if prefill:
             a, per_token, per_pair, per_prefix = self._p
             return a + per_token * (tokens + batch) + per_pair * pairs + per_prefix * prefix + self._d[2] * context, host
-        a, per_seq, per_context = self._d
-        return a + per_seq * batch + per_context * context, host
+        return self._decode_base(batch) + self._d[2] * context, host
 
     def prefill_time(self, tokens: int, cached: int = 0) -> float:
         """One prompt chunk of `tokens` tokens after `cached` ones, alone in its step (and sampling at its end)."""
@@ -137,12 +154,35 @@ class Profile:
 
     def decode_time(self, batch: int, context: int) -> float:
         """One step of `batch` decodes over `context` tokens in all (with the server's work per token)."""
-        a, per_seq, per_context = self._d
-        return a + (per_seq + self._per_output) * batch + per_context * context
+        return self._decode_base(batch) + self._per_output * batch + self._d[2] * context
+
+    def _decode_base(self, batch: int) -> float:
+        """A decode step's cost of `batch` sequences at no context: the `batch_s` points, or the line."""
+        b, v = self._batches, self._levels
+        if not b:
+            return self._d[0] + self._d[1] * batch
+        i = bisect_left(b, batch)
+        if i < len(b) and b[i] == batch:
+            return v[i]
+        if i == 0:
+            return v[0]
+        j = min(i, len(b) - 1)  # past the last point: the last segment, extended
+        return v[j - 1] + (v[j] - v[j - 1]) * (batch - b[j - 1]) / (b[j] - b[j - 1])
 
     def request_time(self, prompt_tokens: int) -> float:
         """From the client to the engine's queue, for a prompt of `prompt_tokens` tokens."""
         return self.frontend["request_s"] + self.frontend["per_prompt_token_s"] * prompt_tokens
+
+    def request_host_time(self, prompt_tokens: int) -> float:
+        """The server's host work for a request of `prompt_tokens` tokens, paid by the steps running beside it."""
+        return self.frontend["request_host_s"] + self.frontend["request_host_per_token_s"] * prompt_tokens
+
+    def chunk_extra(self, tokens: int, batch: int, context: int) -> float:
+        """What one prompt chunk of `tokens` tokens (nothing cached) adds to a step of `batch` decodes over `context`
+        tokens: the prefill form's step less the decode form's (device seconds)."""
+        a, per_token, per_pair, _ = self._p
+        mixed = a + per_token * (tokens + batch) + per_pair * tokens * (tokens + 1) // 2 + self._d[2] * context
+        return max(0.0, mixed - self._decode_base(batch) - self._d[2] * context)
 
     def transfer_time(self, blocks: int, *, local: bool = False) -> float:
         """One pool call moving `blocks` KV blocks (to or from the pool); `local`: a put into the caller's own
@@ -178,6 +218,8 @@ class Profile:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                     raise NanoforgeError(f"{where}: {section}.{name} must be a number >= 0, got {v!r}",
                                          param="profile")
+            if section == "decode" and values.get("batch_s") is not None:
+                _check_batch_points(values["batch_s"], where)
             if section == "engine" and min(values[n] for n in names) < 1:
                 raise NanoforgeError(f"{where}: engine.{', engine.'.join(names)} must be >= 1", param="profile")
         status = d.get("status", "measured")
@@ -203,6 +245,15 @@ class Profile:
         except json.JSONDecodeError as e:
             raise NanoforgeError(f"{path}: not JSON: {e}", param="profile") from None
         return cls.from_dict(d, str(path))
+
+
+def _check_batch_points(points, where: str) -> None:
+    ok = isinstance(points, list) and len(points) >= 2 and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                    and math.isfinite(x) and x >= 0 for x in p) for p in points)
+    if not ok or any(points[i][0] >= points[i + 1][0] for i in range(len(points) - 1)) or points[0][0] < 1:
+        raise NanoforgeError(f"{where}: decode.batch_s must be a list of at least 2 [batch, seconds] pairs, batches "
+                             f"increasing from >= 1, seconds >= 0", param="profile")
 
 
 def pool_block_bytes(kv_bytes: int, block_size: int) -> int:
