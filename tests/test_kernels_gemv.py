@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import interpreter
 
+from nanoforge.kernels import dispatch
 from nanoforge.kernels import gemv as gv
 
 
@@ -114,7 +115,7 @@ def test_split_k_matches_float64_and_leaves_its_counters_at_zero(poisoned, monke
         else:
             got, want = gv.gemv(x, w, b, swiglu=swiglu), reference(x, w, b, swiglu)
         torch.testing.assert_close(got.double(), want.double(), rtol=3e-2, atol=3e-2)
-        assert all(not c.any() for c in gv._COUNTERS.values())
+        assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
 def test_split_candidates_are_timed_only_where_programs_would_leave_sms_idle(monkeypatch):
@@ -310,7 +311,7 @@ def test_gpu_each_split_candidate_is_right_in_graph_replays(poisoned, monkeypatc
                 graph.replay()
                 torch.cuda.synchronize()
                 assert all(torch.equal(o, e) for o, e in zip(outs, eager)), (rows, swiglu)
-    assert all(not c.any() for c in gv._COUNTERS.values())
+    assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
 @pytest.mark.gpu

@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from nanoforge.errors import NanoforgeError
+from nanoforge.kernels import dispatch
 from nanoforge.kernels import paged_attention as pa
 from conftest import interpreter, nan_empty, raises_bug
 
@@ -95,15 +97,18 @@ DECODE = [
 
 @interpreter
 @pytest.mark.parametrize("ctx,hq,hkv,d,bs", DECODE)
-@pytest.mark.parametrize("splits", [1, 2, 3])
-def test_decode_matches_float64(poisoned, ctx, hq, hkv, d, bs, splits):
+@pytest.mark.parametrize("splits,fused", [(1, False), (2, False), (3, False), (3, True)])
+def test_decode_matches_float64(poisoned, ctx, hq, hkv, d, bs, splits, fused):
+    """fused: the last split of each tile to finish combines the splits (NANOFORGE_ATTN_COMBINE=fused), and
+    leaves its arrival count at zero for the next kernel on the stream."""
     b = batch(ctx, [1] * len(ctx), hq, hkv, d, bs, seed=len(ctx))
     block_m, block_q, block_n, warps, stages = pa._tile_config(1, hq // hkv)
     out = pa._paged_attention_triton(
         **b, scale=1 / math.sqrt(d), max_q_len=1, block_m=block_m, block_q=block_q, block_n=block_n,
-        num_splits=splits, num_warps=warps, num_stages=stages,
+        num_splits=splits, num_warps=warps, num_stages=stages, fused_combine=fused,
     )  # fmt: skip
     check(b, out)
+    assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
 @interpreter
@@ -122,18 +127,28 @@ def test_chunked_prefill_matches_float64(poisoned, ctx, qlens, hq, hkv, d, bs):
 
 
 @interpreter
-@pytest.mark.parametrize("splits", [2, 3])
-def test_chunked_prefill_with_split_contexts_matches_float64(poisoned, splits):
-    """Each query tile's keys cut into `splits` pieces and combined: chunks after long cached prefixes (whole
-    unmasked key blocks, then the diagonal), a whole prompt and a decode, beside padding sequences."""
+@pytest.mark.parametrize("splits,fused", [(2, False), (3, False), (3, True)])
+def test_chunked_prefill_with_split_contexts_matches_float64(poisoned, splits, fused):
+    """Each query tile's keys cut into `splits` pieces and combined (by a second kernel, or `fused`: by the
+    tile's last split): chunks after long cached prefixes (whole unmasked key blocks, then the diagonal), a
+    whole prompt and a decode, beside padding sequences (whose tiles exit at once and count nothing)."""
     ctx, qlens = [90, 20, 9, 70, 1], [3, 20, 1, 17, 0]
     b = batch(ctx, qlens, 4, 2, 16, 8, seed=splits)
     block_m, block_q, block_n, warps, stages = pa._tile_config(20, 2)
     out = pa._paged_attention_triton(
         **b, scale=1 / math.sqrt(16), max_q_len=20, block_m=block_m, block_q=block_q, block_n=block_n,
-        num_splits=splits, num_warps=warps, num_stages=stages,
+        num_splits=splits, num_warps=warps, num_stages=stages, fused_combine=fused,
     )  # fmt: skip
     check(b, out)
+    assert all(not c.any() for c in dispatch._COUNTERS.values())
+
+
+def test_the_combine_switch_takes_two_values(monkeypatch):
+    monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", "Fused")
+    assert pa.combine_mode() == "fused"
+    monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", "late")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_ATTN_COMBINE must be kernel or fused, not 'late'"):
+        pa.combine_mode()
 
 
 def test_split_count_ignores_padding_sequences():
@@ -203,15 +218,20 @@ def rel_error(got, want):
         ([20000] + [1] * 255, [16] + [0] * 255),
     ],
 )
-def test_gpu_full_size_bf16(poisoned, ctx, qlens):
+@pytest.mark.parametrize("combine", ["kernel", "fused"])
+def test_gpu_full_size_bf16(poisoned, monkeypatch, ctx, qlens, combine):
+    monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", combine)
     b = pa.make_paged_batch(ctx, qlens, 32, 8, 128, 16, torch.bfloat16, "cuda")
     out = pa.paged_attention(**b, max_q_len=max(qlens))
     assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
 
 
 @pytest.mark.gpu
-def test_gpu_decode_replays_in_a_cuda_graph(poisoned):
-    """Capture one decode step, then change the lengths and block tables in place and replay."""
+@pytest.mark.parametrize("combine", ["kernel", "fused"])
+def test_gpu_decode_replays_in_a_cuda_graph(poisoned, monkeypatch, combine):
+    """Capture one decode step, then change the lengths and block tables in place and replay (three times: the
+    same bits each time, so a fused combine's arrival counts reset themselves)."""
+    monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", combine)
     ctx = [300, 1000, 64, 2048]
     b = pa.make_paged_batch(ctx, [1] * 4, 16, 4, 64, 16, torch.bfloat16, "cuda")
     pa.paged_attention(**b, max_q_len=1)  # compile outside the capture
@@ -222,3 +242,7 @@ def test_gpu_decode_replays_in_a_cuda_graph(poisoned):
     b["seq_lens"].copy_(torch.tensor([2048, 17, 1000, 1], dtype=torch.int32))
     graph.replay()
     assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
+    first = out.clone()
+    for _ in range(2):
+        graph.replay()
+        assert torch.equal(out, first)

@@ -65,3 +65,24 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_KEPT: list[torch.Tensor] = []  # every counter buffer made: graphs captured with one still use it
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least `n` int32 arrival counts for kernels whose last program to arrive finishes a piece of work (the
+    skinny matmul's split-K tiles, paged attention's split contexts), zero between launches (each piece's last
+    program resets its own), per device and stream: two launches on one stream never count at once, as a kernel
+    counts only after its wait for the one before it (PDL's; stream order without it), so every kernel on the
+    stream shares one buffer. Made on the first launch, which is eager (the autotuner and the engine's warm-up
+    run a shape before any capture); grown, never shrunk (a captured graph keeps the one it was captured with
+    alive here)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        have = _COUNTERS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+        _KEPT.append(have)
+    return have

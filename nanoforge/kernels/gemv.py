@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import env_choice, interpreting, sm_count, use_fast
+from nanoforge.kernels.dispatch import arrival_counters, env_choice, interpreting, sm_count, use_fast
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
@@ -123,7 +123,7 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
     sums = torch.empty((splits, m, width), device=rows.device, dtype=torch.float32) if splits > 1 else out
     args = (rows, res if res is not None else rows, norm_weight.contiguous() if norm_weight is not None else rows,
             summed if summed is not None else out, weight, bias if bias is not None else out, out, sums,
-            _counters(rows.device, triton.cdiv(n, 16)) if splits > 1 else out, m, n, k,
+            arrival_counters(rows.device, triton.cdiv(n, 16)) if splits > 1 else out, m, n, k,
             rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), m * width,
             width, float(eps), prefetch_k(weight) if on else 0)
     meta = {"NORM": norm_weight is not None, "HAS_RES": res is not None, "SWIGLU": swiglu,
@@ -184,25 +184,6 @@ def _chain_pick(key: tuple, launch, weight: torch.Tensor, shape: dict) -> triton
 
 
 INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1}  # under TRITON_INTERPRET (tests set SPLIT_K)
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split kernels' arrival counts, one per output tile, zero between launches (each tile's last program
-    resets its own), per device and stream: two launches on one stream never count at once, as a kernel counts
-    only after its wait for the one before it (PDL's; stream order without it). Made on the first launch, which
-    is eager (the autotuner and the engine's warm-up run a shape before any capture); grown, never shrunk (a
-    captured graph keeps the one it was captured with alive here)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    have = _COUNTERS.get(key)
-    if have is None or have.numel() < tiles:
-        have = _COUNTERS[key] = torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)
-        _KEPT.append(have)
-    return have
-
-
-_KEPT: list[torch.Tensor] = []  # every counter buffer made: graphs captured with one still use it
 
 
 STATS_ELEMENTS = 4096  # of x the norm's first pass loads at once (32 fp32 registers a thread at 4 warps)

@@ -11,7 +11,9 @@ sequence, times all the query heads of one kv head: the rows of its score matrix
 so K and V are read once per kv head however many query heads share it. Keys are gathered token by
 token through the block table, so any cache block size works. For decode (one token, few rows) the
 context is also split across programs, flash-decoding style: each split writes a partial output and its
-log-sum-exp, and a small second kernel combines them. Launch shapes depend only on tensor shapes and
+log-sum-exp, and a small second kernel combines them (or, with NANOFORGE_ATTN_COMBINE=fused, the last of a
+tile's splits to finish combines them itself, counted in `dispatch.arrival_counters`: one launch a layer fewer;
+not yet timed on a GPU, so not the default). Launch shapes depend only on tensor shapes and
 `max_q_len`, never on tensor values, so a step can be captured in a CUDA graph.
 
 Decode gives program i sequence i. Prefill and mixed steps hand out query tiles ragged: sequence i owns
@@ -24,6 +26,8 @@ tiles whatever the lengths, and zero-length (padding) sequences cost nothing.
 from __future__ import annotations
 
 import math
+import os
+from unittest import mock
 
 import torch
 import triton
@@ -31,7 +35,7 @@ import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import interpreting, sm_count, use_fast
+from nanoforge.kernels.dispatch import arrival_counters, env_choice, interpreting, sm_count, use_fast
 from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 under the CPU interpreter
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
@@ -74,8 +78,14 @@ def paged_attention(
     return _paged_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
         block_m=block_m, block_q=block_q, block_n=block_n, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages, tile_starts=tile_starts,
+        num_warps=num_warps, num_stages=num_stages, tile_starts=tile_starts, fused_combine=combine_mode() == "fused",
     )  # fmt: skip
+
+
+def combine_mode() -> str:
+    """How split contexts are combined: "kernel" (a second, small kernel; the default) or "fused" (the last split
+    of each tile to finish, in the attention kernel itself)."""
+    return env_choice("NANOFORGE_ATTN_COMBINE", ("kernel", "fused"))
 
 
 def query_tile_starts(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -213,9 +223,10 @@ def _num_splits(busy: int, programs: int, max_context: int, device: torch.device
 def _paged_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float, max_q_len: int, *,
     block_m: int, block_q: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
-    tile_starts: torch.Tensor | None = None,
+    tile_starts: torch.Tensor | None = None, fused_combine: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """Launch with an explicit configuration (the benchmark sweeps these)."""
+    """Launch with an explicit configuration (the benchmark sweeps these); `fused_combine`: split contexts are
+    combined by each tile's last split to finish, not by `_combine_splits`."""
     total_q, hq, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = hq // hkv
@@ -236,16 +247,18 @@ def _paged_attention_triton(
     block_d = max(16, triton.next_power_of_2(d))
     grid = (_grid_tiles(total_q, seq_lens.shape[0], block_q, varlen), hkv, num_splits)
     on = pdl.enabled(q)
+    fuse = fused_combine and num_splits > 1
+    counts = arrival_counters(q.device, grid[0] * hkv) if fuse else seq_lens  # one count a tile and kv head
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, tile_starts if varlen else cu_seqlens_q,
-        out, o_part, lse_part,
+        out, o_part, lse_part, counts,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, SPLIT=num_splits > 1, VARLEN=varlen, PDL=on, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=bool(on),
+        BLOCK_N=block_n, SPLIT=num_splits > 1, FUSE=fuse, SPLITS_P2=_SPLITS_P2, VARLEN=varlen, PDL=on,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(on),
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not fuse:
         _combine_splits[(total_q, hq)](
             o_part, lse_part, out, out.stride(0), out.stride(1), hq, num_splits,
             HEAD_D=d, BLOCK_D=block_d, SPLITS_P2=_SPLITS_P2, PDL=on, launch_pdl=bool(on),
@@ -268,12 +281,12 @@ def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
 # value 1 / multiple of 16 / other, ~0.7 s each: a stall of every running request in the middle of serving)
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
 def _paged_attn_kernel(
-    Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, TILE_STARTS, O, O_PART, LSE_PART,
+    Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, TILE_STARTS, O, O_PART, LSE_PART, C,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_ot, stride_oh, qk_scale, num_seqs, num_splits,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    VARLEN: tl.constexpr, PDL: tl.constexpr,
+    FUSE: tl.constexpr, SPLITS_P2: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.enter(PDL)
     pid = tl.program_id(0)
@@ -349,6 +362,30 @@ def _paged_attn_kernel(
         tl.store(O_PART + part[:, None] * HEAD_D + offs_d[None, :], o, mask=io_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(LSE_PART + part, lse, mask=row_ok)
+        if FUSE:  # the tile's last split to finish combines them all (the others' partials visible to it)
+            tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
+            count = C + pid * tl.num_programs(1) + hk
+            if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
+                first = part - split
+                offs_s = tl.arange(0, SPLITS_P2)
+                lses = tl.load(LSE_PART + first[:, None] + offs_s[None, :],  # .cg: from L2, as the others wrote
+                               mask=row_ok[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
+                               cache_modifier=".cg")  # fmt: skip
+                top = tl.max(lses, 1)
+                top = tl.where(top > float("-inf"), top, 0.0)  # a row no split saw (masked below)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s in range(0, num_splits):
+                    w = tl.exp2(tl.load(LSE_PART + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                                - top)
+                    o_s = tl.load(O_PART + (first + s)[:, None] * HEAD_D + offs_d[None, :], mask=io_mask, other=0.0,
+                                  cache_modifier=".cg")
+                    acc += w[:, None] * o_s
+                    total += w
+                tl.atomic_xchg(count, 0)
+                o = acc / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                         o.to(O.dtype.element_ty), mask=io_mask)  # fmt: skip
 
 
 @triton.jit
@@ -447,14 +484,17 @@ def _kv_bytes(context_lens: list[int], hkv: int, d: int, dtype: torch.dtype) -> 
     return 2 * sum(context_lens) * hkv * d * torch.finfo(dtype).bits // 8
 
 
-def _bench_case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype) -> dict:
+def _bench_case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype,
+                combine: str = "kernel", graph: bool = False) -> dict:
     from nanoforge.kernels.bench import make_row, time_ms
 
     batch = make_paged_batch(ctx, qlens, hq, hkv, d, 16, dtype, "cuda")
-    ours = time_ms(lambda: paged_attention(**batch, max_q_len=max(qlens)))
-    base = time_ms(lambda: paged_attention_ref(**batch))
+    with mock.patch.dict(os.environ, {"NANOFORGE_ATTN_COMBINE": combine}):
+        ours = time_ms(lambda: paged_attention(**batch, max_q_len=max(qlens)), graph=graph)
+    base = time_ms(lambda: paged_attention_ref(**batch), graph=graph)
     pairs = sum(sum(c - j for j in range(n)) for c, n in zip(ctx, qlens))  # each query token sees its prefix
-    shape = f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max(qlens)} Hq{hq} Hkv{hkv} D{d} {dtype}"
+    shape = (f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max(qlens)} Hq{hq} Hkv{hkv} D{d} {dtype}"
+             + (" fused combine" if combine == "fused" else ""))
     kv = _kv_bytes(ctx, hkv, d, dtype)
     row = make_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", 4 * pairs * hq * d, kv)
     row["hbm_fraction"] = row["ours_gbps"] / (HBM_COPY_TBPS * 1000)
@@ -462,11 +502,15 @@ def _bench_case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, 
 
 
 def bench_rows(quick: bool) -> list[dict]:
-    """Decode at batch 64 with Llama-8B heads over 4k-32k contexts, and a chunked prefill, vs the torch reference."""
+    """Decode at batch 64 with Llama-8B heads over 4k-32k contexts, and a chunked prefill, vs the torch reference;
+    and batch-1 decode with Llama-3.2-1B's heads, timed in CUDA graphs (its context split across the GPU: a
+    second kernel combines the splits, or the last split does, `fused`)."""
     if not torch.cuda.is_available():
         raise NanoforgeError("paged attention benchmarks need a CUDA GPU", param="kinds")
     mixed = torch.randint(4096, 32769, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     cases = [("decode", [4096] * 64, [1] * 64), ("decode", mixed, [1] * 64)]
     if not quick:
         cases += [("decode", [32768] * 64, [1] * 64), ("prefill", [8192] * 8, [512] * 8)]
-    return [_bench_case(kind, ctx, qlens, 32, 8, 128, torch.bfloat16) for kind, ctx, qlens in cases]
+    rows = [_bench_case(kind, ctx, qlens, 32, 8, 128, torch.bfloat16) for kind, ctx, qlens in cases]
+    return rows + [_bench_case("decode", [1024], [1], 32, 8, 64, torch.bfloat16, combine, graph=True)  # CUDA graphs:
+                   for combine in ("kernel", "fused")]  # the GPU's time, as the engine replays a decode step
