@@ -30,6 +30,7 @@ disaggregated decode instance's hand-over events on the engine's own outputs (`m
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import subprocess
@@ -439,11 +440,12 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
                      progress=None) -> tuple[dict, dict]:
     """The frontend section of `profile` (whose engine sections are measured), from the real server on loopback:
     lone requests of `prompt_len` and `long_prompt_len` tokens (TTFT), k requests at once (TPOT), requests of
-    both lengths arriving among running decodes (`_arrivals`; `serve_len`: the server's context), and with
-    `disagg` lone requests through `nanoforge serve --disagg --prefill 1 --decode 1`; `stream`, what
+    128 and `prompt_len` tokens arriving among running decodes (`_arrivals`; `serve_len`: the server's
+    context), and with `disagg` lone requests through `nanoforge serve --disagg --prefill 1 --decode 1`; `stream`, what
     `measure_stream` measured. `frontend_section` turns what was measured (the samples) into the section. Returns
     the section and the samples."""
     rng = random.Random(1)
+    lone = max(9, 3 * repeats)  # lone requests (~10-30 ms each): their medians moved 25% between profiles of 3
     common = ["--model", model_dir, "--served-model-name", "m", *serve_args]
     samples: dict = {"prompt_len": prompt_len, "output_len": output_len, "stream": stream or []}
     server = _Server(common, "nanoforge serve:")
@@ -451,7 +453,8 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
         _latencies(server.url, vocab, prompt_len, output_len, max(concurrency), rng)  # warm up
         ttft, tpot = [], {}
         for k in concurrency:
-            got = [r for _ in range(repeats) for r in _latencies(server.url, vocab, prompt_len, output_len, k, rng)]
+            got = [r for _ in range(lone if k == 1 else repeats)
+                   for r in _latencies(server.url, vocab, prompt_len, output_len, k, rng)]
             tpot[k] = statistics.median(r.tpot_ms / 1000 for r in got)
             if k == 1:
                 ttft = [r.ttft_ms / 1000 for r in got]
@@ -460,7 +463,7 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
                          + (f", TTFT {1000 * statistics.median(ttft):.2f} ms" if k == 1 else ""))
         samples.update(ttft_s=statistics.median(ttft), tpot_s={str(k): v for k, v in tpot.items()})
         samples["arrivals"] = []
-        for n in sorted({prompt_len, long_prompt_len or prompt_len}):
+        for n in sorted({min(128, prompt_len), prompt_len}):  # short prompts: the host work is most of the loss
             a = _arrivals(server.url, vocab, n, rng, repeats, stream_prompt_len=min(128, serve_len // 4),
                           stream_output_len=min(256, serve_len - min(128, serve_len // 4) - 1))
             samples["arrivals"].append(a)
@@ -469,7 +472,7 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
                          f"decodes: their TPOT {1000 * a['tpot_s']:.2f} ms against {1000 * a['base_tpot_s']:.2f}")
         if long_prompt_len:
             _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)  # its prefill shape, compiled outside the timing
-            got = [r for _ in range(repeats) for r in _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)]
+            got = [r for _ in range(lone) for r in _latencies(server.url, vocab, long_prompt_len, 2, 1, rng)]
             samples.update(long_prompt_len=long_prompt_len,
                            long_ttft_s=statistics.median(r.ttft_ms / 1000 for r in got))
             if progress:
@@ -482,7 +485,7 @@ def measure_frontend(model_dir: str, profile: Profile, *, vocab: int, serve_args
                          "nanoforge conductor:")
         try:
             _latencies(server.url, vocab, prompt_len, output_len, 1, rng)
-            got = [r for _ in range(repeats + 2) for r in _latencies(server.url, vocab, prompt_len, output_len, 1, rng)]
+            got = [r for _ in range(lone) for r in _latencies(server.url, vocab, prompt_len, output_len, 1, rng)]
         finally:
             server.close()
         samples["disagg_ttft_s"] = statistics.median(r.ttft_ms / 1000 for r in got)
@@ -611,17 +614,18 @@ def fit_steps(prefill: list[dict], decode: list[dict]) -> tuple[dict, dict, dict
 
 
 def fit_decode(decode: list[dict]) -> tuple[dict, dict]:
-    """The decode section: a level per measured batch size (`batch_s`) and one per-context slope, fitted together
-    (a step's cost is not linear in the batch: profile.py), and the line through the levels as `a_s`, `per_seq_s`.
-    One batch size measured: the line alone."""
+    """The decode section: a level per measured batch size (`batch_s`, non-decreasing: each a rise >= 0 over the
+    one below, so noise cannot make a larger batch cheaper) and one per-context slope, fitted together (a step's
+    cost is not linear in the batch: profile.py), and the line through the levels as `a_s`, `per_seq_s`. One
+    batch size measured: the line alone."""
     batches = sorted({s["batch"] for s in decode})
     if len(batches) < 2:
         (da, db, dc), decode_fit = fit(decode, ("batch", "context"))
         return {"a_s": da, "per_seq_s": db, "per_context_s": dc}, decode_fit
-    names = tuple(f"batch_{b}" for b in batches[1:])  # each a step on the first batch size's level
-    rows = [{**s, **{n: float(s["batch"] == b) for n, b in zip(names, batches[1:])}} for s in decode]
-    (first, dc, *steps), decode_fit = fit(rows, ("context", *names))
-    levels = [first, *(first + d for d in steps)]
+    names = tuple(f"from_batch_{b}" for b in batches[1:])  # each a rise >= 0 from the level below: never cheaper
+    rows = [{**s, **{n: float(s["batch"] >= b) for n, b in zip(names, batches[1:])}} for s in decode]  # for more
+    (first, dc, *rises), decode_fit = fit(rows, ("context", *names))
+    levels = list(itertools.accumulate(rises, initial=first))
     db, da = np.polyfit(batches, levels, 1, w=1 / np.array(levels))
     section = {"a_s": max(0.0, float(da)), "per_seq_s": max(0.0, float(db)), "per_context_s": dc,
                "batch_s": [[b, v] for b, v in zip(batches, levels)]}
