@@ -298,6 +298,8 @@ DECODE_VARIANTS = {
     "split": {"NANOFORGE_GEMV_CONFIGS": "split"},  # also over the four that cut K: what that brings
     "chain_tune": {"NANOFORGE_GEMV_TUNE": "chain"},  # configurations picked in a chain, as run, not one alone
     "fused_combine": {"NANOFORGE_ATTN_COMBINE": "fused"},  # attention's last split combines: no second kernel
+    "fused_rope": {"NANOFORGE_ATTN_ROPE": "fused"},  # RoPE (+ q/k norms) and the KV write inside decode attention
+    "fused_attention": {"NANOFORGE_ATTN_COMBINE": "fused", "NANOFORGE_ATTN_ROPE": "fused"},  # both: 2 launches fewer
     "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},

@@ -246,3 +246,123 @@ def test_gpu_decode_replays_in_a_cuda_graph(poisoned, monkeypatch, combine):
     for _ in range(2):
         graph.replay()
         assert torch.equal(out, first)
+
+
+# ------------------------------------------------------------------------------ RoPE and the KV write inside
+
+
+def _projections(ctx, hq, hkv, d, norm, seed):
+    """A decode step's raw q, k, v (strided views of one projection, as the engine's), the angles at each
+    sequence's last position, and Qwen3-style q/k norms if `norm`."""
+    from nanoforge.model.config import preset
+    from nanoforge.model.transformer import RMSNorm, Transformer
+
+    gen = torch.Generator().manual_seed(seed)
+    n = len(ctx)
+    qkv = 3 * torch.randn(n, (hq + 2 * hkv) * d, generator=gen)
+    q, k, v = qkv[:, :hq * d].view(n, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d), \
+        qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    model = Transformer(preset("tiny-llama", max_seq_len=4096, d_model=4 * d, n_heads=4, n_kv_heads=2, head_dim=d))
+    cos, sin = (t[0] for t in model.rope(torch.tensor(ctx)[None] - 1, torch.float32))
+    qk_norm = None
+    if norm:
+        qk_norm = (RMSNorm(d, 0.5), RMSNorm(d, 0.5))  # an eps large enough to matter
+        with torch.no_grad():
+            for m in qk_norm:
+                m.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+    return q, k, v, cos, sin, qk_norm
+
+
+@interpreter
+@pytest.mark.parametrize("hq,hkv,d,norm", [(6, 2, 16, False), (6, 2, 16, True), (4, 4, 24, True)])
+@pytest.mark.parametrize("splits,fused", [(1, False), (3, False), (3, True)])
+def test_rope_and_kv_write_inside_attention_equal_the_parts(poisoned, hq, hkv, d, norm, splits, fused):
+    """NANOFORGE_ATTN_ROPE=fused: the attention kernel normalises (Qwen3) and rotates q and the new key itself,
+    writes the token's K and V into its slot and attends to that key from registers; the output and the cache
+    are what `rope_qkv_and_write_kv` then paged attention give (float64 attention over the parts' cache), and
+    no other slot is written. Contexts of 1 (only the new key), cache-block edges, and splits of one key."""
+    from nanoforge.kernels.rope import rope_qkv_and_write_kv
+
+    ctx = [1, 16, 17, 40, 5]
+    b = batch(ctx, [1] * len(ctx), hq, hkv, d, 8, seed=splits)
+    q, k, v, cos, sin, qk_norm = _projections(ctx, hq, hkv, d, norm, seed=d)
+    table = b["block_tables"]
+    slots = torch.tensor([table[i, (n - 1) // 8] * 8 + (n - 1) % 8 for i, n in enumerate(ctx)], dtype=torch.int32)
+    want_k, want_v = b["k_cache"].clone(), b["v_cache"].clone()
+    with torch.no_grad():
+        q_rot = rope_qkv_and_write_kv(q, k, v, cos, sin, want_k, want_v, slots, qk_norm)  # Triton's own kernel
+        want = pa.paged_attention_ref(**as_float64({**b, "q": q_rot, "k_cache": want_k, "v_cache": want_v}))
+        block_m, block_q, block_n, warps, stages = pa._tile_config(1, hq // hkv)
+        out = pa._paged_attention_triton(
+            q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["cu_seqlens_q"], 1 / math.sqrt(d),
+            1, block_m=block_m, block_q=block_q, block_n=block_n, num_splits=splits, num_warps=warps,
+            num_stages=stages, fused_combine=fused, new_kv=(k, v, cos, sin, slots, qk_norm),
+        )  # fmt: skip
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    tol = dict(rtol=1e-5, atol=1e-5) if norm else dict(rtol=0, atol=0)  # a norm's sum in another order
+    torch.testing.assert_close(b["k_cache"], want_k, equal_nan=True, **tol)  # the new keys; NaN elsewhere kept
+    assert torch.equal(b["v_cache"].nan_to_num(7.0), want_v.nan_to_num(7.0))
+    assert all(not c.any() for c in dispatch._COUNTERS.values())
+
+
+@interpreter
+def test_rope_write_and_attend_takes_the_switch(poisoned, monkeypatch):
+    """The engine's entry point: the parts by default, the attention kernel alone with NANOFORGE_ATTN_ROPE=fused;
+    the same answer and cache either way."""
+    ctx = [9, 30]
+    q, k, v, cos, sin, qk_norm = _projections(ctx, 4, 2, 16, True, seed=3)
+    got = {}
+    for mode in ("kernel", "fused"):
+        monkeypatch.setenv("NANOFORGE_ATTN_ROPE", mode)
+        b = batch(ctx, [1, 1], 4, 2, 16, 8, seed=5)
+        slots = torch.tensor([b["block_tables"][i, (n - 1) // 8] * 8 + (n - 1) % 8 for i, n in enumerate(ctx)])
+        with torch.no_grad():
+            out = pa.rope_write_and_attend(q, k, v, cos, sin, b["k_cache"], b["v_cache"], slots, b["block_tables"],
+                                           b["seq_lens"], b["cu_seqlens_q"], qk_norm)
+        got[mode] = out, b["k_cache"]
+    torch.testing.assert_close(got["fused"][0], got["kernel"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["fused"][1], got["kernel"][1], rtol=1e-5, atol=1e-5, equal_nan=True)
+    monkeypatch.setenv("NANOFORGE_ATTN_ROPE", "yes")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_ATTN_ROPE must be kernel or fused, not 'yes'"):
+        pa.rope_mode()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d,norm", [(32, 8, 64, False), (16, 8, 128, True)])  # Llama-3.2-1B, Qwen3-0.6B
+@pytest.mark.parametrize("combine", ["kernel", "fused"])
+def test_gpu_rope_and_kv_write_inside_attention_in_a_cuda_graph(poisoned, monkeypatch, hq, hkv, d, norm, combine):
+    """NANOFORGE_ATTN_ROPE=fused at the models' head shapes in bf16, captured in a CUDA graph: the output within
+    bf16 of float64 attention over the parts' cache (`rope_qkv_and_write_kv`), the written keys within one
+    rounding of theirs, and the same bits over replays."""
+    from nanoforge.kernels.rope import rope_qkv_and_write_kv
+
+    monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", combine)
+    ctx = [4096, 1, 777, 20000, 16]
+    b = pa.make_paged_batch(ctx, [1] * len(ctx), hq, hkv, d, 16, torch.bfloat16, "cuda")
+    q, k, v, cos, sin, qk_norm = (t.cuda().bfloat16() if torch.is_tensor(t) else t
+                                  for t in _projections(ctx, hq, hkv, d, norm, seed=1))
+    if qk_norm:
+        qk_norm = tuple(m.cuda().bfloat16() for m in qk_norm)
+    table = b["block_tables"].cpu()
+    slots = torch.tensor([table[i, (n - 1) // 16] * 16 + (n - 1) % 16 for i, n in enumerate(ctx)],
+                         dtype=torch.int32, device="cuda")
+    want_k, want_v = b["k_cache"].clone(), b["v_cache"].clone()
+    with torch.no_grad():
+        q_rot = rope_qkv_and_write_kv(q, k, v, cos, sin, want_k, want_v, slots, qk_norm)
+        want = pa.paged_attention_ref(**as_float64({**b, "q": q_rot, "k_cache": want_k, "v_cache": want_v}))
+        monkeypatch.setenv("NANOFORGE_ATTN_ROPE", "fused")
+        args = (q, k, v, cos, sin, b["k_cache"], b["v_cache"], slots, b["block_tables"], b["seq_lens"],
+                b["cu_seqlens_q"], qk_norm)
+        pa.rope_write_and_attend(*args)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = pa.rope_write_and_attend(*args)
+        graph.replay()
+        first = out.clone()
+        for _ in range(2):
+            graph.replay()
+            assert torch.equal(out, first)
+    assert rel_error(out, want) < 1e-2
+    flat, ref = b["k_cache"].view(-1, hkv, d)[slots.long()].float(), want_k.view(-1, hkv, d)[slots.long()].float()
+    torch.testing.assert_close(flat, ref, rtol=2 ** -7, atol=2 ** -7)
+    assert torch.equal(b["v_cache"], want_v)

@@ -244,10 +244,13 @@ def test_throughput_benchmark_counts_what_it_generated():
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
-def test_engine_on_every_triton_kernel_decodes_the_reference_tokens(tok, monkeypatch):
-    """The engine's GPU path on the CPU (interpreted): RoPE fused with the KV write, paged attention, the fused
-    residual add + RMSNorm and sampling in Triton give the reference generator's tokens, greedy and seeded."""
-    model = make_model(tok, "tiny-qwen3")
+@pytest.mark.parametrize("name,rope", [("tiny-qwen3", "kernel"), ("tiny-qwen3", "fused"), ("tiny-llama", "fused")])
+def test_engine_on_every_triton_kernel_decodes_the_reference_tokens(tok, monkeypatch, name, rope):
+    """The engine's GPU path on the CPU (interpreted): RoPE fused with the KV write (in its own kernel, or with
+    NANOFORGE_ATTN_ROPE=fused in decode's attention kernel), paged attention, the fused residual add + RMSNorm
+    and sampling in Triton give the reference generator's tokens, greedy and seeded."""
+    monkeypatch.setenv("NANOFORGE_ATTN_ROPE", rope)
+    model = make_model(tok, name)
     ps = prompts(3, random.Random(11), 5, 20)
     seeded = SamplingParams(temperature=0.8, max_tokens=8, seed=5, ignore_eos=True)
     want = [generate(model, p, max_new_tokens=8) for p in ps] + \

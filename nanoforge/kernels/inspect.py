@@ -241,9 +241,10 @@ def _i32(*names: str) -> dict[str, str]:
 _PAGED_SIGNATURE = {  # paged attention's kernel: decode and prefill differ in constexprs only
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "CU_Q": "*i32",
     "TILE_STARTS": "*i32", "O": "*bf16", "O_PART": "*fp32", "LSE_PART": "*fp32", "C": "*i32",
+    **{p: "*bf16" for p in ("KN", "VN", "COS", "SIN", "QW", "KW")}, "SLOTS": "*i32",
     **_i32("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs"),
     **_i32("stride_vh", "stride_bt", "stride_ot", "stride_oh"), "qk_scale": "fp32", "num_seqs": "i32",
-    "num_splits": "i32"}
+    "num_splits": "i32", **_i32("stride_knt", "stride_knh", "stride_vnt", "stride_vnh", "stride_ct"), "eps": "fp32"}
 
 
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
@@ -298,19 +299,21 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         "nanoforge.kernels.paged_attention:_paged_attn_kernel",
         _PAGED_SIGNATURE,
         {"GROUP": 4, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
-         "SPLIT": True, "FUSE": False, "SPLITS_P2": 32, "VARLEN": False, "PDL": False},
+         "SPLIT": True, "FUSE": False, "SPLITS_P2": 32, "VARLEN": False, "PDL": False, "ROPE": False,
+         "HAS_NORM": False},
     ),
-    "paged_attention_decode_fused": TritonKernel(  # NANOFORGE_ATTN_COMBINE=fused: the last split combines
-        "nanoforge.kernels.paged_attention:_paged_attn_kernel",
+    "paged_attention_decode_fused": TritonKernel(  # NANOFORGE_ATTN_COMBINE=fused, NANOFORGE_ATTN_ROPE=fused:
+        "nanoforge.kernels.paged_attention:_paged_attn_kernel",  # Qwen3-0.6B's heads, its q/k norms
         _PAGED_SIGNATURE,
-        {"GROUP": 4, "HEAD_D": 64, "BLOCK_D": 64, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
-         "SPLIT": True, "FUSE": True, "SPLITS_P2": 32, "VARLEN": False, "PDL": True},
+        {"GROUP": 2, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
+         "SPLIT": True, "FUSE": True, "SPLITS_P2": 32, "VARLEN": False, "PDL": True, "ROPE": True, "HAS_NORM": True},
     ),
     "paged_attention_prefill": TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel",
         _PAGED_SIGNATURE,
         {"GROUP": 2, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_Q": 32, "BLOCK_N": 64,
-         "SPLIT": False, "FUSE": False, "SPLITS_P2": 32, "VARLEN": True, "PDL": False},
+         "SPLIT": False, "FUSE": False, "SPLITS_P2": 32, "VARLEN": True, "PDL": False, "ROPE": False,
+         "HAS_NORM": False},
         num_warps=4,
     ),
     "rope_qkv_write_kv": TritonKernel(  # Qwen3's q/k norms, RoPE and the paged KV write of one token per program

@@ -70,16 +70,52 @@ def paged_attention(
     if not use_fast(q, k_cache, v_cache):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)
     max_q_len = q.shape[0] if max_q_len is None else int(max_q_len)
+    return _paged_attention_triton(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len, tile_starts=tile_starts,
+        fused_combine=combine_mode() == "fused", **_launch_plan(q, k_cache, block_tables, seq_lens, max_q_len),
+    )  # fmt: skip
+
+
+def _launch_plan(q, k_cache, block_tables, seq_lens, max_q_len: int) -> dict:
+    """The tile configuration and split count of a launch, from shapes only."""
     block_m, block_q, block_n, num_warps, num_stages = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2])
     varlen, hkv = max_q_len > 1, k_cache.shape[2]
     num_splits = _num_splits(_busy_tiles(q.shape[0], seq_lens.shape[0], block_q, varlen) * hkv,
                              _grid_tiles(q.shape[0], seq_lens.shape[0], block_q, varlen) * hkv,
                              block_tables.shape[1] * k_cache.shape[1], q.device)
+    return {"block_m": block_m, "block_q": block_q, "block_n": block_n, "num_splits": num_splits,
+            "num_warps": num_warps, "num_stages": num_stages}
+
+
+def rope_write_and_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, qk_norm=None, *, scale: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A decode step's attention from its projections (one query token per sequence): `rope.rope_qkv_and_write_kv`
+    (q and k normalised by `qk_norm` if given, rotated by cos, sin; K and V stored at `slot_mapping`), then
+    `paged_attention`, in the attention kernel alone where it can (NANOFORGE_ATTN_ROPE=fused: each program
+    rotates its query heads, and the split holding the context's last position writes the token's K and V and
+    attends to its key from registers; not yet timed on a GPU, so not the default). Returns (num_seqs, Hq, D)."""
+    from nanoforge.kernels.rope import qkv_fused, rope_qkv_and_write_kv
+
+    fused = (rope_mode() == "fused" and qkv_fused(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm)
+             and q.shape[0] == seq_lens.shape[0] and use_fast(q, k_cache, v_cache))
+    if not fused:
+        q = rope_qkv_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm)
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, max_q_len=1)
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _paged_attention_triton(
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-        block_m=block_m, block_q=block_q, block_n=block_n, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages, tile_starts=tile_starts, fused_combine=combine_mode() == "fused",
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, 1, fused_combine=combine_mode() == "fused",
+        new_kv=(k, v, cos, sin, slot_mapping, qk_norm), **_launch_plan(q, k_cache, block_tables, seq_lens, 1),
     )  # fmt: skip
+
+
+def rope_mode() -> str:
+    """Where a decode step's RoPE and KV write run: "kernel" (their own kernel; the default) or "fused" (in the
+    attention kernel: `rope_write_and_attend`)."""
+    return env_choice("NANOFORGE_ATTN_ROPE", ("kernel", "fused"))
 
 
 def combine_mode() -> str:
@@ -223,10 +259,11 @@ def _num_splits(busy: int, programs: int, max_context: int, device: torch.device
 def _paged_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float, max_q_len: int, *,
     block_m: int, block_q: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
-    tile_starts: torch.Tensor | None = None, fused_combine: bool = False,
+    tile_starts: torch.Tensor | None = None, fused_combine: bool = False, new_kv: tuple | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Launch with an explicit configuration (the benchmark sweeps these); `fused_combine`: split contexts are
-    combined by each tile's last split to finish, not by `_combine_splits`."""
+    combined by each tile's last split to finish, not by `_combine_splits`; `new_kv`: (k, v, cos, sin,
+    slot_mapping, qk_norm) of a decode step, q as projected (`rope_write_and_attend`)."""
     total_q, hq, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = hq // hkv
@@ -249,14 +286,24 @@ def _paged_attention_triton(
     on = pdl.enabled(q)
     fuse = fused_combine and num_splits > 1
     counts = arrival_counters(q.device, grid[0] * hkv) if fuse else seq_lens  # one count a tile and kv head
+    if new_kv is not None:
+        if varlen:
+            raise ValueError("paged attention: the new tokens' K/V are taken in decode steps only (max_q_len 1)")
+        k_new, v_new, cos, sin, slots, qk_norm = new_kv
+        qw, kw, eps = (qk_norm[0].weight, qk_norm[1].weight, float(qk_norm[0].eps)) if qk_norm else (q, q, 0.0)
+        rope_args = (k_new, v_new, cos, sin, qw, kw, slots.to(torch.int32))
+        rope_strides = (*k_new.stride()[:2], *v_new.stride()[:2], cos.stride(0), eps)
+    else:  # never read
+        rope_args, rope_strides = (q, q, q, q, q, q, seq_lens), (0, 0, 0, 0, 0, 0.0)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, tile_starts if varlen else cu_seqlens_q,
-        out, o_part, lse_part, counts,
+        out, o_part, lse_part, counts, *rope_args,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits,
+        out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits, *rope_strides,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, SPLIT=num_splits > 1, FUSE=fuse, SPLITS_P2=_SPLITS_P2, VARLEN=varlen, PDL=on,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(on),
+        ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=bool(on),
     )  # fmt: skip
     if num_splits > 1 and not fuse:
         _combine_splits[(total_q, hq)](
@@ -282,11 +329,14 @@ def _empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
 def _paged_attn_kernel(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, CU_Q, TILE_STARTS, O, O_PART, LSE_PART, C,
+    KN, VN, COS, SIN, QW, KW, SLOTS,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_ot, stride_oh, qk_scale, num_seqs, num_splits,
+    stride_ot, stride_oh, qk_scale, num_seqs, num_splits, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_ct, eps,
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     FUSE: tl.constexpr, SPLITS_P2: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     pdl.enter(PDL)
     pid = tl.program_id(0)
@@ -323,14 +373,22 @@ def _paged_attn_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     q_rows = (q_begin + tok).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    if ROPE:  # decode: q straight from the projection, normalised (Qwen3) and rotated here
+        t = q_begin.to(tl.int64)
+        q = _norm_rope_rows(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh, offs_d, row_ok,
+                            COS + t * stride_ct, SIN + t * stride_ct, QW, eps, HEAD_D, HAS_NORM)  # fmt: skip
+    else:
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
 
     # The keys the tile needs are [0, kv_hi); this split takes one contiguous, BLOCK_N-aligned share.
     kv_hi = tl.minimum(seq_len, seq_len - q_len + tok0 + BLOCK_Q)
     share = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), num_splits) * BLOCK_N
     lo = split * share
     hi = tl.minimum(lo + share, kv_hi)
+    if ROPE:  # the new token's key is the context's last: its split attends to it from registers, not the cache
+        new_here = (lo < hi) & (hi == kv_hi)
+        hi = tl.where(new_here, hi - 1, hi)
     TABLE = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     K += hk * stride_kh
     V += hk * stride_vh
@@ -349,6 +407,24 @@ def _paged_attn_kernel(
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
                                      stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                                      HEAD_D == BLOCK_D, True)
+    if ROPE:
+        if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
+            ones = tl.full([1], 1, dtype=tl.int1)
+            k_new = _norm_rope_rows(KN + t * stride_knt + hk * stride_knh + tl.zeros([1, 1], dtype=tl.int64), offs_d,
+                                    ones, COS + t * stride_ct, SIN + t * stride_ct, KW, eps, HEAD_D, HAS_NORM)
+            v_new = tl.load(VN + t * stride_vnt + hk * stride_vnh + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + offs_d[None, :]
+            tl.store(K + at, k_new, mask=d_ok[None, :])
+            tl.store(V + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + offs_d[None, :], v_new,
+                     mask=d_ok[None, :])
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            p_new = tl.exp2(s_new - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            m_i = m_new
 
     pdl.leave(PDL)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
@@ -386,6 +462,30 @@ def _paged_attn_kernel(
                 o = acc / tl.where(total > 0, total, 1.0)[:, None]
                 tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                          o.to(O.dtype.element_ty), mask=io_mask)  # fmt: skip
+
+
+@triton.jit
+def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows of heads at X (a column of row pointers) normalised over each head with weight W (if HAS_NORM) and
+    rotated by one token's COS, SIN rows: rope.py's `_norm_rope_heads` over whole rows, each element paired with
+    the one half a head away (x * cos - partner * sin in the first half, + in the second), each product and the
+    sum rounded to X's dtype as there."""
+    half: tl.constexpr = HEAD_D // 2
+    d_ok = offs_d < HEAD_D
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+    m = rows_ok[:, None] & d_ok[None, :]
+    x = tl.load(X + offs_d[None, :], mask=m, other=0.0)
+    ty = x.dtype
+    x = x.to(tl.float32)
+    xp = tl.load(X + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_D + eps)[:, None]
+        x = (x * r * tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]).to(ty).to(tl.float32)
+        xp = (xp * r * tl.load(W + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]).to(ty).to(tl.float32)
+    c = tl.load(COS + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sn = tl.load(SIN + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    turned = (xp * sn).to(ty).to(tl.float32)
+    return ((x * c).to(ty).to(tl.float32) + tl.where(offs_d < half, -turned, turned)).to(ty)
 
 
 @triton.jit

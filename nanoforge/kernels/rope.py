@@ -92,12 +92,7 @@ def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     cos, sin (N, 1, D); K and V stored at `slot_mapping` of the paged caches. Returns the rotated q (N, Hq, D).
     One launch where the parts take four (Qwen3) or two: a decode step is a chain of small launches."""
     qn, kn = qk_norm if qk_norm is not None else (None, None)
-    fused = (_kv_write_fused(k, v, cos, sin, k_cache, v_cache, slot_mapping) and _fast(q[None], cos[None], sin[None])
-             and q.dtype == k.dtype and q.shape[-1] == k.shape[-1] and q.stride(-1) == 1
-             and (qn is None or (qn.weight.shape == kn.weight.shape == q.shape[-1:] and qn.eps == kn.eps
-                                 and qn.weight.is_contiguous() and kn.weight.is_contiguous()
-                                 and use_fast(qn.weight, kn.weight))))
-    if not fused:
+    if not qkv_fused(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm):
         if qn is not None:
             q, k = qn(q), kn(k)
         apply_rope_and_write_kv(k, v, cos, sin, k_cache, v_cache, slot_mapping)
@@ -105,6 +100,17 @@ def rope_qkv_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _launch_qkv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, out, qk_norm)
     return out
+
+
+def qkv_fused(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm=None) -> bool:
+    """Whether a fused kernel takes these operands of `rope_qkv_and_write_kv` (its own, or paged attention's
+    `rope_write_and_attend`)."""
+    qn, kn = qk_norm if qk_norm is not None else (None, None)
+    return (_kv_write_fused(k, v, cos, sin, k_cache, v_cache, slot_mapping) and _fast(q[None], cos[None], sin[None])
+            and q.dtype == k.dtype and q.shape[-1] == k.shape[-1] and q.stride(-1) == 1
+            and (qn is None or (qn.weight.shape == kn.weight.shape == q.shape[-1:] and qn.eps == kn.eps
+                                and qn.weight.is_contiguous() and kn.weight.is_contiguous()
+                                and use_fast(qn.weight, kn.weight))))
 
 
 def _kv_write_fused(k, v, cos, sin, k_cache, v_cache, slot_mapping) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, write_kv
+from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
 from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
@@ -84,6 +84,9 @@ class PagedAttention(AttentionBackend):
             return super().attend_rotary(layer, q, k, v, rope, qk_norm)
         cos, sin = rope
         kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if self.max_q_len == 1:  # decode: with NANOFORGE_ATTN_ROPE=fused, all of it in the attention kernel
+            return rope_write_and_attend(q[0], k[0], v[0], cos[0], sin[0], kc, vc, self.slot_mapping,
+                                         self.block_tables, self.seq_lens, self.cu_seqlens_q, qk_norm)[None]
         # q/k norms (Qwen3), RoPE and the KV write: one launch on a GPU
         q = rope_qkv_and_write_kv(q[0], k[0], v[0], cos[0], sin[0], kc, vc, self.slot_mapping, qk_norm)
         return self._attend_cached(q[None], kc, vc)
