@@ -9,6 +9,7 @@ Tests marked `gpu` are skipped with a reason on machines without CUDA.
 import contextlib
 import math
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,17 @@ def raises_bug(match: str):
     with pytest.raises((ValueError, RuntimeError), match=match) as info:
         yield info
     assert not isinstance(info.value, NanoforgeError), f"{info.value!r} is reported as bad input"
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Wait for a background subprocess (killed past `timeout`) and return what `subprocess.run` would have."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ a full pool, a dead master, a hash collision and an aborted load all end in a co
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -25,18 +26,50 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def master():
-    with MooncakeMaster() as m:
-        yield m
+class Leaving:
+    """Mooncake clients and masters that tests are done with, shut down when the module ends: the clients first
+    (~2 s each to leave their pools, while their masters still answer), then every master at once (~1 s each
+    to stop, which the tests would otherwise wait out one after another)."""
+
+    def __init__(self):
+        self.clients: list[MooncakeStore] = []
+        self.masters: list[MooncakeMaster] = []
+
+    def client(self, store: MooncakeStore) -> MooncakeStore:
+        self.clients.append(store)
+        return store
+
+    def master(self, master: MooncakeMaster) -> MooncakeMaster:
+        self.masters.append(master)
+        return master
+
+    def close(self) -> None:
+        close_all(self.clients)
+        threads = [threading.Thread(target=m.stop) for m in self.masters]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
 
 @pytest.fixture(scope="module")
-def stores(master):
+def leaving():
+    later = Leaving()
+    try:
+        yield later
+    finally:
+        later.close()
+
+
+@pytest.fixture(scope="module")
+def master(leaving):
+    return leaving.master(MooncakeMaster().start())
+
+
+@pytest.fixture(scope="module")
+def stores(master, leaving):
     """Two clients of the pool, each holding a segment of it (joining takes ms, leaving ~2 s: shared by tests)."""
-    clients = [MooncakeStore(master.address, segment_bytes=SEGMENT) for _ in range(2)]
-    yield clients
-    close_all(clients)
+    return [leaving.client(MooncakeStore(master.address, segment_bytes=SEGMENT)) for _ in range(2)]
 
 
 def engine(model, tok, store, **kw) -> LLMEngine:
@@ -152,95 +185,93 @@ def test_an_engine_that_only_loads_schedules_a_step_ahead_and_stays_exact(model,
         b.close()
 
 
-def test_a_full_pool_means_not_cached(model, tok):
+def test_a_full_pool_means_not_cached(model, tok, leaving):
     """The only segment is filled with other objects, each read once so that Mooncake holds a lease on it and
     cannot evict it yet: the prefill's save finds no room, and another engine computes the whole prompt,
     correctly."""
-    with MooncakeMaster() as small:
-        filler = MooncakeStore(small.address, segment_bytes=SEGMENT)
-        junk = torch.zeros(1 << 20, dtype=torch.uint8)
-        filler.register_buffer(junk.data_ptr(), junk.numel())
-        for size in (1 << 20, 1 << 14, 1 << 10):  # big objects first, then whatever room is left
-            keys = [f"junk/{size}/{i}" for i in range(SEGMENT // size)]
-            stored = filler.put_from(keys, [junk.data_ptr()] * len(keys), size)
-            if any(stored):
-                assert all(filler.get_into([k for k, ok in zip(keys, stored) if ok], [junk.data_ptr()] * sum(stored),
-                                           size))
-        users = [MooncakeStore(small.address) for _ in range(2)]  # holding no segment of the pool
-        a, b = (LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64), kv_pool=store) for store in users)
-        try:
-            prompt = list(range(2, 52))
-            assert run(a, [prompt])[0].kv_save.result(timeout=10) == 0  # nothing stored
-            out = run(b, [prompt])[0]
-            assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(model, [prompt], 6)[0]
-            pool = a.stats()["kv_pool"]
-            assert pool["failures"] == 0 and pool["saved_blocks"] == 0  # no room is not a failure
-            assert pool["refused_blocks"] == len(prompt) // a.config.block_size  # but counted: its full blocks
-        finally:
-            a.close()
-            b.close()
-            close_all([filler, *users])
+    small = leaving.master(MooncakeMaster().start())
+    filler = leaving.client(MooncakeStore(small.address, segment_bytes=SEGMENT))
+    junk = torch.zeros(1 << 20, dtype=torch.uint8)
+    filler.register_buffer(junk.data_ptr(), junk.numel())
+    for size in (1 << 20, 1 << 14, 1 << 10):  # big objects first, then whatever room is left
+        keys = [f"junk/{size}/{i}" for i in range(SEGMENT // size)]
+        stored = filler.put_from(keys, [junk.data_ptr()] * len(keys), size)
+        if any(stored):
+            assert all(filler.get_into([k for k, ok in zip(keys, stored) if ok], [junk.data_ptr()] * sum(stored),
+                                       size))
+    users = [leaving.client(MooncakeStore(small.address)) for _ in range(2)]  # holding no segment of the pool
+    a, b = (LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64), kv_pool=store) for store in users)
+    try:
+        prompt = list(range(2, 52))
+        assert run(a, [prompt])[0].kv_save.result(timeout=10) == 0  # nothing stored
+        out = run(b, [prompt])[0]
+        assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(model, [prompt], 6)[0]
+        pool = a.stats()["kv_pool"]
+        assert pool["failures"] == 0 and pool["saved_blocks"] == 0  # no room is not a failure
+        assert pool["refused_blocks"] == len(prompt) // a.config.block_size  # but counted: its full blocks
+    finally:
+        a.close()
+        b.close()
+        filler.unregister_buffer(junk.data_ptr())
 
 
-def test_a_full_pool_turns_puts_away_until_leases_run_out():
+def test_a_full_pool_turns_puts_away_until_leases_run_out(leaving):
     """What the simulator's pool assumes of Mooncake (`sim/pool.py`): a full pool evicts nothing touched within
     its lease (the master's default_kv_lease_ttl, 1 s here) and turns new puts away; once the leases have run
     out it evicts the least recently touched and takes puts again."""
     size = 1 << 20
-    with MooncakeMaster(extra=["-default_kv_lease_ttl=1000"]) as small:
-        store = MooncakeStore(small.address, segment_bytes=SEGMENT)
-        buf = torch.zeros(size, dtype=torch.uint8)
-        store.register_buffer(buf.data_ptr(), buf.numel())
-        try:
-            put = (lambda key: store.put_from([key], [buf.data_ptr()], size)[0])
-            held = []
-            while put(f"old/{len(held)}"):  # one at a time, until the pool turns one away
-                held.append(f"old/{len(held)}")
-                assert len(held) <= SEGMENT // size
-            assert len(held) >= SEGMENT // size // 2
-            # a lookup renews every lease (filling took a while on a busy 2-core CI box, long enough for the first
-            # ones to run out: then the master rightly made room); leased: nothing evicted for the newcomer
-            assert all(store.contains(held))
-            assert not put("new/0") and all(store.contains(held))
-            time.sleep(1.5)
-            assert put("new/1") and store.contains(["new/1"]) == [True]
-            assert not all(store.contains(held))  # the leases ran out: old objects made room
-        finally:
-            store.unregister_buffer(buf.data_ptr())
-            close_all([store])
+    small = leaving.master(MooncakeMaster(extra=["-default_kv_lease_ttl=1000"]).start())
+    store = leaving.client(MooncakeStore(small.address, segment_bytes=SEGMENT))
+    buf = torch.zeros(size, dtype=torch.uint8)
+    store.register_buffer(buf.data_ptr(), buf.numel())
+    try:
+        put = (lambda key: store.put_from([key], [buf.data_ptr()], size)[0])
+        held = []
+        while put(f"old/{len(held)}"):  # one at a time, until the pool turns one away
+            held.append(f"old/{len(held)}")
+            assert len(held) <= SEGMENT // size
+        assert len(held) >= SEGMENT // size // 2
+        # a lookup renews every lease (filling took a while on a busy 2-core CI box, long enough for the first
+        # ones to run out: then the master rightly made room); leased: nothing evicted for the newcomer
+        assert all(store.contains(held))
+        assert not put("new/0") and all(store.contains(held))
+        time.sleep(1.5)
+        assert put("new/1") and store.contains(["new/1"]) == [True]
+        assert not all(store.contains(held))  # the leases ran out: old objects made room
+    finally:
+        store.unregister_buffer(buf.data_ptr())
 
 
 @pytest.mark.parametrize("touch", ["nothing", "get", "contains"])
-def test_a_put_grants_no_lease_a_read_or_lookup_does(touch):
+def test_a_put_grants_no_lease_a_read_or_lookup_does(touch, leaving):
     """What the simulator's pool assumes of Mooncake (`sim/pool.py`): PutEnd grants no lease, a read
     (batch_get_into) or a lookup (batch_is_exist) one of default_kv_lease_ttl (10 s). Objects are written one at
     a time, 20 ms apart (the master's eviction thread runs every 10 ms once usage is over 90%), into a segment
     that holds half of them: written only, every one is admitted (the master evicts the unread ones behind them);
     each read or looked up right after its put, the pool fills and turns every later put away."""
     size = 1 << 20
-    with MooncakeMaster() as m:
-        store = MooncakeStore(m.address, segment_bytes=SEGMENT)
-        buf = torch.zeros(size, dtype=torch.uint8)
-        store.register_buffer(buf.data_ptr(), buf.numel())
-        try:
-            keys = [f"k/{i}" for i in range(2 * SEGMENT // size)]
-            admitted = []
-            for key in keys:
-                admitted += store.put_from([key], [buf.data_ptr()], size)
-                if admitted[-1] and touch == "get":
-                    assert store.get_into([key], [buf.data_ptr()], size) == [True]
-                elif admitted[-1] and touch == "contains":
-                    assert store.contains([key]) == [True]
-                time.sleep(0.02)
-            if touch == "nothing":
-                assert all(admitted) and not all(store.contains(keys))  # the oldest made room
-            else:
-                first = admitted.index(False)
-                assert first >= SEGMENT // size // 2 and not any(admitted[first:])
-                assert all(store.contains(keys[:first]))
-        finally:
-            store.unregister_buffer(buf.data_ptr())
-            close_all([store])
+    m = leaving.master(MooncakeMaster().start())
+    store = leaving.client(MooncakeStore(m.address, segment_bytes=SEGMENT))
+    buf = torch.zeros(size, dtype=torch.uint8)
+    store.register_buffer(buf.data_ptr(), buf.numel())
+    try:
+        keys = [f"k/{i}" for i in range(2 * SEGMENT // size)]
+        admitted = []
+        for key in keys:
+            admitted += store.put_from([key], [buf.data_ptr()], size)
+            if admitted[-1] and touch == "get":
+                assert store.get_into([key], [buf.data_ptr()], size) == [True]
+            elif admitted[-1] and touch == "contains":
+                assert store.contains([key]) == [True]
+            time.sleep(0.02)
+        if touch == "nothing":
+            assert all(admitted) and not all(store.contains(keys))  # the oldest made room
+        else:
+            first = admitted.index(False)
+            assert first >= SEGMENT // size // 2 and not any(admitted[first:])
+            assert all(store.contains(keys[:first]))
+    finally:
+        store.unregister_buffer(buf.data_ptr())
 
 
 def test_collisions_are_detected_and_aborted_loads_free_everything(model, tok, stores):
@@ -271,9 +302,9 @@ def test_collisions_are_detected_and_aborted_loads_free_everything(model, tok, s
         b.close()
 
 
-def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
-    master = MooncakeMaster().start()
-    store = MooncakeStore(master.address, segment_bytes=SEGMENT)
+def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok, leaving):
+    master = leaving.master(MooncakeMaster().start())
+    store = leaving.client(MooncakeStore(master.address, segment_bytes=SEGMENT))
     a = engine(model, tok, store, kv_pool_timeout=0.3)
     try:
         prompt = list(range(4, 50))
@@ -287,7 +318,7 @@ def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
         assert a.stats()["kv_pool"]["up"] == 0
         # while the pool is down, requests do not even try it
         assert run(a, [list(range(5, 45))])[0].num_cached_tokens == 0
-        master = MooncakeMaster(master.port).start()  # restarts empty, on the same port
+        master = leaving.master(MooncakeMaster(master.port).start())  # restarts empty, on the same port
         a.connector.breaker.until = 0.0  # (instead of waiting out retry_s)
         deadline = time.monotonic() + 20
         while True:  # the client remounts its segment within a few seconds; then saves work again
@@ -303,5 +334,3 @@ def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok):
         assert run(a, [list(range(6, 60))])[0].num_cached_tokens == 48
     finally:
         a.close()
-        store.close()
-        master.stop()

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 from disagg_helpers import SEGMENT, close, close_all, need_mooncake
-from test_serve_api import HOSTILE, LETTERS, MODEL, metric, model, one_torch_thread, serving, tok  # noqa: F401
+from test_serve_api import HOSTILE, LETTERS, MODEL, http, metric, model, one_torch_thread, serving, tok  # noqa: F401
 
 need_mooncake()
 
@@ -153,11 +153,11 @@ def test_the_hand_over_goes_through_the_pool_and_hits_are_cached_tokens(cluster)
 
 @pytest.mark.parametrize("endpoint,body,status,param", HOSTILE,
                          ids=[f"{i}-{e}-{s}-{p}" for i, (e, _, s, p) in enumerate(HOSTILE)])
-def test_bad_input_gets_the_single_servers_bodies(cluster, endpoint, body, status, param):
+def test_bad_input_gets_the_single_servers_bodies(cluster, http, endpoint, body, status, param):
     url, single = cluster[:2]
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
-    a = httpx.post(f"{url}/v1/{endpoint}", timeout=30, **kw)
-    b = httpx.post(f"{single}/v1/{endpoint}", timeout=30, **kw)
+    a = http.post(f"{url}/v1/{endpoint}", **kw)
+    b = http.post(f"{single}/v1/{endpoint}", **kw)
     assert (a.status_code, a.json()) == (b.status_code, b.json()) and a.status_code == status
 
 
@@ -250,13 +250,13 @@ BAD_HANDOVERS = [
 
 
 @pytest.mark.parametrize("endpoint,body,status,param", BAD_HANDOVERS)
-def test_bad_hand_overs_are_4xx(cluster, endpoint, body, status, param):
+def test_bad_hand_overs_are_4xx(cluster, http, endpoint, body, status, param):
     conductor = cluster[3]
     inst = conductor.router.prefill[0] if endpoint == "prefill" else conductor.router.decode[0]
-    r = httpx.post(f"{inst.url}/disagg/{endpoint}", json=body, timeout=30)
+    r = http.post(f"{inst.url}/disagg/{endpoint}", json=body)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     wrong = conductor.router.decode[0] if endpoint == "prefill" else conductor.router.prefill[0]
-    assert httpx.post(f"{wrong.url}/disagg/{endpoint}", json=body).status_code == 404  # not this instance's role
+    assert http.post(f"{wrong.url}/disagg/{endpoint}", json=body).status_code == 404  # not this instance's role
 
 
 def test_bad_command_lines_are_one_line_and_exit_2(cluster, capsys, tmp_path):

@@ -125,7 +125,7 @@ ki.register_triton_kernel(
     num_warps=8,
 )
 results = {}
-for name in ["vector_add", "sgemm_regtile_2d", *ki.TRITON_KERNELS]:
+for name in ["vector_add", "sgemm_regtile_2d", *ki.TRITON_KERNELS][int(sys.argv[2])::int(sys.argv[3])]:
     try:
         results[name] = ki.inspect_kernel(name, sys.argv[1])
     except (NanoforgeError, RuntimeError, ValueError) as e:
@@ -136,7 +136,8 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Inspect SIMT and Triton kernels in a child process with the real compilers (no simulator/interpreter).
+    """Inspect SIMT and Triton kernels in child processes with the real compilers (no simulator/interpreter):
+    two children side by side, each compiling every other kernel (the compilers run on one CPU core each).
 
     Returns (name -> report or {"error": ...}, output directory).
     """
@@ -147,9 +148,15 @@ def compiled(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
     repo = str(Path(ki.__file__).parents[2])  # so the child imports this checkout of nanoforge
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(script), str(tmp)], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), tmp
+    children = 2
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp), str(i), str(children)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(children)]
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err[-3000:]
+        results |= json.loads(out.strip().splitlines()[-1])
+    return results, tmp
 
 
 def _report(results: dict, name: str) -> dict:

@@ -19,12 +19,14 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import finish
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the king shall speak of war and love to thee my lord what now good night sweet prince".split()
@@ -32,10 +34,11 @@ WORDS = "the king shall speak of war and love to thee my lord what now good nigh
 
 def recipe(model: str, data_dir, grad_accum: int = 1, **kw):
     """The recipe every layout trains: 5 steps of 4 x 32 tokens per micro-batch at a learning rate high enough
-    that the weights move, fp32, no compile; Qwen3 with 2 KV heads (tensor parallelism keeps whole ones)."""
+    that the weights move, fp32, no compile; Qwen3 with 2 KV heads (tensor parallelism keeps whole ones) and its
+    preset's 2 layers, Llama with 4 (interleaved 1F1B cuts 2 ranks x 2 stages)."""
     from nanoforge.train.config import TrainConfig
 
-    overrides = {"n_layers": 4} | ({"n_kv_heads": 2} if model == "tiny-qwen3" else {})
+    overrides = {"n_kv_heads": 2} if model == "tiny-qwen3" else {"n_layers": 4}
     return TrainConfig(model=model, model_overrides=overrides, data=[str(data_dir)], batch_size=4, seq_len=32,
                        grad_accum=grad_accum, max_steps=5, lr=1e-2, min_lr=1e-3, warmup_steps=1, eval_interval=5,
                        eval_iters=2, log_interval=1, seed=0, compile=False, device="cpu", dtype="fp32").replace(**kw)
@@ -57,9 +60,19 @@ def data(tmp_path_factory):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(k: int) -> list[int]:
+    """k different free ports (for jobs that run side by side)."""
+    socks = [socket.socket() for _ in range(k)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def env() -> dict:
@@ -67,9 +80,14 @@ def env() -> dict:
 
 
 def torchrun(n: int, *argv, timeout: float = 300) -> subprocess.CompletedProcess:
+    return finish(launch(n, *argv), timeout)
+
+
+def launch(n: int, *argv, port: int | None = None) -> subprocess.Popen:
+    """torchrun started in the background: a test runs what does not depend on it meanwhile (2 CPU cores)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), *map(str, argv)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+           "--master-port", str(port or free_port()), *map(str, argv)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
 
 
 def one_process(cfg, out) -> dict:
@@ -218,10 +236,8 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def references(data, tmp_path_factory):
+def references(data, root: Path) -> dict:
     """One-process runs of the recipe, by (model, grad_accum)."""
-    root = tmp_path_factory.mktemp("one_process")
     runs = {}
     for model, ga in (("tiny-qwen3", 1), ("tiny-llama", 1), ("tiny-llama", 2)):
         out = root / f"{model}-{ga}"
@@ -232,23 +248,28 @@ def references(data, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_every_layout_trains_like_one_process(n, data, references, tmp_path):
+def test_every_layout_trains_like_one_process(data, tmp_path):
     """FSDP2, TP (+SP), CP, PP (GPipe, 1F1B) on 2 processes; dp x tp, tp x cp, pp x dp, HSDP and interleaved
-    1F1B x dp on 4: losses and weights after 5 steps equal the one-process run's."""
-    layouts = LAYOUTS[n]
-    run = torchrun(n, REPO / "tests" / "parallel_worker.py", data, tmp_path,
-                   *(f"{name}={spec}" for name, spec in layouts.items()))
-    assert run.returncode == 0, run.stderr[-3000:]
-    for name, spec in layouts.items():
-        model, _, opts = spec.partition(":")
-        ga = 2 if "ga=2" in opts else 1
-        assert_same_run(tmp_path / name, references[model, ga], name)
-        described = log(tmp_path / name)["parallel"]  # e.g. "dp_shard 2 x tp 2"
-        assert all(f"{k} {v}" in described for k, v in (o.split("=") for o in opts.split(","))
-                   if k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")), described
-    if n == 2:  # 2 stages, 2 micro-batches: (2 - 1) / (2 + 2 - 1) of a step idle
-        assert run.stdout.count("bubble fraction 33.3%") == 2, run.stdout
+    1F1B x dp on 4: losses and weights after 5 steps equal the one-process run's. The 2- and the 4-process
+    launch run side by side (each process spends seconds importing), the one-process runs here meanwhile."""
+    launched = {n: launch(n, REPO / "tests" / "parallel_worker.py", data, tmp_path / f"on{n}",
+                          *(f"{name}={spec}" for name, spec in LAYOUTS[n].items()), port=port)
+                for n, port in zip(LAYOUTS, free_ports(len(LAYOUTS)))}
+    try:
+        want = references(data, tmp_path / "one_process")
+    finally:
+        runs = {n: finish(proc) for n, proc in launched.items()}
+    for n, run in runs.items():
+        assert run.returncode == 0, (n, run.stderr[-3000:])
+        for name, spec in LAYOUTS[n].items():
+            model, _, opts = spec.partition(":")
+            ga = 2 if "ga=2" in opts else 1
+            assert_same_run(tmp_path / f"on{n}" / name, want[model, ga], name)
+            described = log(tmp_path / f"on{n}" / name)["parallel"]  # e.g. "dp_shard 2 x tp 2"
+            assert all(f"{k} {v}" in described for k, v in (o.split("=") for o in opts.split(","))
+                       if k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")), described
+    # on 2 processes, 2 stages, 2 micro-batches: (2 - 1) / (2 + 2 - 1) of a step idle
+    assert runs[2].stdout.count("bubble fraction 33.3%") == 2, runs[2].stdout
 
 
 # --- checkpoints reshard; failures end the run ---------------------------------------------------------
@@ -269,10 +290,15 @@ def test_checkpoints_resume_exactly_and_reshard_from_2_to_4_processes_to_1(data,
 
     straight, four, straight_tp, moved = (tmp_path / n for n in ("straight", "four", "straight_tp", "moved"))
     every2 = ("--eval-interval", "2")  # every segment ends at an evaluation, as the straight runs evaluate
-    assert main(cli_args(data, straight, "--max-steps", "10", *every2)) == 0
-    assert main(cli_args(data, four, "--max-steps", "4", *every2)) == 0
-    for out, steps in ((straight_tp, "6"), (moved, "4")):
-        run = torchrun(2, "-m", "nanoforge", *cli_args(data, out, "--max-steps", steps, "--tp", "2", *every2))
+    # the two tp 2 runs side by side, and meanwhile the one-process runs here (none depends on another)
+    launched = [launch(2, "-m", "nanoforge", *cli_args(data, out, "--max-steps", steps, "--tp", "2", *every2),
+                       port=port) for (out, steps), port in zip(((straight_tp, "6"), (moved, "4")), free_ports(2))]
+    try:
+        assert main(cli_args(data, straight, "--max-steps", "10", *every2)) == 0
+        assert main(cli_args(data, four, "--max-steps", "4", *every2)) == 0
+    finally:
+        runs = [finish(proc) for proc in launched]
+    for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     # The sharded optimizer state at step 4 is what one process holds there (loaded here without a process group).
     want = load_state(four)["optimizer"]
@@ -309,37 +335,49 @@ def spawn(rank: int, world: int, port: int, argv: list[str], log_path: Path) -> 
                             stderr=log_path.open("w"))
 
 
-@pytest.mark.parametrize("how", ["killed", "hung"])
-def test_a_rank_that_dies_or_hangs_ends_the_run_within_the_timeout(how, data, tmp_path):
-    """Rank 1 is killed (or stopped, so it holds its connections but never answers) mid-run: rank 0 stops
-    with one line naming the cause within --dist-timeout (5 s) of the next collective, exit code 1; the last
-    checkpoint stays and resumes."""
-    out, port = tmp_path / "run", free_port()
-    argv = cli_args(data, out, "--max-steps", "100000", "--eval-interval", "2", "--dp-shard", "2",
-                    "--dist-timeout", "5")
-    ranks = [spawn(r, 2, port, argv, tmp_path / f"rank{r}.err") for r in range(2)]
-    try:
-        deadline = time.time() + 120
-        while not (out / "trainer_state.pt").exists():  # the first checkpoint (step 2): training runs
-            assert time.time() < deadline and ranks[0].poll() is None, (tmp_path / "rank0.err").read_text()[-2000:]
-            time.sleep(0.2)
-        ranks[1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        t0 = time.time()
-        code = ranks[0].wait(timeout=60)
-        took = time.time() - t0
-    finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
-    err = (tmp_path / "rank0.err").read_text().strip().splitlines()
-    assert code == 1, err[-20:]
-    assert err[-1].startswith("nanoforge train: rank 0 of 2 stopped: another rank failed or did not answer within "
-                              "--dist-timeout 5 s") and "--resume" in err[-1], err[-5:]
-    assert "Traceback" not in "\n".join(err)
-    assert took < (3 if how == "killed" else 5 + 10), took  # a dead peer's socket closes at once; a hung one times out
-    state = torch.load(out / "trainer_state.pt", weights_only=True)
-    assert state["step"] % 2 == 0 and state["step"] >= 2 and (out / "dcp").is_dir()
-    from nanoforge.cli import main  # the last checkpoint resumes (here on one process)
+def timed_wait(proc: subprocess.Popen, since: float) -> tuple[int, float]:
+    code = proc.wait(timeout=60)
+    return code, time.time() - since
 
-    assert main(cli_args(data, out, "--max-steps", str(state["step"] + 1), "--resume")) == 0
-    assert torch.load(out / "trainer_state.pt", weights_only=True)["step"] == state["step"] + 1
+
+def test_a_rank_that_dies_or_hangs_ends_the_run_within_the_timeout(data, tmp_path):
+    """Rank 1 is killed in one run, and stopped in another (it holds its connections but never answers) mid-run:
+    rank 0 stops with one line naming the cause within --dist-timeout (5 s) of the next collective, exit code 1;
+    the last checkpoint stays and resumes. The killed run starts while the hung one waits out its timeout."""
+    from nanoforge.cli import main
+
+    ranks, ended = {}, {}
+    with ThreadPoolExecutor(2) as waiters:
+        try:
+            for how in ("hung", "killed"):
+                out, port = tmp_path / how / "run", free_port()
+                out.parent.mkdir()
+                argv = cli_args(data, out, "--max-steps", "100000", "--eval-interval", "2", "--dp-shard", "2",
+                                "--dist-timeout", "5")
+                ranks[how] = [spawn(r, 2, port, argv, out.parent / f"rank{r}.err") for r in range(2)]
+                deadline = time.time() + 120
+                while not (out / "trainer_state.pt").exists():  # the first checkpoint (step 2): training runs
+                    assert time.time() < deadline and ranks[how][0].poll() is None, \
+                        (out.parent / "rank0.err").read_text()[-2000:]
+                    time.sleep(0.2)
+                ranks[how][1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+                ended[how] = waiters.submit(timed_wait, ranks[how][0], time.time())
+            ended = {how: future.result() for how, future in ended.items()}
+        finally:
+            for p in (p for run in ranks.values() for p in run):
+                p.kill()
+                p.wait()
+    for how, (code, took) in ended.items():
+        out = tmp_path / how / "run"
+        err = (out.parent / "rank0.err").read_text().strip().splitlines()
+        assert code == 1, (how, err[-20:])
+        assert err[-1].startswith("nanoforge train: rank 0 of 2 stopped: another rank failed or did not answer "
+                                  "within --dist-timeout 5 s") and "--resume" in err[-1], (how, err[-5:])
+        assert "Traceback" not in "\n".join(err), how
+        # a dead peer's socket closes at once; a hung one times out
+        assert took < (3 if how == "killed" else 5 + 10), (how, took)
+        state = torch.load(out / "trainer_state.pt", weights_only=True)
+        assert state["step"] % 2 == 0 and state["step"] >= 2 and (out / "dcp").is_dir(), how
+        # the last checkpoint resumes (here on one process)
+        assert main(cli_args(data, out, "--max-steps", str(state["step"] + 1), "--resume")) == 0
+        assert torch.load(out / "trainer_state.pt", weights_only=True)["step"] == state["step"] + 1

@@ -114,18 +114,36 @@ def test_server_encodes_and_generates_what_transformers_does(model_dir, hf):
                 assert body["choices"][0]["text"] == hf_tok.decode(new_ids, skip_special_tokens=True), p
 
 
-def test_cli_generate_prints_what_transformers_generates(model_dir, hf):
+@pytest.fixture(scope="module", autouse=True)
+def cli_generations(request, model_dir):
+    """`nanoforge generate` on the first two prompts, started as soon as the model folder is written: child
+    processes that run beside this module's other tests; test_cli_generate_prints_what_transformers_generates
+    reads what they printed."""
+    reader = "test_cli_generate_prints_what_transformers_generates"
+    if not any(item.module is request.module and item.originalname == reader for item in request.session.items):
+        yield None
+        return
+    _, d = model_dir
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
+    procs = {p: subprocess.Popen([sys.executable, "-m", "nanoforge.cli", "generate", "--model", str(d), "--prompt", p,
+                                  "--max-tokens", str(NEW_TOKENS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env) for p in PROMPTS[:2]}
+    yield procs
+    for proc in procs.values():
+        proc.kill()
+        proc.communicate()
+
+
+def test_cli_generate_prints_what_transformers_generates(model_dir, hf, cli_generations):
     """`nanoforge generate` prints the greedy continuation up to the first end token (it once prepended the
     config's BOS to GPT-2 prompts, which `transformers` does not)."""
     _, d = model_dir
     hf_tok, outputs = hf
     tok = Tokenizer.load(d)
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NUMBA_ENABLE_CUDASIM")}
-    for p in PROMPTS[:2]:
-        r = subprocess.run([sys.executable, "-m", "nanoforge.cli", "generate", "--model", str(d), "--prompt", p,
-                            "--max-tokens", str(NEW_TOKENS)], capture_output=True, text=True, timeout=300, env=env)
-        assert r.returncode == 0, r.stderr
+    for p, proc in cli_generations.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
         new_ids = outputs[p][1]
         stops = [i for i, t in enumerate(new_ids) if t in tok.stop_ids]
         want = hf_tok.decode(new_ids[:stops[0]] if stops else new_ids, skip_special_tokens=True)
-        assert r.stdout == want + "\n", (p, r.stdout, want)
+        assert stdout == want + "\n", (p, stdout, want)
