@@ -291,7 +291,7 @@ def _paged_attention_triton(
             raise ValueError("paged attention: the new tokens' K/V are taken in decode steps only (max_q_len 1)")
         k_new, v_new, cos, sin, slots, qk_norm = new_kv
         qw, kw, eps = (qk_norm[0].weight, qk_norm[1].weight, float(qk_norm[0].eps)) if qk_norm else (q, q, 0.0)
-        rope_args = (k_new, v_new, cos, sin, qw, kw, slots.to(torch.int32))
+        rope_args = (k_new, v_new, cos, sin, qw, kw, slots)  # int64 or int32: the kernel widens it (no cast kernel)
         rope_strides = (*k_new.stride()[:2], *v_new.stride()[:2], cos.stride(0), eps)
     else:  # never read
         rope_args, rope_strides = (q, q, q, q, q, q, seq_lens), (0, 0, 0, 0, 0, 0.0)
