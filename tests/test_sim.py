@@ -630,10 +630,10 @@ def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_pat
                 "long_ttft_s": 0.004 + 4096e-6 + truth.prefill_time(4096),
                 "tpot_s": {str(k): truth.decode_time(k, k * 528) + k * 5e-6 for k in (1, 4, 16)}}  # 5 us a token
 
-    def arrivals(n):  # 8 requests of n tokens among 4 decodes; the server's work on each: 1 ms + 0.2 us a token
-        k, context, base = 4, 4 * (128 + 128), 0.002
+    def arrivals(n, per_token=2e-7):  # 8 requests of n tokens among 4 decodes; the server's work on each: 1 ms +
+        k, context, base = 4, 4 * (128 + 128), 0.002  # 0.2 us a token
         lost = (truth.chunk_extra(n, k, context) + truth.decode_time(k + 1, context) - truth.decode_time(k, context)
-                + 2 * 5e-6 + 0.001 + 2e-7 * n)
+                + 2 * 5e-6 + 0.001 + per_token * n)
         return {"prompt_len": n, "streams": k, "stream_prompt_len": 128, "stream_output_len": 256, "arrivals": 8,
                 "base_tpot_s": base, "tpot_s": base + lost * 8 / 255}
 
@@ -655,6 +655,16 @@ def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_pat
     assert p.frontend["request_host_s"] == pytest.approx(0.001, rel=1e-6)
     assert p.frontend["request_host_per_token_s"] == pytest.approx(2e-7, rel=1e-6)
     assert "refit" in p.meta["source"] and "wrote" in capsys.readouterr().out
+
+    # arrivals steeper than a lone request's latency per prompt token (1 us): the per-token host work is that same
+    # work, so the slope stops there and the per-request part is the mean of what is left at each length
+    frontend["arrivals"] = [arrivals(128, 5e-6), arrivals(512, 5e-6)]
+    path.write_text(json.dumps(old))
+    assert main(["simulate", "profile", "--refit", str(path), "--out", str(tmp_path / "new.json")]) == 0
+    p = Profile.load(tmp_path / "new.json")
+    assert p.frontend["request_host_per_token_s"] == pytest.approx(1e-6, rel=1e-6)
+    assert p.frontend["request_host_s"] == pytest.approx(0.001 + 4e-6 * (128 + 512) / 2, rel=1e-6)
+    frontend["arrivals"] = [arrivals(512), arrivals(4096)]
 
     # a step's cost by batch size, not a line (as on a GPU, where batch 1 runs the skinny matmul): the levels and
     # the per-context slope come back, and the line through the levels is the summary
