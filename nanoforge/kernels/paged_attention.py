@@ -13,8 +13,8 @@ token through the block table, so any cache block size works. For decode (one to
 context is also split across programs, flash-decoding style: each split writes a partial output and its
 log-sum-exp, and a small second kernel combines them (or, with NANOFORGE_ATTN_COMBINE=fused, the last of a
 tile's splits to finish combines them itself, counted in `dispatch.arrival_counters`: one launch a layer fewer,
-yet slower in batch-1 decode on the H200, session 15, so not the default). Launch shapes depend only on tensor shapes and
-`max_q_len`, never on tensor values, so a step can be captured in a CUDA graph.
+yet slower in batch-1 decode on the H200, session 15, so not the default). Launch shapes depend only on tensor
+shapes and `max_q_len`, never on tensor values, so a step can be captured in a CUDA graph.
 
 Decode gives program i sequence i. Prefill and mixed steps hand out query tiles ragged: sequence i owns
 cdiv(q_len_i, BLOCK_Q) consecutive programs (`tile_starts`, a prefix sum over the sequences, found by binary
@@ -96,7 +96,8 @@ def rope_write_and_attend(
     (q and k normalised by `qk_norm` if given, rotated by cos, sin; K and V stored at `slot_mapping`), then
     `paged_attention`, in the attention kernel alone where it can (NANOFORGE_ATTN_ROPE=fused: each program
     rotates its query heads, and the split holding the context's last position writes the token's K and V and
-    attends to its key from registers; slower in batch-1 decode on the H200, session 15, so not the default). Returns (num_seqs, Hq, D)."""
+    attends to its key from registers; slower in batch-1 decode on the H200, session 15, so not the default).
+    Returns (num_seqs, Hq, D)."""
     from nanoforge.kernels.rope import qkv_fused, rope_qkv_and_write_kv
 
     fused = (rope_mode() == "fused" and qkv_fused(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm)
