@@ -313,17 +313,19 @@ def test_a_save_into_the_instances_own_segment_costs_the_local_rate_and_its_over
     is done. A 16-block pool is two 8-block segments, the prefill instance's first: its 4 blocks fit its own, a local
     copy, 1 + 4 x 0.25 = 2 ms: TTFT 78 ms. A 5-block pool's segments are 3 and 2 blocks: 3 go into its own, the
     4th into the decode instance's, so the call crosses the link: the remote latency, 2 + 1 x 1 + 3 x 0.25 = 3.75 ms,
-    TTFT 79.75 ms. A profile without a local rate: 2 + 4 x 1 = 6 ms, TTFT 82 ms, whatever the segments."""
+    TTFT 79.75 ms. A profile without a local rate: 2 + 4 x 1 = 6 ms, TTFT 82 ms, whatever the segments. A link set
+    to 2 ms a block (`link_gbs`) scales the local rate with the remote one: 0.25 of it, 1 + 4 x 0.5 = 3 ms, TTFT 79."""
     local = Profile.from_dict({**SIMPLE, "transfer": LOCAL})
 
-    def save(prof, blocks):
-        sim = run([row(0, 64, 1, [0])], prof, prefill=1, decode=1, pool_gib=blocks * (1024 + 192) / 2**30)
+    def save(prof, blocks, **link):
+        sim = run([row(0, 64, 1, [0])], prof, prefill=1, decode=1, pool_gib=blocks * (1024 + 192) / 2**30, **link)
         assert sim.pool.capacity == blocks
         return sim.results[0].ttft_ms, sim.pool.counters["local_put_blocks"], sim.pool._free
 
     assert save(local, 16) == (ms(0.078), 4, [4, 8])
     assert save(local, 5) == (ms(0.07975), 3, [0, 1])
     assert save(profile(), 16)[0] == save(profile(), 5)[0] == ms(0.082)
+    assert save(local, 16, link_gbs=(1024 + 192) / 0.002 / 1e9) == (ms(0.079), 4, [4, 8])
 
 
 def test_eviction_frees_room_in_the_evicted_blocks_segment():
