@@ -190,12 +190,13 @@ def read_once(store: MooncakeStore, keys: list[str], ptr: int, size: int, within
     registration can miss the client's own segment descriptor ("Local segment descriptor not found": the first
     3 of 16 reads, once, on a loaded 2-core CI box), so the keys not read are tried again for a while."""
     deadline = time.monotonic() + within_s
-    while keys:
+    while True:
         keys = [k for k, ok in zip(keys, store.get_into(keys, [ptr] * len(keys), size)) if not ok]
-        if keys and time.monotonic() > deadline:
+        if not keys:
+            return True
+        if time.monotonic() > deadline:
             return False
-        time.sleep(0.05 if keys else 0)
-    return True
+        time.sleep(0.05)
 
 
 def test_a_full_pool_means_not_cached(model, tok, leaving):

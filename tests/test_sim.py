@@ -632,8 +632,9 @@ def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_pat
                 "long_ttft_s": 0.004 + 4096e-6 + truth.prefill_time(4096),
                 "tpot_s": {str(k): truth.decode_time(k, k * 528) + k * 5e-6 for k in (1, 4, 16)}}  # 5 us a token
 
-    def arrivals(n, per_token=2e-7):  # 8 requests of n tokens among 4 decodes; the server's work on each: 1 ms +
-        k, context, base = 4, 4 * (128 + 128), 0.002  # 0.2 us a token
+    # 8 requests of n tokens among 4 decodes; the server's work on each: 1 ms + `per_token` a token
+    def arrivals(n, per_token=2e-7):
+        k, context, base = 4, 4 * (128 + 128), 0.002
         lost = (truth.chunk_extra(n, k, context) + truth.decode_time(k + 1, context) - truth.decode_time(k, context)
                 + 2 * 5e-6 + 0.001 + per_token * n)
         return {"prompt_len": n, "streams": k, "stream_prompt_len": 128, "stream_output_len": 256, "arrivals": 8,

@@ -198,9 +198,7 @@ class Simulation:
         # its share of the remote one, so that a link set by `--link-gbs` scales both (the two were measured through
         # the same client; a local put at the measured rate beside a faster link would cost more than a remote one).
         # A profile without a local rate: the remote rate, as before there was one.
-        local_share = t["local_per_block_s"] / t["per_block_s"] if t.get("local_per_block_s") is not None \
-            and t["per_block_s"] > 0 else 1.0
-        self.local_block_seconds = self.block_seconds * local_share
+        self.local_block_seconds = self.block_seconds * profile.local_share
         self.local_latency = profile.transfer_time(0, local=True)
         staging = None if config.staging_gib is None else max(1, int(config.staging_gib * 2**30 // self.block_bytes))
         if config.colocated:

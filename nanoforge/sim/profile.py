@@ -190,6 +190,11 @@ class Profile:
         latency, per_block = self._t_local if local else self._t
         return latency + per_block * blocks
 
+    @property
+    def local_share(self) -> float:
+        """A put into the caller's own segment, per block, as a share of a remote call's (1 without a local rate)."""
+        return self._t_local[1] / self._t[1] if self._t[1] > 0 else 1.0
+
     # --- files -------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
