@@ -73,6 +73,11 @@ def test_step_time_of_prefill_decode_and_mixed_steps():
     q = Profile.from_dict({**SIMPLE, "prefill": {**p.prefill, "per_prefix_s": 1e-4}, "decode": p.decode})
     assert q.step_time(mixed) == pytest.approx(0.01 + 11e-3 + 355e-6 + 30e-4 + 100e-5)
     assert q.prefill_time(10, cached=30) == pytest.approx(0.01 + 10e-3 + 355e-6 + 30e-4)
+    # the prefix-pair term: the 10 x 30 pairs whose key is in the prefix cost more than the 55 within the chunk
+    r = Profile.from_dict({**SIMPLE, "prefill": {**p.prefill, "per_prefix_pair_s": 2e-6}, "decode": p.decode})
+    assert r.step_time(mixed) == pytest.approx(0.01 + 11e-3 + 355e-6 + 300 * 2e-6 + 100e-5)
+    assert r.prefill_time(10, cached=30) == pytest.approx(0.01 + 10e-3 + 355e-6 + 300 * 2e-6)
+    assert r.prefill_time(10) == p.prefill_time(10)  # nothing cached: no such pair
 
 
 def test_decode_step_by_batch_is_linear_between_the_measured_batch_sizes():
@@ -126,6 +131,21 @@ def test_a_request_arriving_at_a_busy_instance_lengthens_its_next_step_by_the_se
     host = profile(request_host_s=0.002, request_host_per_token_s=1e-5)
     a, b = run(rows, host, colocated=1, schedule_ahead=False).results
     assert (a.ttft_ms, a.e2e_ms, b.ttft_ms, b.e2e_ms) == (ms(0.110), ms(0.1805), ms(0.1235), ms(0.1305))
+
+
+def test_a_colocated_requests_server_work_falls_on_the_steps_running_while_it_is_in_the_front_door():
+    """A colocated instance's server is the front door: a request is routed to it as it arrives and spends its
+    request time (here 50 ms) there, and the steps running meanwhile pay the server's work on it (2.5 ms), not
+    the step that later holds its prompt. A: 100 tokens at 0, 5 out; B: 50 tokens at 140 ms, 2 out."""
+    rows = [row(0, 100, 5, [0, 1]), row(140, 50, 2, [2])]
+    host = profile(request_s=0.05, request_host_s=0.002, request_host_per_token_s=1e-5)
+    a, b = run(rows, host, colocated=1, schedule_ahead=False).results
+    # A reaches the engine at 50; its prompt 50-160 is running when B arrives, so A's first decode, the next step,
+    # takes 6 + 2.5 ms (160-168.5) and its three others 6 ms: A ends at 186.5 (at 184 had B's work fallen on the
+    # step after B reached the engine, at 190: the engine is idle then, and an idle instance pays only the
+    # latency); B's prompt 190-250, its decode 250-256
+    assert (a.ttft_ms, a.e2e_ms) == (ms(0.160), ms(0.1865))
+    assert (b.ttft_ms, b.e2e_ms) == (ms(0.050 + 0.060), ms(0.050 + 0.066))
 
 
 def test_two_requests_queue_behind_each_other():
@@ -618,9 +638,9 @@ def test_profile_measured_on_the_cpu_engine(tmp_path):
 
 def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_path, capsys):
     """`simulate profile --refit`: samples made from known coefficients (prefill samples of an older profile,
-    without the prefix feature, which comes from `cached`) give those coefficients back, and the frontend's
+    without the prefix and prefix-pair features, which come from `cached`) give those coefficients back, and the frontend's
     request latency is the line through the two prompt lengths' TTFT less their prefill steps."""
-    pre = {"a_s": 0.002, "per_token_s": 3e-6, "per_pair_s": 5e-10, "per_prefix_s": 1e-6}
+    pre = {"a_s": 0.002, "per_token_s": 3e-6, "per_pair_s": 5e-10, "per_prefix_s": 1e-6, "per_prefix_pair_s": 2e-10}
     dec = {"a_s": 0.0015, "per_seq_s": 4e-6, "per_context_s": 2e-8}
     truth = Profile.from_dict({**SIMPLE, "prefill": pre, "decode": dec})
     prefill = [{"tokens": n, "pairs": n * c + n * (n + 1) // 2, "cached": c,
@@ -641,7 +661,7 @@ def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_pat
                 "base_tpot_s": base, "tpot_s": base + lost * 8 / 255}
 
     frontend["arrivals"] = [arrivals(512), arrivals(4096)]
-    old = {**SIMPLE, "status": "measured", "prefill": {**pre, "per_prefix_s": 0.0}, "decode": dec,
+    old = {**SIMPLE, "status": "measured", "prefill": {**pre, "per_prefix_s": 0.0, "per_prefix_pair_s": 0.0}, "decode": dec,
            "samples": {"prefill": prefill, "decode": decode, "frontend": frontend}}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
@@ -682,6 +702,27 @@ def test_refit_recovers_the_forms_from_the_samples_and_the_frontend_line(tmp_pat
     assert p.decode["per_context_s"] == pytest.approx(2e-8, rel=1e-6)
     assert 0.001 < p.decode["a_s"] + p.decode["per_seq_s"] * 16 < 0.0019
     assert "by batch: 1 1.000, 8 1.400, 32 1.800, 64 1.900 ms" in capsys.readouterr().out
+
+
+def test_the_frontend_is_the_latency_less_the_measured_step_where_the_profile_holds_it():
+    """A lone request's TTFT less the engine's step for its prompt: the step as measured where the profile holds a
+    sample of that length (nothing cached, alone), so that the form's error there is not taken for the server's
+    work; elsewhere the form's. Here the form is 1 ms under the measured 4,096-token step."""
+    from nanoforge.sim.measure import engine_prefill_s, frontend_section
+
+    form = Profile.from_dict(SIMPLE)
+    measured = form.prefill_time(4096) + 0.001
+    samples = [{"tokens": 4096, "cached": 0, "batch": 0, "seconds": measured},
+               {"tokens": 512, "cached": 1024, "batch": 0, "seconds": 1.0},  # cached: not the lone step
+               {"tokens": 512, "cached": 0, "batch": 4, "seconds": 1.0}]  # beside decodes: not alone
+    prof = Profile.from_dict({**SIMPLE, "samples": {"prefill": samples}})
+    assert engine_prefill_s(prof, 4096) == measured and engine_prefill_s(prof, 512) == form.prefill_time(512)
+    frontend = {"prompt_len": 512, "output_len": 32, "long_prompt_len": 4096, "tpot_s": {"1": 0.006},
+                "ttft_s": 0.004 + 512e-6 + form.prefill_time(512), "long_ttft_s": 0.004 + 4096e-6 + measured}
+    f = frontend_section(prof, frontend)
+    assert (f["request_s"], f["per_prompt_token_s"]) == (pytest.approx(0.004), pytest.approx(1e-6))
+    f = frontend_section(form, frontend)  # without the sample the form's missing 1 ms counts as the server's
+    assert f["per_prompt_token_s"] == pytest.approx(1e-6 + 0.001 / (4096 - 512))
 
 
 def test_decode_steps_are_timed_as_a_run():

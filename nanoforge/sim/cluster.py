@@ -4,7 +4,11 @@ A request's life, as the real conductor (`serve/disagg/conductor.py`) runs it, w
 
     arrival      (+ Profile.request_time) the conductor checks it (`check_request`), computes its block keys,
                  asks the pool how many leading blocks it holds, and lets the Router choose the instances or
-                 reject it early (its 429); `Router.prefill_started`
+                 reject it early (its 429); `Router.prefill_started`. With colocated instances the front door
+                 is the chosen instance's own server: the request is routed as it arrives and spends its
+                 request time there, and the steps running on that instance meanwhile pay the server's work on
+                 it (`SimInstance.take_request`); a disaggregated cluster's prefill instance takes that work when
+                 the conductor hands the request over
     prefill      (+ frontend.handover_s) the prefill instance computes what neither its prefix cache nor the
                  pool holds and samples the first token, then saves the prompt's blocks to the pool and
                  answers once they are there (at most SAVE_TIMEOUT_S): the first token reaches the client;
@@ -296,15 +300,25 @@ class Simulation:
             self.clock.at(self.t0 + replay.arrival_s(i + 1), self._arrive, i + 1)
         req = SimRequest(i, now, replay.input_len(i), replay.output_len(i), token=1 + i % 250)
         self.requests.append(req)
-        self.clock.at(now + self.profile.request_time(req.input_len), self._route, req)
+        self._front_door(now, req)
 
     def _arrive_warmup(self, now: float, q: Request) -> None:
         self._warmup_count += 1
         k = self._warmup_count
         req = SimRequest(-k, now, q.input_len, q.output_len, token=1 + k % 250, prompt=list(q.prompt), warmup=True)
-        self.clock.at(now + self.profile.request_time(req.input_len), self._route, req)
+        self._front_door(now, req)
 
-    def _route(self, now: float, req: SimRequest) -> None:
+    def _front_door(self, now: float, req: SimRequest) -> None:
+        """The request's time from the client to an engine's queue (`Profile.request_time`): in the conductor,
+        before it routes (disaggregated), or in the colocated instance it is routed to at once."""
+        latency = self.profile.request_time(req.input_len)
+        if self.config.colocated:
+            self._route(now, req, latency)
+        else:
+            self.clock.at(now + latency, self._route, req)
+
+    def _route(self, now: float, req: SimRequest, latency: float = 0.0) -> None:
+        """Route `req`; `latency`: its front door's time still to come, in the chosen (colocated) instance."""
         cfg, bs = self.scheduler_config, self.scheduler_config.block_size
         if req.prompt is None:
             req.prompt = self.replay.request(req.index).prompt
@@ -325,8 +339,11 @@ class Simulation:
         req.ahead = self.router.prefill_started(req.plan)
         req.prefill = self.by_name[req.plan.prefill.url]
         req.decode = self.by_name[req.plan.decode.url]
-        hop = self.profile.frontend["handover_s"] if self.config.disaggregated else 0.0
-        self.clock.at(now + hop, self._start_prefill, req)
+        if self.config.disaggregated:
+            self.clock.at(now + self.profile.frontend["handover_s"], self._start_prefill, req)
+        else:
+            req.prefill.take_request(req.input_len)
+            self.clock.at(now + latency, self._start_prefill, req)
 
     def _params(self, req: SimRequest, *, prefill: bool) -> SamplingParams:
         n = min(req.output_len, 1) if prefill else req.output_len
@@ -336,12 +353,15 @@ class Simulation:
         req.reached_prefill = now
         group = SequenceGroup(str(req.index), req.prompt, self._params(req, prefill=self.config.disaggregated), now)
         group.seqs[0].block_hashes = list(req.hashes)  # a pure function of the tokens: computed once, here
+        if self.config.disaggregated:  # the hand-over reaches the prefill instance's server
+            req.prefill.take_request(req.input_len)
         req.prefill.add(now, group, req, req.hashes)
 
     def _start_decode(self, now: float, req: SimRequest) -> None:
         group = SequenceGroup(str(req.index), req.prompt, self._params(req, prefill=False), now,
                               outputs=[(0, [req.token], None)])
         group.seqs[0].block_hashes = list(req.hashes)
+        req.decode.take_request(req.input_len)
         req.decode.add(now, group, req, req.hashes)
 
     # --- what instances report ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 scheduler for the step (continuous batching, chunked prefill, prefix caching, preemption: all the engine's own
 code), let the step take `Profile.step_parts(out)` seconds (its device part, then its host part: the server's
 work for the tokens it streams, a decode instance's hand-over events included, and its work on the requests
-that arrived since the last step: `Profile.request_host_time`), then save the prompts it
+its server took since the last step launched: `take_request`, `Profile.request_host_time`), then save the prompts it
 finished to the pool and report one token per chunk that samples (`Scheduler.update`). The token is the
 request's own non-end id, so a request runs to its `max_tokens`.
 
@@ -95,11 +95,15 @@ class SimInstance:
 
     # --- requests ----------------------------------------------------------------------------------------
 
+    def take_request(self, prompt_tokens: int) -> None:
+        """The instance's server takes a request of `prompt_tokens` tokens: its work on it takes the GIL from the
+        steps running (the next one to launch pays it); an idle instance pays only its latency."""
+        if self.in_flight:
+            self.host_due += self.sim.profile.request_host_time(prompt_tokens)
+
     def add(self, now: float, group: SequenceGroup, req, hashes: list[int]) -> None:
         """LLMEngine.add_request after its checks: look in the pool first, else queue."""
         self.requests[group.request_id] = req
-        if self.in_flight:  # the server's work on it takes the GIL from the steps running (idle: only its latency)
-            self.host_due += self.sim.profile.request_host_time(len(group.prompt_token_ids))
         if self.connector is None or not self.connector.start_load(group, hashes):
             self.scheduler.enqueue(group)
         self.kick(now)

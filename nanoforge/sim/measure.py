@@ -65,7 +65,7 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-PREFILL_FEATURES = ("tokens", "pairs", "prefix")  # profile.py's prefill form
+PREFILL_FEATURES = ("tokens", "pairs", "prefix", "prefix_pairs")  # profile.py's prefill form
 
 
 def fit(samples: list[dict], features: tuple[str, ...]) -> tuple[list[float], dict]:
@@ -119,7 +119,7 @@ class _Timer:
         return [(f, seconds) for f in features]
 
     def _features(self) -> dict:
-        tokens = pairs = prefix = batch = context = 0
+        tokens = pairs = prefix_pairs = prefix = batch = context = 0
         for s in self.last.scheduled:
             if s.is_decode:
                 batch += 1
@@ -127,9 +127,10 @@ class _Timer:
             else:
                 tokens += s.num_tokens
                 pairs += s.num_tokens * s.start + s.num_tokens * (s.num_tokens + 1) // 2
+                prefix_pairs += s.num_tokens * s.start
                 prefix += s.start
-        return {"tokens": tokens + batch, "pairs": pairs, "prefix": prefix, "batch": batch, "context": context,
-                "prefill": tokens > 0}
+        return {"tokens": tokens + batch, "pairs": pairs, "prefix_pairs": prefix_pairs, "prefix": prefix,
+                "batch": batch, "context": context, "prefill": tokens > 0}
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -541,12 +542,24 @@ def measure_stream(engine, tokenizer, *, requests: int = 8, prompt_len: int = 64
     return samples
 
 
+def engine_prefill_s(profile: Profile, tokens: int) -> float:
+    """The engine's step for a lone prompt of `tokens` tokens, nothing cached: as measured where the profile holds
+    that step among its samples, else as its prefill form gives it."""
+    for s in (profile.meta.get("samples") or {}).get("prefill") or []:
+        if s["tokens"] == tokens and not s.get("cached") and not s.get("batch"):
+            return s["seconds"] + profile.frontend.get("per_token_s", 0.0)
+    return profile.prefill_time(tokens)
+
+
 def frontend_section(profile: Profile, samples: dict) -> dict:
     """What serving adds, from `measure_frontend`'s samples and the profile's engine sections:
 
     - request_s + per_prompt_token_s * L: a lone request's TTFT through `nanoforge serve` less the engine's prefill
       step for its prompt of L tokens, a line through the two prompt lengths measured (the server's own work on a
-      prompt: parsing, checks, block hashes, the prefix lookup; one length: per_prompt_token_s 0);
+      prompt: parsing, checks, block hashes, the prefix lookup; one length: per_prompt_token_s 0). The step is the
+      measured one where the profile holds it (`engine_prefill_s`), so that the prefill form's error at that
+      length is not taken for the server's work: session 15's form was 1.7 ms (7%) under the measured step at
+      4,096 tokens, which made the line 1.0 us a prompt token, where the measured steps give 0.48;
     - per_token_s: k requests sent at once decode in lock-step, so each one's TPOT is a decode step of batch k plus
       the server's work for the k tokens it streams: fitted (through 0) to TPOT - decode_time(k, context) over k;
     - handover_s: a lone request's TTFT through the conductor (1 prefill + 1 decode) less the request's latency,
@@ -563,11 +576,11 @@ def frontend_section(profile: Profile, samples: dict) -> dict:
       tokens gave 8 us a token, 17 ms of host work at the validation trace's ~1,800-token prompts, where session
       14 had measured a flat ~6.5 ms from 512 to 4,096 tokens)."""
     n = samples["prompt_len"]
-    short = samples["ttft_s"] - profile.prefill_time(n)
+    short = samples["ttft_s"] - engine_prefill_s(profile, n)
     per_prompt_token_s = 0.0
     if samples.get("long_ttft_s") is not None:
         m = samples["long_prompt_len"]
-        long = samples["long_ttft_s"] - profile.prefill_time(m)
+        long = samples["long_ttft_s"] - engine_prefill_s(profile, m)
         per_prompt_token_s = max(0.0, (long - short) / (m - n))
     request_s = max(0.0, short - per_prompt_token_s * n)
     tpot = {int(k): v for k, v in samples["tpot_s"].items()}
@@ -612,9 +625,10 @@ def fit_transfer(samples: list[dict]) -> tuple[dict, dict]:
 
 def fit_steps(prefill: list[dict], decode: list[dict]) -> tuple[dict, dict, dict]:
     """The prefill and decode sections of a profile fitted to step samples, and each fit's residuals."""
-    (pa, pt, pp, px), prefill_fit = fit(prefill, PREFILL_FEATURES)
+    (pa, pt, pp, px, pq), prefill_fit = fit(prefill, PREFILL_FEATURES)
     decode_section, decode_fit = fit_decode(decode)
-    return ({"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px}, decode_section,
+    return ({"a_s": pa, "per_token_s": pt, "per_pair_s": pp, "per_prefix_s": px, "per_prefix_pair_s": pq},
+            decode_section,
             {"prefill": prefill_fit, "decode": decode_fit})
 
 
@@ -639,10 +653,12 @@ def fit_decode(decode: list[dict]) -> tuple[dict, dict]:
 
 def refit(profile: Profile) -> Profile:
     """`profile`'s time models fitted again from the samples it holds, in today's forms (a profile measured before a
-    form gained a term gets the term; samples of prefill steps from before the prefix feature have it from their
-    cached prefix: each was one chunk after `cached` tokens)."""
+    form gained a term gets the term; samples of prefill steps from before the prefix and prefix-pair features
+    have them from their cached prefix: each was one chunk after `cached` tokens)."""
     samples = profile.meta["samples"]
-    prefill = [{**s, "prefix": s.get("prefix", s["cached"])} for s in samples["prefill"]]
+    prefill = [{**s, "prefix": s.get("prefix", s["cached"]),
+                "prefix_pairs": s.get("prefix_pairs", (s["tokens"] - s.get("batch", 0)) * s["cached"])}
+               for s in samples["prefill"]]
     d = profile.to_dict()
     d["prefill"], d["decode"], fits = fit_steps(prefill, samples["decode"])
     d["samples"] = {**samples, "prefill": prefill}
@@ -747,8 +763,9 @@ def run_cli(args) -> int:
         if not old.meta.get("samples", {}).get("prefill"):
             raise NanoforgeError(f"{args.refit} holds no samples to fit (a derived profile?)", param="refit")
         profile = refit(old)
-        profile.meta["source"] = (f"{old.meta.get('source', '')}; refit by `nanoforge simulate profile --refit` "
-                                  f"from its samples").lstrip("; ")
+        note = "refit by `nanoforge simulate profile --refit` from its samples"
+        source = old.meta.get("source", "")
+        profile.meta["source"] = source if source.endswith(note) else f"{source}; {note}".lstrip("; ")
         profile.save(args.out)
         _print_fits(profile)
         print(f"wrote {args.out}")
@@ -837,7 +854,8 @@ def _print_fits(profile: Profile, frontend: bool = True) -> None:
     fits = profile.meta["fit"]
     p = profile.prefill
     print(f"prefill step = {1000 * p['a_s']:.3f} ms + {1e6 * p['per_token_s']:.3f} us/token "
-          f"+ {1e9 * p['per_pair_s']:.4f} ns/query-key pair + {1e9 * p['per_prefix_s']:.1f} ns/prefix token "
+          f"+ {1e9 * p['per_pair_s']:.4f} ns/query-key pair (+ {1e9 * p.get('per_prefix_pair_s', 0.0):.4f} over the "
+          f"prefix) + {1e9 * p['per_prefix_s']:.1f} ns/prefix token "
           f"(mean error "
           f"{100 * fits['prefill']['mean_rel_error']:.1f}%)")
     d = profile.decode

@@ -2,10 +2,14 @@
 
 A profile is a JSON file (`profiles/NAME.json`, or any path) holding small fitted forms:
 
-    prefill step   a + per_token * T + per_pair * P + per_prefix * X + decode.per_context * C_d
+    prefill step   a + per_token * T + per_pair * P + per_prefix_pair * Q + per_prefix * X + decode.per_context * C_d
                    T: tokens computed in the step (every chunk, decodes included); P: the query-key pairs that
                    the prompt chunks attend, sum of n * (start + (n + 1) / 2) over chunks of n tokens after `start`
-                   cached or computed ones (a cached prefix costs attention, not compute); X: the chunks' prefixes,
+                   cached or computed ones (a cached prefix costs attention, not compute); Q: of those, the pairs
+                   whose key is in the prefix, sum of n * start, at what such a pair costs beyond one within the
+                   chunk (optional, 0 in older profiles: on the H200 a pair over the prefix costs ~1.7x one inside
+                   a chunk, and one price for both, fitted mostly to short chunks over long prefixes, put an
+                   uncached 8,192-token prompt 16% over its measured step); X: the chunks' prefixes,
                    sum of `start` (the context each chunk's attention walks however few its queries: a short
                    chunk after a long cached prefix is bound by that walk, not by its pairs; optional, 0 in
                    older profiles); C_d: the context of the decodes batched with them
@@ -45,8 +49,11 @@ A request also costs the server host work that the steps already running pay for
 prompt's parsing and checks, its block hashes, its queueing into the engine thread, all in the engine's process
 under the same GIL. `request_host_s` + `request_host_per_token_s` x prompt tokens (optional, 0 in profiles before
 session 14) is that work, measured as what requests arriving among running decodes add to their TPOT beyond
-their prompt's share of the steps (`measure.py`'s `_arrivals`); an instance adds it to the host part of its next
-step for each request it takes (H200, Qwen3-0.6B: ~2 ms for a 2,000-token prompt, against ~1.4 ms steps).
+their prompt's share of the steps (`measure.py`'s `_arrivals`); an instance adds it to the host part of the next
+step it launches after its server takes the request, which for a colocated instance is when the request
+arrives (its server is the front door: the work is done while the request is there, stretching the others'
+steps, not its own prompt's) and for a disaggregated one when the hand-over reaches it (H200, Qwen3-0.6B:
+~5.8 ms for a 2,000-token prompt, against ~1.4 ms decode steps).
 
 A step is split into its device part (the forms above: what instances on one GPU share) and its host part (the
 server's work per token: the GIL's, not the GPU's; `step_parts`).
@@ -71,7 +78,7 @@ DEFAULT_PROFILE = "h200-qwen3-0.6b"
 
 # what each section must hold (seconds, or counts for `engine`)
 _FIELDS = {
-    "prefill": ("a_s", "per_token_s", "per_pair_s", "per_prefix_s"),
+    "prefill": ("a_s", "per_token_s", "per_pair_s", "per_prefix_s", "per_prefix_pair_s"),
     "decode": ("a_s", "per_seq_s", "per_context_s"),
     "transfer": ("latency_s", "per_block_s", "block_bytes"),
     "engine": ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
@@ -79,7 +86,7 @@ _FIELDS = {
                  "request_host_s", "request_host_per_token_s"),
 }
 # fields a profile may lack (older ones; the frontend, wholly), and their value then
-_OPTIONAL = {"prefill": {"per_prefix_s": 0.0},
+_OPTIONAL = {"prefill": {"per_prefix_s": 0.0, "per_prefix_pair_s": 0.0},
              "frontend": {"request_s": 0.0, "per_prompt_token_s": 0.0, "handover_s": 0.0, "per_token_s": 0.0,
                           "stream_per_output_token_s": 0.0, "request_host_s": 0.0, "request_host_per_token_s": 0.0}}
 # optional fields whose value, where a profile lacks them, is another field's: kept as read (a profile without
@@ -103,7 +110,7 @@ class Profile:
         self.prefill = {**_OPTIONAL["prefill"], **self.prefill}
         self.frontend = {**_OPTIONAL["frontend"], **self.frontend}
         p, d, t = self.prefill, self.decode, self.transfer
-        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p["per_prefix_s"])
+        self._p = (p["a_s"], p["per_token_s"], p["per_pair_s"], p["per_prefix_s"], p["per_prefix_pair_s"])
         self._d = (d["a_s"], d["per_seq_s"], d["per_context_s"])
         points = d.get("batch_s") or []
         self._batches = [float(b) for b, _ in points]
@@ -125,7 +132,7 @@ class Profile:
         samples, which runs in the engine's process under the GIL and holds no GPU. With `stream` (a decode
         instance) each sampled chunk's event also pays `stream_per_output_token_s` per output token its request
         holds (the tokens before this step's: the text the encoder compares)."""
-        tokens = pairs = prefix = batch = context = samples = held = 0
+        tokens = pairs = prefix_pairs = prefix = batch = context = samples = held = 0
         prefill = False
         for s in out.scheduled:
             n = s.num_tokens
@@ -135,6 +142,7 @@ class Profile:
             else:
                 prefill = True
                 tokens += n
+                prefix_pairs += n * s.start
                 pairs += n * s.start + n * (n + 1) // 2
                 prefix += s.start
                 samples += s.num_samples
@@ -142,15 +150,16 @@ class Profile:
                 held += max(0, s.start + n - s.seq.num_prompt_tokens)
         host = self._per_output * (batch + samples) + self._per_held * held
         if prefill:
-            a, per_token, per_pair, per_prefix = self._p
-            return a + per_token * (tokens + batch) + per_pair * pairs + per_prefix * prefix + self._d[2] * context, host
+            a, per_token, per_pair, per_prefix, per_prefix_pair = self._p
+            return (a + per_token * (tokens + batch) + per_pair * pairs + per_prefix_pair * prefix_pairs
+                    + per_prefix * prefix + self._d[2] * context, host)
         return self._decode_base(batch) + self._d[2] * context, host
 
     def prefill_time(self, tokens: int, cached: int = 0) -> float:
         """One prompt chunk of `tokens` tokens after `cached` ones, alone in its step (and sampling at its end)."""
-        a, per_token, per_pair, per_prefix = self._p
-        return (a + per_token * tokens + per_pair * (tokens * cached + tokens * (tokens + 1) // 2) + per_prefix * cached
-                + self._per_output)
+        a, per_token, per_pair, per_prefix, per_prefix_pair = self._p
+        return (a + per_token * tokens + per_pair * (tokens * cached + tokens * (tokens + 1) // 2)
+                + per_prefix_pair * tokens * cached + per_prefix * cached + self._per_output)
 
     def decode_time(self, batch: int, context: int) -> float:
         """One step of `batch` decodes over `context` tokens in all (with the server's work per token)."""
@@ -180,7 +189,7 @@ class Profile:
     def chunk_extra(self, tokens: int, batch: int, context: int) -> float:
         """What one prompt chunk of `tokens` tokens (nothing cached) adds to a step of `batch` decodes over `context`
         tokens: the prefill form's step less the decode form's (device seconds)."""
-        a, per_token, per_pair, _ = self._p
+        a, per_token, per_pair, *_ = self._p
         mixed = a + per_token * (tokens + batch) + per_pair * tokens * (tokens + 1) // 2 + self._d[2] * context
         return max(0.0, mixed - self._decode_base(batch) - self._d[2] * context)
 
