@@ -93,12 +93,26 @@ def test_blocks_round_trip_and_a_second_engine_computes_only_the_rest(model, tok
     try:
         out_a = run(a, [prompt])
         assert out_a[0].kv_save.result(timeout=10) == 4  # the 4 full prompt blocks
-        assert a.stats()["kv_pool"]["saved_blocks"] == 4
+        pool_a = a.stats()["kv_pool"]
+        assert pool_a["saved_blocks"] == 4
+        # the pool calls themselves, counted for /metrics: a get of the 4 blocks before the prefill (none there
+        # yet), then one put of them, timed
+        assert (pool_a["get_calls"], pool_a["get_call_blocks"], pool_a["loaded_blocks"]) == (1, 4, 0)
+        assert (pool_a["put_calls"], pool_a["put_call_blocks"]) == (1, 4)
+        assert pool_a["put_call_s"] > 0
+        from nanoforge.serve.api.metrics import EngineCollector
+
+        collector = EngineCollector()
+        collector.stats = a.stats()
+        exposed = {(m.name, smp.labels.get("kind")): smp.value for m in collector.collect() for smp in m.samples}
+        assert exposed[("nanoforge_kv_pool_call_blocks", "put")] == 4
+        assert exposed[("nanoforge_kv_pool_call_seconds", "put")] == pool_a["put_call_s"]
         before = b.stats()["computed_tokens"]
         out_b = run(b, [prompt + [1, 2]])  # the same 4 blocks, then 8 tokens of its own
         assert out_b[0].num_cached_tokens == 64
         assert b.stats()["computed_tokens"] - before == 8 + 5  # the uncached prompt tokens, then 5 decodes
         assert b.stats()["kv_pool"]["loaded_blocks"] == 4
+        assert (b.stats()["kv_pool"]["get_calls"], b.stats()["kv_pool"]["get_call_blocks"]) == (1, 4)
         assert [o.outputs[0].token_ids for o in out_b] == reference(model, [prompt + [1, 2]], 6)
         # bit for bit: the blocks B loaded hold what A computed
         table_a = sorted(a.scheduler.block_manager._cached.items())

@@ -873,6 +873,25 @@ def json_rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def test_validate_reads_the_pool_calls_ms_per_block_from_the_instances_metrics(tmp_path):
+    from nanoforge.sim.validate import measured_call_ms, predicted_call_ms
+
+    for i, (s, b) in enumerate(((0.5, 1000), (0.3, 1000))):  # two prefill instances: 0.8 s over 2,000 blocks
+        (tmp_path / f"metrics-prefill{i + 1}.txt").write_text(
+            f'nanoforge_kv_pool_call_seconds_total{{kind="put"}} {s}\n'
+            f'nanoforge_kv_pool_call_blocks_total{{kind="put"}} {b}\n'
+            f'nanoforge_kv_pool_call_blocks_total{{kind="get"}} 0.0\n')
+    assert measured_call_ms(tmp_path, "prefill", "put") == pytest.approx(0.4)
+    assert measured_call_ms(tmp_path, "prefill", "get") is None  # no call made
+    assert measured_call_ms(tmp_path, "decode", "get") is None  # no such instance's metrics (runs before session 16)
+    sim = run([row(0, 512, 2, list(range(8)))], prefill=1, decode=1)
+    stats = sim.instance_stats()
+    # the prefill instance's save: one put of the prompt's 32 blocks (2 + 32 ms); the decode instance's load of
+    # all 32 (the first token follows them): the same
+    assert predicted_call_ms(stats, "prefill", "put") == pytest.approx(34 / 32)
+    assert predicted_call_ms(stats, "decode", "get") == pytest.approx(34 / 32)
+
+
 def test_early_rejection_on_tpot_never_locks_an_idle_cluster_out():
     # long prompts with 2 output tokens first: their TPOT is all hand-over (the KV load from the pool), 133 ms
     # against an objective of 10 ms; then short prompts with 20 tokens, whose TPOT is ~7 ms. The conductor's cost

@@ -225,7 +225,8 @@ class KVConnector:
         self.breaker = Breaker(retry_s)
         self._backlog = 0  # jobs submitted and not done
         self.counters = dict.fromkeys(("loaded_blocks", "saved_blocks", "refused_blocks", "load_misses", "skipped",
-                                       "collisions"), 0)
+                                       "collisions", "put_calls", "put_call_blocks", "put_call_s", "get_calls",
+                                       "get_call_blocks", "get_call_s"), 0)  # *_call_*: the pool calls themselves
         self._pending: dict[str, _Load] = {}  # request id -> its load (engine thread only)
         self._done = threading.Event()  # set by the worker after each job
         # loads before saves: a load holds up a request before its prefill, a save only the hand-over after it
@@ -463,7 +464,13 @@ class KVConnector:
                 if job.copied is not None:
                     job.copied.synchronize()  # the blocks are in the staging slots
                 call = self.pool.get_into if job.kind == "get" else self.pool.put_from
+                began = time.perf_counter()
                 result, error = call(job.keys, ptrs, self.slot_bytes), None
+                with self._lock:  # what one call costs, as the simulator's profile times it (measure_transfer)
+                    c = self.counters
+                    c[f"{job.kind}_calls"] += 1
+                    c[f"{job.kind}_call_blocks"] += n
+                    c[f"{job.kind}_call_s"] += time.perf_counter() - began
             except PoolError as e:
                 result, error = None, e
             except Exception as e:  # a bug: keep its traceback in the log, keep serving

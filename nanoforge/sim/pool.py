@@ -247,8 +247,9 @@ class SimConnector:
         self.busy = False
         self.busy_s = 0.0
         self.ready: list[Job] = []  # gets that are back: the instance takes them at its next step
-        self.counters = dict.fromkeys(("loads", "loaded_blocks", "load_misses", "saves", "saved_blocks", "skipped"),
-                                      0)
+        self.counters = dict.fromkeys(("loads", "loaded_blocks", "load_misses", "saves", "saved_blocks", "skipped",
+                                       "put_calls", "put_call_blocks", "put_call_s", "get_calls", "get_call_blocks",
+                                       "get_call_s"), 0)  # *_call_*: the pool calls, as the KV connector's
 
     # --- loading (engine thread) -----------------------------------------------------------------------
 
@@ -339,6 +340,10 @@ class SimConnector:
             job.stored = job.written + held
             seconds = self.sim.transfer_time(len(job.written), job.local)
         self.busy_s += seconds
+        c = self.counters
+        c[f"{job.kind}_calls"] += 1
+        c[f"{job.kind}_call_blocks"] += len(job.hashes)
+        c[f"{job.kind}_call_s"] += seconds
         self.sim.clock.at(now + seconds, self._done, job)
 
     def _done(self, now: float, job: Job) -> None:

@@ -59,6 +59,25 @@ def measured_step_ms(path: Path, kind: str = "decode") -> float | None:
     return 1000 * total / n if n else None
 
 
+def measured_call_ms(run_dir: Path, role: str, kind: str) -> float | None:
+    """ms per block of the pool calls of `kind` ("put", "get") that the run's `role` instances made (their /metrics
+    at the end: nanoforge_kv_pool_call_seconds / _call_blocks, servers from session 16 on), or None."""
+    seconds = blocks = 0.0
+    for f in sorted(run_dir.glob(f"metrics-{role}*.txt")):
+        v = metric_values(f.read_text(), labelled=True)
+        s, b = (v.get(f'nanoforge_kv_pool_call_{x}_total{{kind="{kind}"}}') for x in ("seconds", "blocks"))
+        if s is not None and b:
+            seconds, blocks = seconds + s, blocks + b
+    return 1000 * seconds / blocks if blocks else None
+
+
+def predicted_call_ms(instances: list[dict], role: str, kind: str) -> float | None:
+    """The same from the simulated instances' connectors."""
+    rows = [i for i in instances if i["role"] == role and i.get(f"{kind}_call_blocks")]
+    blocks = sum(i[f"{kind}_call_blocks"] for i in rows)
+    return 1000 * sum(i[f"{kind}_call_s"] for i in rows) / blocks if blocks else None
+
+
 def measured_decode_loads(run_dir: Path) -> int | None:
     """Blocks the run's decode instances loaded from the pool (their /metrics at the end), or None."""
     values = [metric_values(f.read_text()).get("nanoforge_kv_pool_loaded_blocks_total")
@@ -166,7 +185,7 @@ def validate(run_dirs: Path | list[Path], profile: Profile, *, pool_memory: floa
         row = {**each[0], "runs": len(each), "metrics": metrics,
                "measured_summary": [r["measured_summary"] for r in each],
                "predicted_summary": [r["predicted_summary"] for r in each]}
-        for key in ("decode_step_ms", "decode_pool_loaded_blocks"):
+        for key in ("decode_step_ms", "decode_pool_loaded_blocks", "put_ms_per_block", "get_ms_per_block"):
             row[key] = {side: _median([r[key][side] for r in each]) for side in ("measured", "predicted")}
         row["ok"] = all(v["ok"] for v in metrics.values())
         rows.append(row)
@@ -217,8 +236,11 @@ def _validate_run(run_dir: Path, profile: Profile, *, pool_memory: float, device
         decoder = next(i for i in instances if i["role"] != "prefill")  # the (first) decoding instance
         steps = {"measured": measured_step_ms(d / ("metrics.txt" if name == "colocated" else "metrics-decode1.txt")),
                  "predicted": decoder["step_ms"].get("decode")}
+        calls = {f"{kind}_ms_per_block": {"measured": measured_call_ms(d, role, kind),
+                                          "predicted": predicted_call_ms(instances, role, kind)}
+                 for role, kind in (("prefill", "put"), ("decode", "get"))}
         rows[name] = {"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
-                      "decode_step_ms": steps, "decode_pool_loaded_blocks": loads,
+                      "decode_step_ms": steps, "decode_pool_loaded_blocks": loads, **calls,
                       "measured_summary": measured, "predicted_summary": predicted}
     return rows
 
@@ -244,7 +266,9 @@ def table(report: dict) -> str:
                 line += f"  {lo:.2f}-{hi:.2f} ({100 * (hi - lo) / v['measured']:.0f}%)"
             lines.append(line.rstrip())
         for label, key, fmt, what in (("decode step (ms)", "decode_step_ms", ".2f", "the decoding instance's steps"),
-                                      ("pool blocks loaded", "decode_pool_loaded_blocks", "", "the decode instances' loads")):
+                                      ("pool blocks loaded", "decode_pool_loaded_blocks", "", "the decode instances' loads"),
+                                      ("put (ms/block)", "put_ms_per_block", ".3f", "the prefill instances' saves"),
+                                      ("get (ms/block)", "get_ms_per_block", ".3f", "the decode instances' loads")):
             v = r.get(key) or {}
             if v.get("measured") is not None and v.get("predicted") is not None:
                 err = f"{100 * (v['predicted'] - v['measured']) / v['measured']:+.1f}%" if v["measured"] else "-"

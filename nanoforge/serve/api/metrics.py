@@ -73,6 +73,15 @@ class EngineCollector(StatsCollector):
             yield counter("kv_pool_load_misses", "lookups that found no block in the pool", p["load_misses"])
             yield counter("kv_pool_failures", "pool calls that failed or ran out of time", p["failures"])
             yield counter("kv_pool_skipped", "loads and saves skipped (pool down, staging full)", p["skipped"])
+            calls = {"calls": ("kv_pool_calls", "batched pool calls, by kind (put: a save, get: a load)"),
+                     "call_blocks": ("kv_pool_call_blocks", "KV blocks the pool calls asked to move, by kind"),
+                     "call_s": ("kv_pool_call_seconds", "seconds in the pool calls themselves, by kind (not the "
+                                                        "wait for the worker or the device copy)")}
+            for field, (name, doc) in calls.items():
+                c = CounterMetricFamily(f"nanoforge_{name}", doc, labels=["kind"])
+                for kind in ("put", "get"):
+                    c.add_metric([kind], p.get(f"{kind}_{field}", 0))
+                yield c
 
 
 class Metrics:
