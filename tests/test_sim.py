@@ -223,7 +223,7 @@ def test_a_steps_host_part_leaves_the_shared_gpu_to_others():
     from collections import deque
 
     from nanoforge.sim.cluster import Clock
-    from nanoforge.sim.instance import SharedGPU, SimInstance
+    from nanoforge.sim.instance import Shared, SimInstance
 
     clock, ends = Clock(), {}
 
@@ -237,9 +237,9 @@ def test_a_steps_host_part_leaves_the_shared_gpu_to_others():
         def _end_step(self, now, out):
             ends[self.name] = now
 
-    gpu = SharedGPU(clock)
+    gpu = Shared(clock)
     for inst in (Inst("X", 0.004, 0.010), Inst("Y", 0.010, 0.0)):
-        gpu.start(0.0, inst, inst.in_flight[0][1], None)
+        gpu.start(0.0, inst, inst.in_flight[0][1], lambda t, inst=inst: inst._device_done(t, None))
     clock.run()
     assert ends == {"X": pytest.approx(0.018), "Y": pytest.approx(0.014)}
 

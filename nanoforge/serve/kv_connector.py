@@ -179,6 +179,7 @@ class _Job:
     copied: object = None  # a put's device-to-staging copy: an event the worker waits on (None: done already)
     done: bool = False  # the worker is finished with its slots (set under the connector's lock)
     abandoned: bool = False  # the engine gave up on it: its slots come back when the worker is done
+    submitted: float = 0.0  # perf_counter when it was handed to the workers
 
 
 @dataclass
@@ -225,8 +226,10 @@ class KVConnector:
         self.breaker = Breaker(retry_s)
         self._backlog = 0  # jobs submitted and not done
         self.counters = dict.fromkeys(("loaded_blocks", "saved_blocks", "refused_blocks", "load_misses", "skipped",
-                                       "collisions", "put_calls", "put_call_blocks", "put_call_s", "get_calls",
-                                       "get_call_blocks", "get_call_s"), 0)  # *_call_*: the pool calls themselves
+                                       "collisions", "put_calls", "put_call_blocks", "put_call_s", "put_job_s",
+                                       "get_calls", "get_call_blocks", "get_call_s", "get_job_s"), 0)
+        # *_call_*: the pool calls themselves; *_job_s: from the job's submission to its call's end (the wait for a
+        # worker and, for a put, for its device-to-staging copy, then the call)
         self._pending: dict[str, _Load] = {}  # request id -> its load (engine thread only)
         self._done = threading.Event()  # set by the worker after each job
         # loads before saves: a load holds up a request before its prefill, a save only the hand-over after it
@@ -451,6 +454,7 @@ class KVConnector:
     # --- the worker thread ------------------------------------------------------------------------------
 
     def _submit(self, job: _Job) -> None:
+        job.submitted = time.perf_counter()
         with self._lock:
             self._backlog += 1
             self._seq += 1
@@ -466,11 +470,13 @@ class KVConnector:
                 call = self.pool.get_into if job.kind == "get" else self.pool.put_from
                 began = time.perf_counter()
                 result, error = call(job.keys, ptrs, self.slot_bytes), None
+                ended = time.perf_counter()
                 with self._lock:  # what one call costs, as the simulator's profile times it (measure_transfer)
                     c = self.counters
                     c[f"{job.kind}_calls"] += 1
                     c[f"{job.kind}_call_blocks"] += n
-                    c[f"{job.kind}_call_s"] += time.perf_counter() - began
+                    c[f"{job.kind}_call_s"] += ended - began
+                    c[f"{job.kind}_job_s"] += ended - job.submitted
             except PoolError as e:
                 result, error = None, e
             except Exception as e:  # a bug: keep its traceback in the log, keep serving

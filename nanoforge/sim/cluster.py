@@ -41,13 +41,14 @@ from dataclasses import dataclass, field
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.bench_serve import Request, Result, TraceReplay
+from nanoforge.serve.llm_engine import EngineConfig
 from nanoforge.serve.block_manager import prefix_block_hashes
 from nanoforge.serve.disagg.handover import SAVE_TIMEOUT_S
 from nanoforge.serve.disagg.router import POLICIES, Instance, Router
 from nanoforge.serve.sampling_params import SamplingParams
 from nanoforge.serve.scheduler import SchedulerConfig, check_request
 from nanoforge.serve.sequence import SequenceGroup
-from nanoforge.sim.instance import SharedGPU, SimInstance
+from nanoforge.sim.instance import Shared, SimInstance
 from nanoforge.sim.pool import LEASE_S, KVPool
 from nanoforge.sim.profile import Profile, pool_block_bytes
 
@@ -94,6 +95,9 @@ class ClusterConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: long enough for every request of the trace
     shared_gpu: bool = False  # every instance on one GPU, time-sliced: the steps on it share it equally
+    shared_link: bool = False  # every instance on one host: the pool calls in flight share one link equally
+    # (else each instance's calls share its own link)
+    pool_workers: int = EngineConfig.kv_pool_workers  # a KV connector's calls in flight at most (its threads)
     schedule_ahead: bool | None = None  # asynchronous scheduling where the engine allows it; None: on a GPU profile
     seed: int = 0
 
@@ -217,7 +221,8 @@ class Simulation:
             self.pool = KVPool(None, cache=False)  # only the medium from prefill to decode instances
         else:
             self.pool = None
-        gpu = SharedGPU(self.clock) if config.shared_gpu else None
+        gpu = Shared(self.clock) if config.shared_gpu else None
+        self.link = Shared(self.clock) if config.shared_link else None  # None: each connector's calls run alone
         cfg = self.scheduler_config
         ahead = config.schedule_ahead
         if ahead is None:  # the engine's default: on a GPU

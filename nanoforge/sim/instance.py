@@ -8,7 +8,7 @@ its server took since the last step launched: `take_request`, `Profile.request_h
 finished to the pool and report one token per chunk that samples (`Scheduler.update`). The token is the
 request's own non-end id, so a request runs to its `max_tokens`.
 
-Instances that share a GPU (`gpu`, a `SharedGPU`: processes on one GPU, which time-slices between them) share
+Instances that share a GPU (`gpu`, a `Shared` resource: processes on one GPU, which time-slices between them) share
 it equally while more than one has a step's device part on it (processor sharing): a step of s seconds alone
 takes 2s beside another instance's step for as long as both run. The host part holds no GPU (it is Python in the
 instance's own process), so a decode instance streaming its tokens leaves the GPU to a prefill instance.
@@ -30,49 +30,51 @@ from nanoforge.serve.step_profile import KINDS, step_kind
 from nanoforge.sim.pool import KVPool, SimConnector
 
 
-class SharedGPU:
-    """One GPU under the instances' steps: each running step gets 1/k of it while k run (each instance has at
-    most one step on the GPU; a step scheduled ahead waits for its instance's step before it)."""
+class Shared:
+    """One resource under jobs that share it equally (processor sharing): each of the k jobs running gets 1/k of
+    it, so a job of s seconds alone takes 2s beside another for as long as both run. A GPU under the steps of the
+    instances on it (each has at most one step on the device; a step scheduled ahead waits for the one before
+    it), or one host's pool link under the KV connectors' calls (each connector runs one call at a time)."""
 
     def __init__(self, clock):
         self.clock = clock
-        self.running: dict = {}  # instance -> [seconds of the whole GPU left, its SchedulerOutput]
+        self.running: dict = {}  # holder -> [seconds of the whole resource left, done(now)]
         self.t = 0.0  # when `running` was last brought up to date
         self.version = 0  # the planned completion event that is still valid
 
-    def start(self, now: float, inst, seconds: float, out) -> None:
-        """`inst`'s step `out` needs `seconds` of the whole GPU; `inst._device_done(t, out)` when it has had them."""
+    def start(self, now: float, holder, seconds: float, done) -> None:
+        """`holder`'s job needs `seconds` of the whole resource; `done(t)` when it has had them."""
         self._advance(now)
-        self.running[inst] = [seconds, out]
+        self.running[holder] = [seconds, done]
         self._plan(now)
 
     def _advance(self, now: float) -> None:
         if self.running:
             share = (now - self.t) / len(self.running)
-            for step in self.running.values():
-                step[0] -= share
+            for job in self.running.values():
+                job[0] -= share
         self.t = now
 
     def _plan(self, now: float) -> None:
-        """Set the event for the step that finishes first at today's shares (any earlier plan is void)."""
+        """Set the event for the job that finishes first at today's shares (any earlier plan is void)."""
         self.version += 1
         if self.running:
-            inst = min(self.running, key=lambda i: self.running[i][0])
-            left = max(0.0, self.running[inst][0])
-            self.clock.at(now + left * len(self.running), self._finish, inst, self.version)
+            holder = min(self.running, key=lambda h: self.running[h][0])
+            left = max(0.0, self.running[holder][0])
+            self.clock.at(now + left * len(self.running), self._finish, holder, self.version)
 
-    def _finish(self, now: float, inst, version: int) -> None:
+    def _finish(self, now: float, holder, version: int) -> None:
         if version != self.version:
             return
         self._advance(now)
-        _, out = self.running.pop(inst)
+        _, done = self.running.pop(holder)
         self._plan(now)
-        inst._device_done(now, out)
+        done(now)
 
 
 class SimInstance:
     def __init__(self, sim, name: str, role: str, config: SchedulerConfig, pool: KVPool | None,
-                 staging_blocks: int | None, gpu: SharedGPU | None = None, ahead: bool = False,
+                 staging_blocks: int | None, gpu: Shared | None = None, ahead: bool = False,
                  segment: int | None = None):
         """`segment`: the instance's own segment of `pool` (None: it holds none)."""
         self.sim, self.name, self.role = sim, name, role
@@ -81,7 +83,8 @@ class SimInstance:
         if pool is not None:  # a decode instance loads and never saves; a prefill instance loads only from a cache
             self.connector = SimConnector(sim, pool, self.scheduler.block_manager,
                                           load=role == "decode" or pool.cache, save=role != "decode",
-                                          staging_blocks=staging_blocks, on_ready=self.kick, segment=segment)
+                                          staging_blocks=staging_blocks, on_ready=self.kick, segment=segment,
+                                          link=sim.link or Shared(sim.clock), workers=sim.config.pool_workers)
         self.gpu = gpu
         self.in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()  # launched, not collected (+ device
         # and host seconds)
@@ -155,7 +158,7 @@ class SimInstance:
         if self.gpu is None:
             self.sim.clock.at(now + device + host, self._end_step, out)
         else:
-            self.gpu.start(now, self, device, out)
+            self.gpu.start(now, self, device, lambda t: self._device_done(t, out))
 
     def _device_done(self, now: float, out: SchedulerOutput) -> None:
         """The shared GPU has run the step's device part; its host part follows, off the GPU."""

@@ -229,14 +229,20 @@ class Job:
     written: list[int] = field(default_factory=list)  # put: the blocks it writes (the pool had room for them)
     local: int = 0  # put: how many of those went into the instance's own segment
     stored: list[int] = field(default_factory=list)  # put: those and the ones the pool held already
+    submitted: float = 0.0  # when it was handed to the connector's workers
+    started: float = 0.0  # when its call went on the link
 
 
 class SimConnector:
     """An instance's KV connector (see the module's docstring); `link` runs its jobs one at a time."""
 
     def __init__(self, sim, pool: KVPool, bm: BlockManager, *, load: bool, save: bool,
-                 staging_blocks: int | None, on_ready, segment: int | None = None):
+                 staging_blocks: int | None, on_ready, segment: int | None = None, link=None, workers: int = 1):
         self.sim, self.pool, self.bm = sim, pool, bm
+        self.link = link  # the `Shared` link its calls run on (None: each call alone, at the profile's time)
+        self.workers = workers  # calls in flight at most (the KV connector's worker threads)
+        self.running = 0
+        self._since = 0.0  # when its first call in flight started
         self.segment = segment  # the instance's own segment of the pool (None: it holds none)
         self.on_ready = on_ready  # on_ready(now): a get is back (the instance steps if it was idle)
         self.load_enabled, self.save_enabled = load, save
@@ -244,12 +250,11 @@ class SimConnector:
         self.known: OrderedDict[int, None] = OrderedDict()
         self.queue: deque[Job] = deque()  # saves wait here; loads in self.loads, which go first
         self.loads: deque[Job] = deque()
-        self.busy = False
         self.busy_s = 0.0
         self.ready: list[Job] = []  # gets that are back: the instance takes them at its next step
         self.counters = dict.fromkeys(("loads", "loaded_blocks", "load_misses", "saves", "saved_blocks", "skipped",
-                                       "put_calls", "put_call_blocks", "put_call_s", "get_calls", "get_call_blocks",
-                                       "get_call_s"), 0)  # *_call_*: the pool calls, as the KV connector's
+                                       "put_calls", "put_call_blocks", "put_call_s", "put_job_s", "get_calls",
+                                       "get_call_blocks", "get_call_s", "get_job_s"), 0)  # as the KV connector's
 
     # --- loading (engine thread) -----------------------------------------------------------------------
 
@@ -322,32 +327,40 @@ class SimConnector:
     # --- the worker ----------------------------------------------------------------------------------------
 
     def _submit(self, job: Job) -> None:
+        job.submitted = self.sim.clock.now
         (self.loads if job.kind == "get" else self.queue).append(job)
-        if not self.busy:
-            self._next(self.sim.clock.now)
+        self._next(self.sim.clock.now)
 
     def _next(self, now: float) -> None:
-        if not self.loads and not self.queue:
-            self.busy = False
-            return
-        self.busy = True
-        job = (self.loads or self.queue).popleft()
-        if job.kind == "get":
-            job.found = self.pool.get(job.hashes, now)
-            seconds = self.sim.transfer_time(job.found)
-        else:  # what the pool turns away costs no transfer
-            job.written, held, job.local = self.pool.start_put(job.hashes, now, self.segment)
-            job.stored = job.written + held
-            seconds = self.sim.transfer_time(len(job.written), job.local)
-        self.busy_s += seconds
-        c = self.counters
-        c[f"{job.kind}_calls"] += 1
-        c[f"{job.kind}_call_blocks"] += len(job.hashes)
-        c[f"{job.kind}_call_s"] += seconds
-        self.sim.clock.at(now + seconds, self._done, job)
+        """Start calls, loads first, while a worker is free."""
+        while self.running < self.workers and (self.loads or self.queue):
+            job = (self.loads or self.queue).popleft()
+            if job.kind == "get":
+                job.found = self.pool.get(job.hashes, now)
+                seconds = self.sim.transfer_time(job.found)
+            else:  # what the pool turns away costs no transfer
+                job.written, held, job.local = self.pool.start_put(job.hashes, now, self.segment)
+                job.stored = job.written + held
+                seconds = self.sim.transfer_time(len(job.written), job.local)
+            job.started = now
+            if not self.running:
+                self._since = now
+            self.running += 1
+            if self.link is None:
+                self.sim.clock.at(now + seconds, self._done, job)
+            else:  # beside the other calls on its link
+                self.link.start(now, job, seconds, lambda t, job=job: self._done(t, job))
 
     def _done(self, now: float, job: Job) -> None:
         job.done = True
+        self.running -= 1
+        c = self.counters  # as the KV connector counts its calls
+        c[f"{job.kind}_calls"] += 1
+        c[f"{job.kind}_call_blocks"] += len(job.hashes)
+        c[f"{job.kind}_call_s"] += now - job.started
+        c[f"{job.kind}_job_s"] += now - job.submitted
+        if not self.running:  # the link was busy for this connector from `_since` to now
+            self.busy_s += now - self._since
         if job.kind == "put":  # what was turned away is not remembered: a later save tries it again
             self._release(len(job.hashes))
             self.pool.end_put(job.written, now)

@@ -46,6 +46,12 @@ STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default stag
 METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
            ("throughput (req/s)", "request_throughput", None))
 WARMUP_LENS = (128, 1024, 4096)  # gpu_disagg.sh's default WARMUP_LENS, in the order it sends them
+CALL_ROWS = {  # the pool calls, not judged: key -> (label, what)
+    "put_call_ms_per_blocks": ("put call (ms/block)", "the prefill instances' saves, the calls"),
+    "put_job_ms_per_calls": ("put job (ms)", "a save from its submission to its call's end"),
+    "get_call_ms_per_blocks": ("get call (ms/block)", "the decode instances' loads, the calls"),
+    "get_job_ms_per_calls": ("get job (ms)", "a load from its submission to its call's end"),
+}
 _INSTANCE = re.compile(r"context (\d+) tokens, (\d+) KV blocks")
 
 
@@ -59,23 +65,28 @@ def measured_step_ms(path: Path, kind: str = "decode") -> float | None:
     return 1000 * total / n if n else None
 
 
-def measured_call_ms(run_dir: Path, role: str, kind: str) -> float | None:
-    """ms per block of the pool calls of `kind` ("put", "get") that the run's `role` instances made (their /metrics
-    at the end: nanoforge_kv_pool_call_seconds / _call_blocks, servers from session 16 on), or None."""
-    seconds = blocks = 0.0
+def measured_call_ms(run_dir: Path, role: str, kind: str, what: str = "call", per: str = "blocks") -> float | None:
+    """ms per block (`per` "blocks") or per call ("calls") of the pool calls of `kind` ("put", "get") that the
+    run's `role` instances made: the calls themselves (`what` "call") or from submission to end ("job"); from
+    their /metrics at the end (nanoforge_kv_pool_{call,job}_seconds, _call_blocks, _calls: servers from session 16
+    on), or None."""
+    seconds = count = 0.0
     for f in sorted(run_dir.glob(f"metrics-{role}*.txt")):
         v = metric_values(f.read_text(), labelled=True)
-        s, b = (v.get(f'nanoforge_kv_pool_call_{x}_total{{kind="{kind}"}}') for x in ("seconds", "blocks"))
-        if s is not None and b:
-            seconds, blocks = seconds + s, blocks + b
-    return 1000 * seconds / blocks if blocks else None
+        names = (f"kv_pool_{what}_seconds", "kv_pool_calls" if per == "calls" else "kv_pool_call_blocks")
+        s, n = (v.get(f'nanoforge_{x}_total{{kind="{kind}"}}') for x in names)
+        if s is not None and n:
+            seconds, count = seconds + s, count + n
+    return 1000 * seconds / count if count else None
 
 
-def predicted_call_ms(instances: list[dict], role: str, kind: str) -> float | None:
+def predicted_call_ms(instances: list[dict], role: str, kind: str, what: str = "call",
+                      per: str = "blocks") -> float | None:
     """The same from the simulated instances' connectors."""
-    rows = [i for i in instances if i["role"] == role and i.get(f"{kind}_call_blocks")]
-    blocks = sum(i[f"{kind}_call_blocks"] for i in rows)
-    return 1000 * sum(i[f"{kind}_call_s"] for i in rows) / blocks if blocks else None
+    key = f"{kind}_calls" if per == "calls" else f"{kind}_call_blocks"
+    rows = [i for i in instances if i["role"] == role and i.get(key)]
+    count = sum(i[key] for i in rows)
+    return 1000 * sum(i[f"{kind}_{what}_s"] for i in rows) / count if count else None
 
 
 def measured_decode_loads(run_dir: Path) -> int | None:
@@ -150,7 +161,7 @@ def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: st
     return ClusterConfig(**shape, **slo, pool_gib=pool_memory * len(instances) if disagg else 0.0,
                          staging_gib=STAGING_GIB[device] if disagg else None,
                          max_model_len=min(n for n, _ in instances), num_gpu_blocks=min(b for _, b in instances),
-                         shared_gpu=True, schedule_ahead=device == "cuda")
+                         shared_gpu=True, shared_link=True, schedule_ahead=device == "cuda")
 
 
 def validate(run_dirs: Path | list[Path], profile: Profile, *, pool_memory: float, device: str,
@@ -185,7 +196,7 @@ def validate(run_dirs: Path | list[Path], profile: Profile, *, pool_memory: floa
         row = {**each[0], "runs": len(each), "metrics": metrics,
                "measured_summary": [r["measured_summary"] for r in each],
                "predicted_summary": [r["predicted_summary"] for r in each]}
-        for key in ("decode_step_ms", "decode_pool_loaded_blocks", "put_ms_per_block", "get_ms_per_block"):
+        for key in ("decode_step_ms", "decode_pool_loaded_blocks", *CALL_ROWS):
             row[key] = {side: _median([r[key][side] for r in each]) for side in ("measured", "predicted")}
         row["ok"] = all(v["ok"] for v in metrics.values())
         rows.append(row)
@@ -236,9 +247,10 @@ def _validate_run(run_dir: Path, profile: Profile, *, pool_memory: float, device
         decoder = next(i for i in instances if i["role"] != "prefill")  # the (first) decoding instance
         steps = {"measured": measured_step_ms(d / ("metrics.txt" if name == "colocated" else "metrics-decode1.txt")),
                  "predicted": decoder["step_ms"].get("decode")}
-        calls = {f"{kind}_ms_per_block": {"measured": measured_call_ms(d, role, kind),
-                                          "predicted": predicted_call_ms(instances, role, kind)}
-                 for role, kind in (("prefill", "put"), ("decode", "get"))}
+        calls = {f"{kind}_{what}_ms_per_{per}": {"measured": measured_call_ms(d, role, kind, what, per),
+                                                "predicted": predicted_call_ms(instances, role, kind, what, per)}
+                 for role, kind in (("prefill", "put"), ("decode", "get"))
+                 for what, per in (("call", "blocks"), ("job", "calls"))}
         rows[name] = {"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
                       "decode_step_ms": steps, "decode_pool_loaded_blocks": loads, **calls,
                       "measured_summary": measured, "predicted_summary": predicted}
@@ -267,8 +279,7 @@ def table(report: dict) -> str:
             lines.append(line.rstrip())
         for label, key, fmt, what in (("decode step (ms)", "decode_step_ms", ".2f", "the decoding instance's steps"),
                                       ("pool blocks loaded", "decode_pool_loaded_blocks", "", "the decode instances' loads"),
-                                      ("put (ms/block)", "put_ms_per_block", ".3f", "the prefill instances' saves"),
-                                      ("get (ms/block)", "get_ms_per_block", ".3f", "the decode instances' loads")):
+                                      *((label, key, ".3f", what) for key, (label, what) in CALL_ROWS.items())):
             v = r.get(key) or {}
             if v.get("measured") is not None and v.get("predicted") is not None:
                 err = f"{100 * (v['predicted'] - v['measured']) / v['measured']:+.1f}%" if v["measured"] else "-"

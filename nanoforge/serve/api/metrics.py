@@ -76,7 +76,9 @@ class EngineCollector(StatsCollector):
             calls = {"calls": ("kv_pool_calls", "batched pool calls, by kind (put: a save, get: a load)"),
                      "call_blocks": ("kv_pool_call_blocks", "KV blocks the pool calls asked to move, by kind"),
                      "call_s": ("kv_pool_call_seconds", "seconds in the pool calls themselves, by kind (not the "
-                                                        "wait for the worker or the device copy)")}
+                                                        "wait for the worker or the device copy)"),
+                     "job_s": ("kv_pool_job_seconds", "seconds from each call's submission to its end, by kind (the "
+                                                      "wait for a worker and a put's device copy included)")}
             for field, (name, doc) in calls.items():
                 c = CounterMetricFamily(f"nanoforge_{name}", doc, labels=["kind"])
                 for kind in ("put", "get"):
