@@ -294,6 +294,47 @@ def test_the_connector_runs_loads_ahead_of_queued_saves():
     assert back == [pytest.approx(0.014)] and conn.busy_s == pytest.approx(0.026)
 
 
+def test_calls_in_flight_share_their_link():
+    """A connector with 2 workers on a link it shares with another connector (one host: `shared_link`): its two
+    10-block puts (12 ms each alone) and the other's 4-block get (6 ms alone) start at 0, each with a third of the
+    link: the get is done at 18 ms, the puts (6 ms left each) then share it by two: both done at 30. One worker on
+    a link of its own: 12 and 24 ms, as before links were shared."""
+    from types import SimpleNamespace
+
+    from nanoforge.sim.cluster import Clock
+    from nanoforge.sim.instance import Shared
+    from nanoforge.sim.pool import Job, KVPool, SimConnector
+
+    clock = Clock()
+    sim = SimpleNamespace(clock=clock, transfer_time=lambda n, local=0: 0.002 + 0.001 * n)
+    link, done = Shared(clock), {}
+    pool = KVPool(None)
+    pool.get = lambda hashes, now: len(hashes)  # every block found
+    puts = SimConnector(sim, pool, None, load=False, save=True, staging_blocks=None, on_ready=None, link=link,
+                        workers=2)
+    gets = SimConnector(sim, pool, None, load=True, save=False, staging_blocks=None, on_ready=lambda now: None,
+                        link=link)
+    for conn, name, job in ((puts, "A", Job("put", list(range(10)))), (puts, "B", Job("put", list(range(10, 20)))),
+                            (gets, "C", Job("get", list(range(100, 104))))):
+        job.on_done.append(lambda now, name=name: done.setdefault(name, now))
+        conn._submit(job)
+    clock.run()
+    assert done == {"A": pytest.approx(0.030), "B": pytest.approx(0.030), "C": pytest.approx(0.018)}
+    assert puts.busy_s == pytest.approx(0.030) and puts.counters["put_call_s"] == pytest.approx(0.060)
+    assert gets.counters["get_job_s"] == pytest.approx(0.018)
+
+    alone = SimConnector(sim, KVPool(None), None, load=False, save=True, staging_blocks=None, on_ready=None,
+                         link=Shared(clock))
+    done.clear()
+    for name, job in (("A", Job("put", list(range(10)))), ("B", Job("put", list(range(10, 20))))):
+        job.on_done.append(lambda now, name=name: done.setdefault(name, now))
+        alone._submit(job)
+    start = clock.now
+    clock.run()
+    assert {k: v - start for k, v in done.items()} == {"A": pytest.approx(0.012), "B": pytest.approx(0.024)}
+    assert alone.counters["put_job_s"] == pytest.approx(0.012 + 0.024)  # B waited 12 ms for the worker
+
+
 def test_the_pool_admits_and_evicts_as_mooncake_does():
     """Hand-computed (LEASE_S 10 s; one eviction per round: 5% of 4, at least 1; rounds when a put finds the pool
     full and after a put that leaves it over 90%). A put grants no lease, a lookup or a read one of 10 s:

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.bench_serve import Request, Result, TraceReplay
-from nanoforge.serve.llm_engine import EngineConfig
 from nanoforge.serve.block_manager import prefix_block_hashes
 from nanoforge.serve.disagg.handover import SAVE_TIMEOUT_S
 from nanoforge.serve.disagg.router import POLICIES, Instance, Router
@@ -95,9 +94,14 @@ class ClusterConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: long enough for every request of the trace
     shared_gpu: bool = False  # every instance on one GPU, time-sliced: the steps on it share it equally
-    shared_link: bool = False  # every instance on one host: the pool calls in flight share one link equally
-    # (else each instance's calls share its own link)
-    pool_workers: int = EngineConfig.kv_pool_workers  # a KV connector's calls in flight at most (its threads)
+    # the pool's link: each connector runs `pool_workers` calls at once at most, which share its instance's link
+    # equally, or with `shared_link` one link for every instance (one host). The engine's connector has 4 workers
+    # (EngineConfig.kv_pool_workers), but one call at a time on a link of its own, at the profile's rate for one
+    # call alone, is what validates against the H200 runs: 4 calls sharing a link put 1P+1D TTFT p50 at -32 to
+    # -47% and its p90 +41% to -8% (docs/results/issue15/session16/analysis.md), where the runs' calls took 0.57
+    # ms a block (puts) and 0.49 (gets), ~2x a call alone (`simulate validate` prints both)
+    shared_link: bool = False
+    pool_workers: int = 1
     schedule_ahead: bool | None = None  # asynchronous scheduling where the engine allows it; None: on a GPU profile
     seed: int = 0
 

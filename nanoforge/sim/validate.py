@@ -161,7 +161,7 @@ def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: st
     return ClusterConfig(**shape, **slo, pool_gib=pool_memory * len(instances) if disagg else 0.0,
                          staging_gib=STAGING_GIB[device] if disagg else None,
                          max_model_len=min(n for n, _ in instances), num_gpu_blocks=min(b for _, b in instances),
-                         shared_gpu=True, shared_link=True, schedule_ahead=device == "cuda")
+                         shared_gpu=True, schedule_ahead=device == "cuda")
 
 
 def validate(run_dirs: Path | list[Path], profile: Profile, *, pool_memory: float, device: str,
