@@ -915,7 +915,7 @@ def json_rows(path):
 
 
 def test_validate_reads_the_pool_calls_ms_per_block_from_the_instances_metrics(tmp_path):
-    from nanoforge.sim.validate import measured_call_ms, predicted_call_ms
+    from nanoforge.sim.validate import measured_call_ms, measured_ttft_ms, predicted_call_ms
 
     for i, (s, b) in enumerate(((0.5, 1000), (0.3, 1000))):  # two prefill instances: 0.8 s over 2,000 blocks
         (tmp_path / f"metrics-prefill{i + 1}.txt").write_text(
@@ -931,6 +931,14 @@ def test_validate_reads_the_pool_calls_ms_per_block_from_the_instances_metrics(t
     # all 32 (the first token follows them): the same
     assert predicted_call_ms(stats, "prefill", "put") == pytest.approx(34 / 32)
     assert predicted_call_ms(stats, "decode", "get") == pytest.approx(34 / 32)
+    assert predicted_call_ms(stats, "prefill", "put", "job", "calls") == pytest.approx(34)  # no wait: 34 ms a call
+    # each instance's own TTFT, as its server's histogram has it: the prefill instance's 512-token step (522 ms);
+    # the decode instance's load (34 ms), then its first token, a one-token step (6 ms)
+    by_role = {i["role"]: i["ttft_ms"] for i in stats}
+    assert by_role == {"prefill": pytest.approx(522), "decode": pytest.approx(40)}
+    (tmp_path / "metrics-decode1.txt").write_text("nanoforge_time_to_first_token_seconds_sum 3.0\n"
+                                                  "nanoforge_time_to_first_token_seconds_count 60.0\n")
+    assert measured_ttft_ms(tmp_path, "decode") == pytest.approx(50.0)
 
 
 def test_early_rejection_on_tpot_never_locks_an_idle_cluster_out():

@@ -166,6 +166,7 @@ class SimRequest:
     prefill: SimInstance | None = None
     decode: SimInstance | None = None
     reached_prefill: float = 0.0
+    reached_decode: float = 0.0
     engine_first_token: float | None = None  # on the instance that computed the prompt
     first_token: float | None = None  # at the client
     decode_start: float | None = None  # the conductor hands it to its decode instance (colocated: first token)
@@ -370,6 +371,7 @@ class Simulation:
         group = SequenceGroup(str(req.index), req.prompt, self._params(req, prefill=False), now,
                               outputs=[(0, [req.token], None)])
         group.seqs[0].block_hashes = list(req.hashes)
+        req.reached_decode = now
         req.decode.take_request(req.input_len)
         req.decode.add(now, group, req, req.hashes)
 
@@ -378,6 +380,7 @@ class Simulation:
     def on_token(self, now: float, inst: SimInstance, req: SimRequest, seq) -> None:
         if req.engine_first_token is None and inst is req.prefill:
             req.engine_first_token = now
+            inst.first_tokens.append(now - req.reached_prefill)
             req.cached_tokens = seq.num_cached_tokens
             if self.config.colocated:  # the token leaves at once, and the same instance goes on
                 self._first_token(now, req)
@@ -385,6 +388,7 @@ class Simulation:
                 req.decode_start = now
         elif req.decode_first is None and req.decode_start is not None and inst is req.decode:
             req.decode_first = now
+            inst.first_tokens.append(now - req.reached_decode)
 
     def on_finished(self, now: float, inst: SimInstance, req: SimRequest, group: SequenceGroup) -> None:
         if inst is req.prefill and self.config.disaggregated:  # the prompt is done: answer once it is saved
@@ -517,6 +521,7 @@ class Simulation:
                    "prefill_tokens": inst.prefill_tokens, "decode_tokens": inst.decode_tokens,
                    "tokens_per_step": (inst.prefill_tokens + inst.decode_tokens) / inst.steps if inst.steps else 0.0,
                    "step_ms": {k: 1000 * t / n for k, (n, t) in inst.turns.items() if n},
+                   "ttft_ms": 1000 * sum(inst.first_tokens) / len(inst.first_tokens) if inst.first_tokens else None,
                    "peak_kv_blocks": inst.peak_blocks, "kv_blocks": inst.scheduler.config.num_gpu_blocks,
                    "preemptions": s["preemptions"], "prefix_cache_hit_rate": s["prefix_cache_hit_rate"]}
             if inst.connector is not None:

@@ -91,6 +91,7 @@ class SimInstance:
         self.depth = 1 + (ahead and (pool is None or role == "decode"))  # steps in flight at most
         self.requests: dict[str, object] = {}  # request id -> the simulator's request state
         self.busy_s = 0.0
+        self.first_tokens: list[float] = []  # each request's first token here, from the engine taking it (warm-ups too)
         self.host_due = 0.0  # the server's work on requests taken while busy, for the next step (request_host_time)
         self.turns = {k: [0, 0.0] for k in KINDS}  # per step kind: steps, seconds from going on the device to done
         self._on_device_at = 0.0

@@ -46,7 +46,9 @@ STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default stag
 METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
            ("throughput (req/s)", "request_throughput", None))
 WARMUP_LENS = (128, 1024, 4096)  # gpu_disagg.sh's default WARMUP_LENS, in the order it sends them
-CALL_ROWS = {  # the pool calls, not judged: key -> (label, what)
+CALL_ROWS = {  # the instances' own TTFT and the pool calls, not judged: key -> (label, what)
+    "prefill_ttft_ms": ("prefill inst. TTFT", "its mean, warm-up included; the server's from before its parsing"),
+    "decode_ttft_ms": ("decode inst. TTFT", "its mean from the hand-over, warm-up included; its load in it"),
     "put_call_ms_per_blocks": ("put call (ms/block)", "the prefill instances' saves, the calls"),
     "put_job_ms_per_calls": ("put job (ms)", "a save from its submission to its call's end"),
     "get_call_ms_per_blocks": ("get call (ms/block)", "the decode instances' loads, the calls"),
@@ -75,6 +77,18 @@ def measured_call_ms(run_dir: Path, role: str, kind: str, what: str = "call", pe
         v = metric_values(f.read_text(), labelled=True)
         names = (f"kv_pool_{what}_seconds", "kv_pool_calls" if per == "calls" else "kv_pool_call_blocks")
         s, n = (v.get(f'nanoforge_{x}_total{{kind="{kind}"}}') for x in names)
+        if s is not None and n:
+            seconds, count = seconds + s, count + n
+    return 1000 * seconds / count if count else None
+
+
+def measured_ttft_ms(run_dir: Path, role: str) -> float | None:
+    """The `role` instances' mean TTFT in ms (their nanoforge_time_to_first_token_seconds at the end, warm-up
+    included), or None."""
+    seconds = count = 0.0
+    for f in sorted(run_dir.glob(f"metrics-{role}*.txt")):
+        v = metric_values(f.read_text())
+        s, n = (v.get(f"nanoforge_time_to_first_token_seconds_{x}") for x in ("sum", "count"))
         if s is not None and n:
             seconds, count = seconds + s, count + n
     return 1000 * seconds / count if count else None
@@ -251,6 +265,10 @@ def _validate_run(run_dir: Path, profile: Profile, *, pool_memory: float, device
                                                 "predicted": predicted_call_ms(instances, role, kind, what, per)}
                  for role, kind in (("prefill", "put"), ("decode", "get"))
                  for what, per in (("call", "blocks"), ("job", "calls"))}
+        for role in ("prefill", "decode"):
+            ttfts = [i["ttft_ms"] for i in instances if i["role"] == role and i["ttft_ms"] is not None]
+            calls[f"{role}_ttft_ms"] = {"measured": measured_ttft_ms(d, role),
+                                        "predicted": sum(ttfts) / len(ttfts) if ttfts else None}
         rows[name] = {"config": name, "cluster": config.label(), "requests": len(replay), "metrics": metrics,
                       "decode_step_ms": steps, "decode_pool_loaded_blocks": loads, **calls,
                       "measured_summary": measured, "predicted_summary": predicted}
