@@ -34,7 +34,7 @@ class Shared:
     """One resource under jobs that share it equally (processor sharing): each of the k jobs running gets 1/k of
     it, so a job of s seconds alone takes 2s beside another for as long as both run. A GPU under the steps of the
     instances on it (each has at most one step on the device; a step scheduled ahead waits for the one before
-    it), or one host's pool link under the KV connectors' calls (each connector runs one call at a time)."""
+    it), or a pool link under the KV connectors' calls in flight (`ClusterConfig.pool_workers`, `shared_link`)."""
 
     def __init__(self, clock):
         self.clock = clock

@@ -43,10 +43,14 @@ the pool calls replaced by modelled transfers:
   get's until the engine takes it up), as `KVConnector._reserve` does, so while calls queue on the link a new
   save gets fewer slots or none: it is cut short or skipped ("skipped"), and the hand-over does not wait for
   what it left out (the decode instance computes it);
-- the calls go one after another, loads ahead of saves, as in the engine's connector (its worker threads
-  take loads first; they are several, but Mooncake's rate did not grow with calls at once on the H200's host:
-  `benchmarks/pool_transfer.py`, so the link is modelled as one): a call starts when the one before it is
-  done, and takes `Simulation.transfer_time(blocks moved, of them into its own segment)` (the profile's).
+- the calls go one after another by default, loads ahead of saves, as in the engine's connector (its worker
+  threads take loads first; they are several, but Mooncake's rate did not grow with calls at once on the H200's
+  host: `benchmarks/pool_transfer.py`, so the link is modelled as one): a call starts when the one before it is
+  done, and takes `Simulation.transfer_time(blocks moved, of them into its own segment)` (the profile's). With
+  `ClusterConfig.pool_workers` > 1 up to that many calls run at once and share the connector's link equally
+  (`Shared`), or with `shared_link` every connector's calls share one link (one host); not the default, which is
+  what validates (`docs/results/issue15/session16/analysis.md`). Each call's time on the link and each job's
+  from its submission are counted as the engine's connector counts them (`*_call_s`, `*_job_s`).
 """
 
 from __future__ import annotations
@@ -234,7 +238,7 @@ class Job:
 
 
 class SimConnector:
-    """An instance's KV connector (see the module's docstring); `link` runs its jobs one at a time."""
+    """An instance's KV connector (see the module's docstring): up to `workers` calls at once on `link`."""
 
     def __init__(self, sim, pool: KVPool, bm: BlockManager, *, load: bool, save: bool,
                  staging_blocks: int | None, on_ready, segment: int | None = None, link=None, workers: int = 1):
