@@ -15,6 +15,12 @@
 #   2p1d-rr       --prefill 2 --decode 1 --policy round-robin
 #   2p1d-ca       --prefill 2 --decode 1 --policy cache-aware (Mooncake's: predicted TTFT with cache hits)
 #   2p1d-ca-slo   the same with early rejection: --ttft-slo / --tpot-slo at the SLOs (429s count as failures)
+#   colocated2    --colocated 2 --policy cache-aware: two colocated instances behind the conductor, sharing the pool
+#                 (the baseline for 1p1d at the same GPU count)
+#
+# DEVICES=0,1 gives each instance of the --disagg configurations a GPU of its own (`serve --devices`; 1p1d and
+# colocated2 on two GPUs: `DEVICES=0,1 CONFIGS="1p1d colocated2"`); without it they share the one GPU. The run
+# directory then holds devices.txt, which `nanoforge simulate validate` reads (one GPU per instance, not shared).
 #
 # Per run under $OUT/PRESET/CONFIG: serve.json (summary + every request), serve_cdf.png, server.log and the
 # /metrics of the server (and of every instance). Per preset: disagg.json (every run's summary, pool hit rate,
@@ -74,10 +80,16 @@ run() {  # run PRESET CONFIG: start the server or cluster, warm it up, replay th
         2p1d-ca-slo) flags=(--disagg --prefill 2 --decode 1 --policy cache-aware
                             --ttft-slo "$(awk "BEGIN {print $SLO_TTFT_MS / 1000}")"
                             --tpot-slo "$(awk "BEGIN {print $SLO_TPOT_MS / 1000}")") ;;
+        colocated2)  flags=(--disagg --colocated 2 --policy cache-aware) ;;
         *) echo "unknown config $config" >&2; return 2 ;;
     esac
-    [[ ${#flags[@]} -gt 0 ]] && { banner="nanoforge conductor:"; flags+=(--pool-memory "$POOL_MEMORY"); }
     mkdir -p "$dir"
+    rm -f "$dir/devices.txt"
+    if [[ ${#flags[@]} -gt 0 ]]; then
+        banner="nanoforge conductor:"
+        flags+=(--pool-memory "$POOL_MEMORY")
+        [[ -n "${DEVICES:-}" ]] && { flags+=(--devices "$DEVICES"); echo "$DEVICES" >"$dir/devices.txt"; }
+    fi
     $PY -m nanoforge.cli serve --model "$MODEL_DIR" --port 0 --served-model-name "$preset-random" \
         --max-model-len "$MAX_MODEL_LEN" --max-waiting 100000 --device "$DEVICE" --log-level warning "${flags[@]}" $SERVE_FLAGS \
         >"$log" 2>&1 &

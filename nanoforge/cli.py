@@ -164,6 +164,12 @@ def _add_serve(sub):
                         "decode instances, and a conductor at --host:--port, all on loopback")
     g.add_argument("--prefill", type=_positive_int, default=1, metavar="N", help="with --disagg: prefill instances")
     g.add_argument("--decode", type=_positive_int, default=1, metavar="M", help="with --disagg: decode instances")
+    g.add_argument("--colocated", type=_positive_int, default=None, metavar="K",
+                   help="with --disagg, instead of --prefill and --decode: K colocated instances (--role both) behind "
+                        "the conductor, sharing the pool (the baseline at the same GPU count)")
+    g.add_argument("--devices", default=None, metavar="I,J,...",
+                   help="with --disagg: a GPU of its own for each instance, in order (prefill, then decode; or the "
+                        "colocated ones), e.g. 0,1 (default: all on the one GPU, each with a share of its memory)")
     _add_routing_arguments(g)
     p.set_defaults(func=cmd_serve)
 
@@ -187,9 +193,11 @@ def _add_routing_arguments(g) -> None:
 def cmd_serve(args) -> int:
     from nanoforge.serve.api import run_server
 
-    if not args.disagg and (args.prefill != 1 or args.decode != 1):
-        raise NanoforgeError("--prefill and --decode count the instances of --disagg; give --disagg too",
-                             param="disagg")
+    if not args.disagg and (args.prefill != 1 or args.decode != 1 or args.colocated or args.devices):
+        raise NanoforgeError("--prefill, --decode, --colocated and --devices describe the instances of --disagg; "
+                             "give --disagg too", param="disagg")
+    if args.colocated and (args.prefill != 1 or args.decode != 1):
+        raise NanoforgeError("give --colocated K, or --prefill N and --decode M, not both", param="colocated")
     if args.disagg:
         if args.model is None or args.store or args.role is not None:
             raise NanoforgeError("--disagg needs --model DIR and starts its own mooncake_master and roles: drop "
@@ -270,9 +278,12 @@ def _first_chat(base_url: str) -> None:
 def _add_conductor(sub):
     p = sub.add_parser("conductor", help="the front door of a disaggregated cluster: routes each request to a "
                                          "prefill and a decode instance (OpenAI-compatible HTTP)")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
                    help="prefill instances (`nanoforge serve --role prefill`), e.g. http://10.0.0.2:8001")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (--role decode)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instances (--role decode)")
+    p.add_argument("--colocated", nargs="+", default=[], metavar="URL",
+                   help="instead of --prefill and --decode: colocated instances (--role both), each running whole "
+                        "requests (the baseline at the same GPU count)")
     p.add_argument("--store", metavar="MASTER_ADDR", default=None,
                    help="host:port of the instances' mooncake_master: route by what the KV pool holds")
     p.add_argument("--store-hostname", default="127.0.0.1", help="this machine's address for the pool's clients")

@@ -31,9 +31,9 @@ from nanoforge.serve.disagg.mooncake_store import MooncakeMaster  # noqa: E402
 class Cluster:
     """The launcher's process and what it printed: the conductor's URL, and the URL and pid of every child."""
 
-    def __init__(self, model_dir: Path):
-        cmd = [sys.executable, "-m", "nanoforge.cli", "serve", "--disagg", "--model", str(model_dir), "--prefill", "2",
-               "--decode", "2", "--port", "0", "--device", "cpu", "--pool-memory", "0.02", "--policy", "round-robin",
+    def __init__(self, model_dir: Path, shape: tuple[str, ...] = ("--prefill", "2", "--decode", "2")):
+        cmd = [sys.executable, "-m", "nanoforge.cli", "serve", "--disagg", "--model", str(model_dir), *shape,
+               "--port", "0", "--device", "cpu", "--pool-memory", "0.02", "--policy", "round-robin",
                "--served-model-name", MODEL, "--max-num-seqs", "64", "--shutdown-timeout", "3",
                "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -55,7 +55,7 @@ class Cluster:
             self.lines.append(line.rstrip())
             if m := re.search(r"mooncake_master at (\S+) \(pid (\d+)\)", line):
                 self.children["master"] = (m.group(1), int(m.group(2)))
-            elif m := re.search(r"--disagg: ((?:prefill|decode) \d) at (\S+) \(pid (\d+)\)", line):
+            elif m := re.search(r"--disagg: ((?:prefill|decode|both) \d) at (\S+) \(pid (\d+)\)", line):
                 self.children[m.group(1)] = (m.group(2), int(m.group(3)))
             elif m := re.search(r"^nanoforge conductor: \S+ at (http://127\.0\.0\.1:\d+)/v1", line):
                 self.url = m.group(1)
@@ -276,3 +276,27 @@ def test_the_launcher_passes_the_engine_flags_it_was_given_to_every_instance():
     given = cmd("--no-graph-prefill", "--async-scheduling", "--kv-pool-workers", "2", "--max-num-seqs", "7")
     assert "--no-graph-prefill" in given and "--async-scheduling" in given
     assert given[given.index("--kv-pool-workers") + 1] == "2" and given[given.index("--max-num-seqs") + 1] == "7"
+
+
+def test_colocated_instances_behind_the_conductor(model, tok, tmp_path, llm):
+    """`serve --disagg --colocated 2`: two --role both instances sharing the pool, each running whole requests
+    behind the conductor (round-robin here: each takes every other), the single engine's greedy tokens; a prompt
+    computed on one is a pool hit on the other; SIGTERM stops the three processes and the master."""
+    save_model(model, tmp_path)
+    tok.save(tmp_path)
+    c = Cluster(tmp_path, ("--colocated", "2"))
+    try:
+        assert any("(2 colocated instances, policy round-robin" in line for line in c.lines)
+        assert sorted(n for n in c.children if n != "master") == ["both 1", "both 2"]
+        prefix = [(5 * i) % 60 for i in range(160)]  # 10 full blocks
+        prompts = [prefix + [1], prefix + [2], [7, 8, 9], [9, 8, 7, 6]]
+        outs = [complete(c.url, p) for p in prompts]
+        assert [o["choices"][0]["text"] for o in outs] == [w.text for w in greedy(llm, prompts, 8)]
+        assert outs[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 160  # from the pool: the other one's
+        assert [instance_metric(c, n, "nanoforge_e2e_request_latency_seconds_count") for n in ("both 1", "both 2")] \
+            == [2, 2]
+    finally:
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(60) == 128 + signal.SIGTERM, "\n".join(c.lines[-20:])
+    assert "stopped the conductor, 2 instances and mooncake_master" in c.lines[-1]
+    assert not [name for name, (_, pid) in c.children.items() if alive(pid)]

@@ -113,6 +113,10 @@ def test_one_request_colocated_and_disaggregated():
     # the front door's latency and the conductor's two hops add up where they happen
     r = run(rows, profile(request_s=0.002, handover_s=0.001), prefill=1, decode=1).results[0]
     assert (r.ttft_ms, r.e2e_ms) == (ms(0.002 + 0.001 + ttft), ms(0.002 + 0.001 + ttft + 0.001 + decode))
+    # colocated instances behind a conductor (serve --disagg --colocated K) take one hop; a lone one, none
+    for k, hop in ((1, 0.0), (2, 0.001)):
+        r = run(rows, profile(request_s=0.002, handover_s=0.001), colocated=k).results[0]
+        assert (r.ttft_ms, r.e2e_ms) == (ms(0.002 + hop + 0.110), ms(0.002 + hop + 0.110 + 4 * 0.006))
 
     # the server's work per streamed token lengthens every step that samples: 0.5 ms per sampled token
     r = run(rows, profile(per_token_s=0.0005), colocated=1).results[0]
@@ -939,6 +943,21 @@ def test_validate_reads_the_pool_calls_ms_per_block_from_the_instances_metrics(t
     (tmp_path / "metrics-decode1.txt").write_text("nanoforge_time_to_first_token_seconds_sum 3.0\n"
                                                   "nanoforge_time_to_first_token_seconds_count 60.0\n")
     assert measured_ttft_ms(tmp_path, "decode") == pytest.approx(50.0)
+
+
+def test_validate_builds_the_cluster_the_script_started():
+    """gpu_disagg.sh's configurations as the simulator's clusters: one GPU shared unless the run gave each
+    instance its own (DEVICES: devices.txt), the pool behind every --disagg configuration."""
+    from nanoforge.sim.validate import cluster_of
+
+    run = {"config": {"slo_ttft_ms": 2000, "slo_tpot_ms": 50}}
+    log = "context 8192 tokens, 34817 KV blocks\ncontext 8192 tokens, 35159 KV blocks\n"
+    one = cluster_of("colocated", run, "context 8192 tokens, 70000 KV blocks", pool_memory=8, device="cuda")
+    assert (one.colocated, one.pool_gib, one.shared_gpu, one.num_gpu_blocks) == (1, 0.0, True, 70000)
+    pd = cluster_of("1p1d", run, log, pool_memory=8, device="cuda", own_gpus=True)
+    assert (pd.prefill, pd.decode, pd.pool_gib, pd.shared_gpu, pd.num_gpu_blocks) == (1, 1, 16.0, False, 34817)
+    two = cluster_of("colocated2", run, log, pool_memory=8, device="cuda")
+    assert (two.colocated, two.policy, two.pool_gib, two.shared_gpu, two.ttft_slo) == (2, "cache-aware", 16.0, True, 2.0)
 
 
 def test_early_rejection_on_tpot_never_locks_an_idle_cluster_out():

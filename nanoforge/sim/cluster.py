@@ -4,11 +4,12 @@ A request's life, as the real conductor (`serve/disagg/conductor.py`) runs it, w
 
     arrival      (+ Profile.request_time) the conductor checks it (`check_request`), computes its block keys,
                  asks the pool how many leading blocks it holds, and lets the Router choose the instances or
-                 reject it early (its 429); `Router.prefill_started`. With colocated instances the front door
-                 is the chosen instance's own server: the request is routed as it arrives and spends its
-                 request time there, and the steps running on that instance meanwhile pay the server's work on
-                 it (`SimInstance.take_request`); a disaggregated cluster's prefill instance takes that work when
-                 the conductor hands the request over
+                 reject it early (its 429); `Router.prefill_started`. A single colocated instance has no
+                 conductor: its own server is the front door, so the request is routed as it arrives and spends
+                 its request time there, and the steps running on that instance meanwhile pay the server's work
+                 on it (`SimInstance.take_request`). Behind a conductor (disaggregated, or `nanoforge serve --disagg
+                 --colocated K` with K > 1) the instance's server takes that work when the request reaches it,
+                 one hop after routing
     prefill      (+ frontend.handover_s) the prefill instance computes what neither its prefix cache nor the
                  pool holds and samples the first token, then saves the prompt's blocks to the pool and
                  answers once they are there (at most SAVE_TIMEOUT_S): the first token reaches the client;
@@ -318,14 +319,19 @@ class Simulation:
         req = SimRequest(-k, now, q.input_len, q.output_len, token=1 + k % 250, prompt=list(q.prompt), warmup=True)
         self._front_door(now, req)
 
+    @property
+    def conducted(self) -> bool:
+        """Whether a conductor stands in front of the instances (all but a single colocated one)."""
+        return self.config.colocated != 1
+
     def _front_door(self, now: float, req: SimRequest) -> None:
         """The request's time from the client to an engine's queue (`Profile.request_time`): in the conductor,
-        before it routes (disaggregated), or in the colocated instance it is routed to at once."""
+        before it routes, or in a lone colocated instance, which takes it at once."""
         latency = self.profile.request_time(req.input_len)
-        if self.config.colocated:
-            self._route(now, req, latency)
-        else:
+        if self.conducted:
             self.clock.at(now + latency, self._route, req)
+        else:
+            self._route(now, req, latency)
 
     def _route(self, now: float, req: SimRequest, latency: float = 0.0) -> None:
         """Route `req`; `latency`: its front door's time still to come, in the chosen (colocated) instance."""
@@ -349,7 +355,7 @@ class Simulation:
         req.ahead = self.router.prefill_started(req.plan)
         req.prefill = self.by_name[req.plan.prefill.url]
         req.decode = self.by_name[req.plan.decode.url]
-        if self.config.disaggregated:
+        if self.conducted:  # one hop to the chosen instance
             self.clock.at(now + self.profile.frontend["handover_s"], self._start_prefill, req)
         else:
             req.prefill.take_request(req.input_len)
@@ -363,7 +369,7 @@ class Simulation:
         req.reached_prefill = now
         group = SequenceGroup(str(req.index), req.prompt, self._params(req, prefill=self.config.disaggregated), now)
         group.seqs[0].block_hashes = list(req.hashes)  # a pure function of the tokens: computed once, here
-        if self.config.disaggregated:  # the hand-over reaches the prefill instance's server
+        if self.conducted:  # the request reaches the instance's server from the conductor
             req.prefill.take_request(req.input_len)
         req.prefill.add(now, group, req, req.hashes)
 

@@ -3,11 +3,12 @@
     nanoforge simulate validate RUN_DIR [RUN_DIR ...] --profile PROFILE.json [--pool-memory GIB] [--device cuda|cpu]
 
 RUN_DIR is one preset's directory of that script's output ($OUT/PRESET): one directory per configuration
-(colocated, 1p1d, 2p1d-rr, 2p1d-ca, 2p1d-ca-slo), each with `serve.json` (bench serve's summary, its settings and
+(colocated, 1p1d, 2p1d-rr, 2p1d-ca, 2p1d-ca-slo, colocated2), each with `serve.json` (bench serve's summary, its settings and
 every request) and `server.log`. Each configuration is simulated on the same requests: the trace slice
 ($OUT/trace.jsonl) replayed with the settings bench serve recorded (length and time scales, caps, trace block
 tokens, vocabulary and seed, so every prompt is the same token for token and hits the same blocks), on the cluster
-the script started (one GPU shared by every instance, the instances' context and KV blocks read from the log,
+the script started (one GPU shared by every instance, or one GPU each where the run holds `devices.txt`: the
+script's DEVICES; the instances' context and KV blocks read from the log,
 `--pool-memory` GiB of pool per instance, the connector's staging buffer of the device, the same policy and
 SLOs). Printed and written as `sim_validation.json` / `.txt`: measured vs predicted TTFT p50 / p90, TPOT p50 and
 request throughput, relative errors, and whether each is within `--tolerance` (15%).
@@ -41,6 +42,7 @@ CONFIGS = {
     "2p1d-rr": {"prefill": 2, "decode": 1, "policy": "round-robin"},
     "2p1d-ca": {"prefill": 2, "decode": 1, "policy": "cache-aware"},
     "2p1d-ca-slo": {"prefill": 2, "decode": 1, "policy": "cache-aware", "early_reject": True},
+    "colocated2": {"colocated": 2, "policy": "cache-aware"},
 }
 STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default staging buffer (EngineConfig)
 METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
@@ -162,8 +164,10 @@ def recorded_gap_s(config_dir: Path, run: dict) -> float | None:
     return max(0.0, run["started_unix"] - w["started_unix"] - w["summary"]["duration_s"])
 
 
-def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: str) -> ClusterConfig:
-    """The cluster gpu_disagg.sh started for configuration `name`."""
+def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: str,
+               own_gpus: bool = False) -> ClusterConfig:
+    """The cluster gpu_disagg.sh started for configuration `name` (`own_gpus`: a GPU for each instance, its
+    DEVICES; else all on one)."""
     shape = CONFIGS[name]
     instances = [(int(a), int(b)) for a, b in _INSTANCE.findall(log)]
     if not instances:
@@ -171,11 +175,11 @@ def cluster_of(name: str, run: dict, log: str, *, pool_memory: float, device: st
     c = run["config"]
     slo = {"ttft_slo": c["slo_ttft_ms"] / 1000 if c.get("slo_ttft_ms") else None,
            "tpot_slo": c["slo_tpot_ms"] / 1000 if c.get("slo_tpot_ms") else None}
-    disagg = "prefill" in shape
-    return ClusterConfig(**shape, **slo, pool_gib=pool_memory * len(instances) if disagg else 0.0,
-                         staging_gib=STAGING_GIB[device] if disagg else None,
+    pooled = "prefill" in shape or shape.get("colocated", 1) > 1  # a --disagg cluster: the pool behind it
+    return ClusterConfig(**shape, **slo, pool_gib=pool_memory * len(instances) if pooled else 0.0,
+                         staging_gib=STAGING_GIB[device] if pooled else None,
                          max_model_len=min(n for n, _ in instances), num_gpu_blocks=min(b for _, b in instances),
-                         shared_gpu=True, schedule_ahead=device == "cuda")
+                         shared_gpu=not own_gpus, schedule_ahead=device == "cuda")
 
 
 def validate(run_dirs: Path | list[Path], profile: Profile, *, pool_memory: float, device: str,
@@ -246,7 +250,8 @@ def _validate_run(run_dir: Path, profile: Profile, *, pool_memory: float, device
         path = trace if trace.is_file() else Path(run["config"]["trace"])
         replay = replay_of(run, path)
         log = (d / "server.log").read_text() if (d / "server.log").is_file() else ""
-        config = cluster_of(name, run, log, pool_memory=pool_memory, device=device)
+        config = cluster_of(name, run, log, pool_memory=pool_memory, device=device,
+                            own_gpus=(d / "devices.txt").is_file())
         trace_tokens = sum(replay.input_len(i) for i in range(len(replay)))
         gap = warmup_gap_s if warmup_gap_s is not None else recorded_gap_s(d, run)
         warmup = None if gap is None else (warmup_of(d, trace_tokens), gap)
@@ -259,7 +264,8 @@ def _validate_run(run_dir: Path, profile: Profile, *, pool_memory: float, device
         predicted_loads = sum(i.get("loaded_blocks", 0) for i in instances if i["role"] == "decode")
         loads = {"measured": measured_decode_loads(d), "predicted": predicted_loads if config.disaggregated else None}
         decoder = next(i for i in instances if i["role"] != "prefill")  # the (first) decoding instance
-        steps = {"measured": measured_step_ms(d / ("metrics.txt" if name == "colocated" else "metrics-decode1.txt")),
+        decoding = {"colocated": "metrics.txt", "colocated2": "metrics-both1.txt"}.get(name, "metrics-decode1.txt")
+        steps = {"measured": measured_step_ms(d / decoding),
                  "predicted": decoder["step_ms"].get("decode")}
         calls = {f"{kind}_{what}_ms_per_{per}": {"measured": measured_call_ms(d, role, kind, what, per),
                                                 "predicted": predicted_call_ms(instances, role, kind, what, per)}

@@ -2,6 +2,7 @@
 
     nanoforge conductor --prefill URL... --decode URL... [--store MASTER] [--policy cache-aware]
                         [--ttft-slo S] [--tpot-slo S]
+    nanoforge conductor --colocated URL... [...]          (instances started with --role both)
 
 It serves the single server's API with the single server's code (`serve/api/`:
 the same parsing, 4xx bodies, streams, usage and `/metrics`), but instead of an
@@ -17,6 +18,13 @@ decode instance (`handover.py` has the protocol):
    the first tokens. They go to the client at once.
 3. POST the prompt and first tokens to the decode instance: it loads the
    blocks from the pool and streams the rest, which goes on to the client.
+
+Over colocated instances (`--colocated`, the baseline at the same GPU count) step 1
+is the same, with the Router choosing one instance for the whole request (its
+`colocated` mode, as the cluster simulator's), and steps 2-3 are one POST to
+that instance's /disagg/generate, whose events stream on to the client; the
+router learns from the first event what it learns from a prefill answer, and
+from the rest what it learns from a decode instance.
 
 An instance that cannot be reached, or drops the connection before its answer
 began, is marked down (a health check brings it back) and the step is retried
@@ -67,11 +75,20 @@ def base_url(url: str) -> str:
 
 # --- learning the cluster ------------------------------------------------------------------------------
 
-def discover(prefill_urls: list[str], decode_urls: list[str], timeout: float) -> list[Instance]:
+def discover(prefill_urls: list[str], decode_urls: list[str], timeout: float,
+             colocated_urls: list[str] = ()) -> list[Instance]:
     """Every instance's /disagg/info, waiting up to `timeout` s for those still starting; NanoforgeError (one
-    line) if one never answers, has the wrong role, or serves another model than the rest."""
+    line) if one never answers, has the wrong role, or serves another model than the rest. Colocated instances
+    (role "both") are listed alone: a conductor routes to them or to prefill and decode instances."""
+    if colocated_urls and (prefill_urls or decode_urls):
+        raise NanoforgeError("give colocated instances, or prefill and decode instances, not both kinds",
+                             param="colocated")
+    if not colocated_urls and not (prefill_urls and decode_urls):
+        raise NanoforgeError("a conductor needs --prefill and --decode instances, or --colocated ones",
+                             param="prefill")
     instances = [Instance(base_url(u), "prefill") for u in prefill_urls] + \
-                [Instance(base_url(u), "decode") for u in decode_urls]
+                [Instance(base_url(u), "decode") for u in decode_urls] + \
+                [Instance(base_url(u), "both") for u in colocated_urls]
     deadline = time.monotonic() + timeout
     waiting = list(instances)
     told = False
@@ -190,8 +207,13 @@ class Conductor:
                  health_interval: float = 1.0, seed: int = 0):
         info = instances[0].info
         self.instances = instances
-        self.router = Router([i for i in instances if i.role == "prefill"], [i for i in instances if i.role == "decode"],
-                             policy, ttft_slo=ttft_slo, tpot_slo=tpot_slo, seed=seed)
+        both = [i for i in instances if i.role == "both"]
+        if both and len(both) < len(instances):
+            raise NanoforgeError("a conductor routes to colocated instances or to prefill and decode ones, not both "
+                                 "kinds", param="colocated")
+        self.router = Router(both or [i for i in instances if i.role == "prefill"],
+                             both or [i for i in instances if i.role == "decode"], policy, ttft_slo=ttft_slo,
+                             tpot_slo=tpot_slo, seed=seed, colocated=bool(both))
         self.tokenizer = Tokenizer.from_dict(info["tokenizer"])
         self.model_name, self.max_model_len, self.block_size = info["model"], info["max_model_len"], info["block_size"]
         self.limits = SchedulerConfig(max_model_len=self.max_model_len, block_size=self.block_size,
@@ -264,7 +286,18 @@ class Conductor:
 
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, plan: Plan, pool_blocks: int,
                    arrival: float) -> AsyncIterator[RequestOutput]:
-        """The prompt's cumulative outputs: the first tokens from the prefill instance, the rest from decode."""
+        """The prompt's cumulative outputs: the first tokens from the prefill instance, the rest from decode (or
+        all from one colocated instance)."""
+        if self.router.colocated:
+            metrics = {"arrival_time": arrival}
+            async for out in self._generate(rid, prompt, params, plan, pool_blocks):
+                metrics.setdefault("first_token_time", time.monotonic())
+                out.metrics = dict(metrics)
+                if out.finished:
+                    out.metrics["finish_time"] = time.monotonic()
+                    self._finished(out)
+                yield out
+            return
         first_params = dataclasses.replace(params, max_tokens=min(params.max_tokens, 1))
         answer = await self._prefill(rid, prompt, first_params, plan, pool_blocks)
         first = OutputDecoder(rid, prompt).apply(answer["output"])
@@ -332,6 +365,73 @@ class Conductor:
             self.counters["retries"] += 1
             self.router.reroute_prefill(plan, len(prompt), pool_blocks, tuple(tried))
 
+    async def _outputs(self, inst: Instance, path: str, body: dict, rid: str,
+                       prompt: list[int]) -> AsyncIterator[RequestOutput]:
+        """The cumulative outputs an instance streams for a request (/disagg/decode, /disagg/generate), to the
+        finished one; its error answers and events raised as its errors (a 503 as a transport error: routed
+        around)."""
+        async with self.client.stream("POST", inst.url + path, json=body) as r:
+            if r.status_code != 200:
+                error = json.loads(await r.aread())
+                if r.status_code != 503:
+                    raise _relayed(inst, error, r.status_code)
+                raise httpx.RemoteProtocolError(f"answered 503: {error['error']['message']}")
+            decoder = OutputDecoder(rid, prompt)
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                if "outputs" not in event:  # an error event
+                    raise _relayed(inst, event, event["status"])
+                out = decoder.apply(event)
+                yield out
+                if out.finished:
+                    return
+            raise httpx.RemoteProtocolError("the stream ended before the request finished")
+
+    async def _generate(self, rid: str, prompt: list[int], params: SamplingParams, plan: Plan,
+                        pool_blocks: int) -> AsyncIterator[RequestOutput]:
+        """A whole request on the colocated instance the router chose. The router learns what it learns in a
+        disaggregated cluster: the first event's delay and computed tokens as a prefill answer's, then the next
+        token's delay after it and the time per token of the rest as a decode instance's."""
+        body = handover_body(rid, prompt, params)
+        tried: list[Instance] = []
+        while True:
+            inst = plan.prefill
+            ahead = self.router.prefill_started(plan)
+            start, events, batch, first, step, done = time.monotonic(), 0, None, None, None, False
+            try:
+                async with contextlib.aclosing(self._outputs(inst, "/disagg/generate", body, rid, prompt)) as outs:
+                    async for out in outs:
+                        events += 1
+                        now, tokens = time.monotonic(), max(len(c.token_ids) for c in out.outputs)
+                        if events == 1:  # the prompt is done: as a prefill instance's answer
+                            self.router.prefill_done(plan, ahead, now - start, len(prompt) - out.num_cached_tokens)
+                            batch, first_at, first_tokens = self.router.decode_started(inst), now, tokens
+                        elif events == 2:  # the next token: as a decode instance's first
+                            first, second_at, second_tokens = now - first_at, now, tokens
+                        if out.finished:
+                            later = tokens - second_tokens if events > 1 else 0
+                            step = (now - second_at) / later if later > 0 else None
+                            done = True
+                        yield out
+                        if out.finished:
+                            return
+            except httpx.TransportError as e:
+                self._lost(inst, f"{type(e).__name__}: {e}")
+                if events:
+                    raise NanoforgeError(f"the instance {inst.url} failed during the request "
+                                         f"({type(e).__name__}); retry it", status=503) from None
+            finally:
+                if not events:
+                    self.router.prefill_done(plan, ahead, None, None)
+                if batch is not None:
+                    self.router.decode_done(inst, batch, *((first, step) if done else (None, None)), len(prompt))
+            tried.append(inst)
+            self.counters["retries"] += 1
+            self.router.reroute_prefill(plan, len(prompt), pool_blocks, tuple(tried))
+            plan.decode = plan.prefill
+
     async def _decode(self, rid: str, prompt: list[int], params: SamplingParams, pending: list[CompletionOutput],
                       plan: Plan) -> AsyncIterator[RequestOutput]:
         body = handover_body(rid, prompt, params, pending)
@@ -341,21 +441,9 @@ class Conductor:
             batch = self.router.decode_started(inst)
             start, first, step, events, done = time.monotonic(), None, None, 0, False
             try:
-                async with self.client.stream("POST", inst.url + "/disagg/decode", json=body) as r:
-                    if r.status_code != 200:
-                        error = json.loads(await r.aread())
-                        if r.status_code != 503:
-                            raise _relayed(inst, error, r.status_code)
-                        raise httpx.RemoteProtocolError(f"answered 503: {error['error']['message']}")
-                    decoder = OutputDecoder(rid, prompt)
-                    async for line in r.aiter_lines():
-                        if not line:
-                            continue
-                        event = json.loads(line)
-                        if "outputs" not in event:  # an error event
-                            raise _relayed(inst, event, event["status"])
+                async with contextlib.aclosing(self._outputs(inst, "/disagg/decode", body, rid, prompt)) as outs:
+                    async for out in outs:
                         events += 1
-                        out = decoder.apply(event)
                         if events == 1:  # the first decode token: the hand-over's delay
                             first_at = time.monotonic()
                             first = first_at - start
@@ -367,7 +455,6 @@ class Conductor:
                         yield out
                         if out.finished:
                             return
-                    raise httpx.RemoteProtocolError("the stream ended before the request finished")
             except httpx.TransportError as e:
                 self._lost(inst, f"{type(e).__name__}: {e}")
                 if events:
@@ -462,9 +549,16 @@ def build_conductor_app(conductor: Conductor, *, max_waiting: int = 256,
     return app
 
 
+def describe(conductor: Conductor) -> str:
+    """"2 prefill + 1 decode instances" or "2 colocated instances"."""
+    r = conductor.router
+    return f"{len(r.prefill)} colocated instances" if r.colocated else \
+        f"{len(r.prefill)} prefill + {len(r.decode)} decode instances"
+
+
 def run_conductor(args) -> int:
     """`nanoforge conductor`: learn the instances, serve until SIGTERM / Ctrl-C."""
-    instances = discover(args.prefill, args.decode, args.wait_timeout)
+    instances = discover(args.prefill, args.decode, args.wait_timeout, args.colocated)
     store = None
     if args.store:
         from nanoforge.serve.disagg.mooncake_store import MooncakeStore
@@ -475,9 +569,8 @@ def run_conductor(args) -> int:
                               tpot_slo=args.tpot_slo, request_timeout=args.request_timeout, seed=args.seed)
         app = build_conductor_app(conductor, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes)
         slos = "".join(f", {name} SLO {v:g} s" for name, v in (("TTFT", args.ttft_slo), ("TPOT", args.tpot_slo)) if v)
-        banner = (f"nanoforge conductor: {conductor.model_name} at {{url}} ({len(conductor.router.prefill)} prefill + "
-                  f"{len(conductor.router.decode)} decode instances, policy {args.policy}{slos}, "
-                  f"{'KV pool at ' + args.store if store else 'no KV pool lookups'})")
+        banner = (f"nanoforge conductor: {conductor.model_name} at {{url}} ({describe(conductor)}, policy "
+                  f"{args.policy}{slos}, {'KV pool at ' + args.store if store else 'no KV pool lookups'})")
         return serve_app(app, args, banner)
     finally:
         if store is not None:

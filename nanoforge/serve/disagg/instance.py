@@ -7,6 +7,8 @@ whose engine shares prompt blocks through the KV pool when `--store` names a
     GET  /disagg/info       role, model, context, cache layout, limits, tokenizer: what the conductor needs
     POST /disagg/prefill    prefill (and both): compute the prompt and first tokens, save the blocks, answer
     POST /disagg/decode     decode (and both): resume with the first tokens, stream the rest as NDJSON events
+    POST /disagg/generate   both: the whole request on this instance, streamed as /disagg/decode's events (a
+                            conductor over colocated instances: `nanoforge conductor --colocated`)
 
 A prefill instance saves every computed prompt block to the pool and answers
 only once the save is done (at most `SAVE_TIMEOUT_S`; past that the decode
@@ -83,6 +85,14 @@ def add_role_routes(app: FastAPI, role: str, model_name: str,
         rid, prompt, params, outputs = parse_handover(await read_json(request, max_request_bytes), resume=True)
         stream = await engine.add([prompt], params, request_id=rid, arrival_time=time.monotonic(),
                                   outputs=[outputs])
+        return streamed(stream)
+
+    async def generate(request: Request) -> Response:
+        rid, prompt, params, _ = parse_handover(await read_json(request, max_request_bytes), resume=False)
+        return streamed(await engine.add([prompt], params, request_id=rid, arrival_time=time.monotonic()))
+
+    def streamed(stream) -> StreamingResponse:
+        """A request's outputs as NDJSON events (`OutputEncoder`), an error as a last event."""
 
         async def events():
             encoder = OutputEncoder()
@@ -102,6 +112,8 @@ def add_role_routes(app: FastAPI, role: str, model_name: str,
         app.add_api_route("/disagg/prefill", prefill, methods=["POST"])
     if role in ("decode", "both"):
         app.add_api_route("/disagg/decode", decode, methods=["POST"])
+    if role == "both":
+        app.add_api_route("/disagg/generate", generate, methods=["POST"])
 
 
 def run_instance(args) -> int:

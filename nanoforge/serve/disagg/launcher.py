@@ -1,10 +1,11 @@
-"""The local launcher: `nanoforge serve --disagg --model DIR [--prefill N --decode M]`.
+"""The local launcher: `nanoforge serve --disagg --model DIR [--prefill N --decode M | --colocated K]
+[--devices I,J,...]`.
 
 One command starts a whole cluster on this machine, all on loopback:
 
     mooncake_master             the KV pool's metadata and allocation service (127.0.0.1, a free port)
     N x nanoforge serve --role prefill --store MASTER     each a process, on a free port
-    M x nanoforge serve --role decode  --store MASTER
+    M x nanoforge serve --role decode  --store MASTER     (or K x --role both: colocated instances)
     the conductor               in this process, at --host:--port (default 127.0.0.1:8000)
 
 and stops them all on Ctrl-C or SIGTERM: the conductor drains first (requests
@@ -16,7 +17,9 @@ this process even if it is killed outright (PR_SET_PDEATHSIG).
 On a GPU the instances share it: they start one after another, each allowed
 its share of the memory (`--gpu-memory-utilization` 0.9 x k / (N + M) for the
 k-th, which counts what those before it took), unless `--kv-cache-memory`
-fixes each one's cache. On a CPU they start together.
+fixes each one's cache. With `--devices` each instance has a GPU of its own
+(`CUDA_VISIBLE_DEVICES`, in the order prefill, decode) and they start together,
+as they do on a CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.serve.api.app import serve_app
-from nanoforge.serve.disagg.conductor import Conductor, build_conductor_app, discover
+from nanoforge.serve.disagg.conductor import Conductor, build_conductor_app, describe, discover
 from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore
 from nanoforge.serve.disagg.process import env_with, spawn, stop
 
@@ -52,9 +55,10 @@ _SWITCHES = ("graph_prefill", "async_scheduling")  # on/off flags, passed where 
 class _Child:
     """An instance process whose output we echo, prefixed, until it tells us its address."""
 
-    def __init__(self, name: str, cmd: list[str]):
+    def __init__(self, name: str, cmd: list[str], device: str | None = None):
         self.name = name
-        self.proc = spawn(cmd, env=env_with(MC_TCP_BIND_ADDRESS="127.0.0.1", PYTHONUNBUFFERED="1"),
+        gpu = {} if device is None else {"CUDA_VISIBLE_DEVICES": device}
+        self.proc = spawn(cmd, env=env_with(MC_TCP_BIND_ADDRESS="127.0.0.1", PYTHONUNBUFFERED="1", **gpu),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.url: str | None = None
         self.ready = threading.Event()
@@ -101,6 +105,20 @@ def _instance_cmd(args, role: str, master: str, gpu_share: float | None) -> list
     return cmd
 
 
+def instance_devices(spec: str | None, instances: int) -> list[str] | None:
+    """`--devices I,J,...`: one GPU index for each instance, none twice (None: not given); NanoforgeError if not."""
+    if spec is None:
+        return None
+    devices = [d.strip() for d in spec.split(",")]
+    if not all(d.isdigit() for d in devices):
+        raise NanoforgeError(f"--devices takes GPU indices separated by commas (e.g. 0,1), got {spec!r}",
+                             param="devices")
+    if len(devices) != instances or len(set(devices)) != instances:
+        raise NanoforgeError(f"--devices gives each of the {instances} instances a GPU of its own: {instances} "
+                             f"different indices, got {spec!r} (leave it out to share one GPU)", param="devices")
+    return devices
+
+
 def _on_gpu(args) -> bool:
     if args.device not in ("auto",) and not args.device.startswith("cuda"):
         return False
@@ -118,8 +136,12 @@ def run_local_cluster(args) -> int:
     if not (Path(args.model) / "config.json").is_file():
         raise NanoforgeError(f"--model {args.model}: no config.json there (a model directory is needed)",
                              param="model")
-    roles = [("prefill", i + 1) for i in range(args.prefill)] + [("decode", i + 1) for i in range(args.decode)]
-    sequential = _on_gpu(args) and not args.kv_cache_memory
+    if args.colocated:
+        roles = [("both", i + 1) for i in range(args.colocated)]
+    else:
+        roles = [("prefill", i + 1) for i in range(args.prefill)] + [("decode", i + 1) for i in range(args.decode)]
+    devices = instance_devices(args.devices, len(roles))
+    sequential = _on_gpu(args) and not args.kv_cache_memory and devices is None
     children: list[_Child] = []
     master = MooncakeMaster()
     store = None
@@ -129,22 +151,23 @@ def run_local_cluster(args) -> int:
         deadline = time.monotonic() + START_TIMEOUT_S
         for k, (role, n) in enumerate(roles):
             share = 0.9 * (k + 1) / len(roles) if sequential else None
-            child = _Child(f"{role} {n}", _instance_cmd(args, role, master.address, share))
+            child = _Child(f"{role} {n}", _instance_cmd(args, role, master.address, share),
+                           None if devices is None else devices[k])
             children.append(child)
             if sequential:
                 child.wait_ready(deadline)
         for child in children:
             url = child.wait_ready(deadline)
             _say(f"nanoforge serve --disagg: {child.name} at {url} (pid {child.proc.pid})")
-        urls = {role: [c.url for c in children if c.name.startswith(role)] for role in ("prefill", "decode")}
-        instances = discover(urls["prefill"], urls["decode"], timeout=30.0)
+        urls = {role: [c.url for c in children if c.name.startswith(role)] for role in ("prefill", "decode", "both")}
+        instances = discover(urls["prefill"], urls["decode"], timeout=30.0, colocated_urls=urls["both"])
         store = MooncakeStore(master.address)
         conductor = Conductor(instances, policy=args.policy, store=store, ttft_slo=args.ttft_slo,
                               tpot_slo=args.tpot_slo)
         app = build_conductor_app(conductor, max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes)
         slos = "".join(f", {name} SLO {v:g} s" for name, v in (("TTFT", args.ttft_slo), ("TPOT", args.tpot_slo)) if v)
-        return serve_app(app, args, f"nanoforge conductor: {conductor.model_name} at {{url}} ({args.prefill} prefill "
-                                    f"+ {args.decode} decode instances, policy {args.policy}{slos}; Ctrl-C stops all)")
+        return serve_app(app, args, f"nanoforge conductor: {conductor.model_name} at {{url}} ({describe(conductor)}, "
+                                    f"policy {args.policy}{slos}; Ctrl-C stops all)")
     finally:
         for child in children:  # all at once: each drains its own requests
             if child.proc.poll() is None:
