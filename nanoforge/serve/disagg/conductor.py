@@ -399,21 +399,17 @@ class Conductor:
         while True:
             inst = plan.prefill
             ahead = self.router.prefill_started(plan)
-            start, events, batch, first, step, done = time.monotonic(), 0, None, None, None, False
+            start, events, batch, pace = time.monotonic(), 0, None, None
             try:
                 async with contextlib.aclosing(self._outputs(inst, "/disagg/generate", body, rid, prompt)) as outs:
                     async for out in outs:
                         events += 1
-                        now, tokens = time.monotonic(), max(len(c.token_ids) for c in out.outputs)
                         if events == 1:  # the prompt is done: as a prefill instance's answer
-                            self.router.prefill_done(plan, ahead, now - start, len(prompt) - out.num_cached_tokens)
-                            batch, first_at, first_tokens = self.router.decode_started(inst), now, tokens
-                        elif events == 2:  # the next token: as a decode instance's first
-                            first, second_at, second_tokens = now - first_at, now, tokens
-                        if out.finished:
-                            later = tokens - second_tokens if events > 1 else 0
-                            step = (now - second_at) / later if later > 0 else None
-                            done = True
+                            self.router.prefill_done(plan, ahead, time.monotonic() - start,
+                                                     len(prompt) - out.num_cached_tokens)
+                            batch, pace = self.router.decode_started(inst), _DecodePace(out)
+                        else:  # the rest: as a decode instance's, from here
+                            pace.observe(out)
                         yield out
                         if out.finished:
                             return
@@ -426,7 +422,7 @@ class Conductor:
                 if not events:
                     self.router.prefill_done(plan, ahead, None, None)
                 if batch is not None:
-                    self.router.decode_done(inst, batch, *((first, step) if done else (None, None)), len(prompt))
+                    self.router.decode_done(inst, batch, *pace.learned(), len(prompt))
             tried.append(inst)
             self.counters["retries"] += 1
             self.router.reroute_prefill(plan, len(prompt), pool_blocks, tuple(tried))
@@ -439,19 +435,12 @@ class Conductor:
         while True:
             inst = plan.decode
             batch = self.router.decode_started(inst)
-            start, first, step, events, done = time.monotonic(), None, None, 0, False
+            pace, events = _DecodePace(), 0
             try:
                 async with contextlib.aclosing(self._outputs(inst, "/disagg/decode", body, rid, prompt)) as outs:
                     async for out in outs:
                         events += 1
-                        if events == 1:  # the first decode token: the hand-over's delay
-                            first_at = time.monotonic()
-                            first = first_at - start
-                            first_tokens = max(len(c.token_ids) for c in out.outputs)
-                        if out.finished:
-                            later = max(len(c.token_ids) for c in out.outputs) - first_tokens
-                            step = (time.monotonic() - first_at) / later if later > 0 else None
-                            done = True
+                        pace.observe(out)
                         yield out
                         if out.finished:
                             return
@@ -461,7 +450,7 @@ class Conductor:
                     raise NanoforgeError(f"the decode instance {inst.url} failed during the request "
                                          f"({type(e).__name__}); retry it", status=503) from None
             finally:
-                self.router.decode_done(inst, batch, *((first, step) if done else (None, None)), len(prompt))
+                self.router.decode_done(inst, batch, *pace.learned(), len(prompt))
             tried.append(inst)
             self.counters["retries"] += 1
             plan.decode = self.router.choose_decode(exclude=tuple(tried))
@@ -487,6 +476,33 @@ class Conductor:
         while True:
             await asyncio.sleep(self.health_interval)
             await asyncio.gather(*map(check, self.instances))
+
+
+class _DecodePace:
+    """What the router learns from a decode: its first token's delay after the start (the hand-over, or a
+    colocated request's first token, `start`), then the mean time per token after that one."""
+
+    def __init__(self, start: RequestOutput | None = None):
+        self.start, self.tokens = time.monotonic(), _tokens(start) if start is not None else 0
+        self.first = self.step = self.at = None
+        self.finished = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now, tokens = time.monotonic(), _tokens(out)
+        if self.at is None:
+            self.first, self.at, self.tokens = now - self.start, now, tokens
+        elif out.finished:
+            later = tokens - self.tokens
+            self.step = (now - self.at) / later if later > 0 else None
+        self.finished = out.finished
+
+    def learned(self) -> tuple[float | None, float | None]:
+        """(first token's delay, time per token) of a finished decode; (None, None) for one that failed."""
+        return (self.first, self.step) if self.finished else (None, None)
+
+
+def _tokens(out: RequestOutput) -> int:
+    return max(len(c.token_ids) for c in out.outputs)
 
 
 def _relayed(inst: Instance, body: dict, status: int) -> Exception:
