@@ -389,6 +389,24 @@ class Conductor:
                     return
             raise httpx.RemoteProtocolError("the stream ended before the request finished")
 
+    async def _relay(self, inst: Instance, path: str, body: dict, rid: str,
+                     prompt: list[int]) -> AsyncIterator[RequestOutput]:
+        """`_outputs`, with an instance that cannot be reached marked down: before its first event the transport
+        error goes on (the caller tries another instance), after it the request ends with a 503."""
+        events = 0
+        try:
+            async with contextlib.aclosing(self._outputs(inst, path, body, rid, prompt)) as outs:
+                async for out in outs:
+                    events += 1
+                    yield out
+        except httpx.TransportError as e:
+            self._lost(inst, f"{type(e).__name__}: {e}")
+            if events:
+                role = "colocated" if inst.role == "both" else inst.role
+                raise NanoforgeError(f"the {role} instance {inst.url} failed during the request "
+                                     f"({type(e).__name__}); retry it", status=503) from None
+            raise
+
     async def _generate(self, rid: str, prompt: list[int], params: SamplingParams, plan: Plan,
                         pool_blocks: int) -> AsyncIterator[RequestOutput]:
         """A whole request on the colocated instance the router chose. The router learns what it learns in a
@@ -399,29 +417,24 @@ class Conductor:
         while True:
             inst = plan.prefill
             ahead = self.router.prefill_started(plan)
-            start, events, batch, pace = time.monotonic(), 0, None, None
+            start, batch, pace = time.monotonic(), None, None
             try:
-                async with contextlib.aclosing(self._outputs(inst, "/disagg/generate", body, rid, prompt)) as outs:
+                async with contextlib.aclosing(self._relay(inst, "/disagg/generate", body, rid, prompt)) as outs:
                     async for out in outs:
-                        events += 1
-                        if events == 1:  # the prompt is done: as a prefill instance's answer
+                        if pace is None:  # the prompt is done: as a prefill instance's answer
                             self.router.prefill_done(plan, ahead, time.monotonic() - start,
                                                      len(prompt) - out.num_cached_tokens)
                             batch, pace = self.router.decode_started(inst), _DecodePace(out)
                         else:  # the rest: as a decode instance's, from here
                             pace.observe(out)
                         yield out
-                        if out.finished:
-                            return
-            except httpx.TransportError as e:
-                self._lost(inst, f"{type(e).__name__}: {e}")
-                if events:
-                    raise NanoforgeError(f"the instance {inst.url} failed during the request "
-                                         f"({type(e).__name__}); retry it", status=503) from None
+                return
+            except httpx.TransportError:
+                pass  # it never answered: another one
             finally:
-                if not events:
+                if pace is None:
                     self.router.prefill_done(plan, ahead, None, None)
-                if batch is not None:
+                else:
                     self.router.decode_done(inst, batch, *pace.learned(), len(prompt))
             tried.append(inst)
             self.counters["retries"] += 1
@@ -435,20 +448,15 @@ class Conductor:
         while True:
             inst = plan.decode
             batch = self.router.decode_started(inst)
-            pace, events = _DecodePace(), 0
+            pace = _DecodePace()
             try:
-                async with contextlib.aclosing(self._outputs(inst, "/disagg/decode", body, rid, prompt)) as outs:
+                async with contextlib.aclosing(self._relay(inst, "/disagg/decode", body, rid, prompt)) as outs:
                     async for out in outs:
-                        events += 1
                         pace.observe(out)
                         yield out
-                        if out.finished:
-                            return
-            except httpx.TransportError as e:
-                self._lost(inst, f"{type(e).__name__}: {e}")
-                if events:
-                    raise NanoforgeError(f"the decode instance {inst.url} failed during the request "
-                                         f"({type(e).__name__}); retry it", status=503) from None
+                return
+            except httpx.TransportError:
+                pass  # it never answered: another one
             finally:
                 self.router.decode_done(inst, batch, *pace.learned(), len(prompt))
             tried.append(inst)
