@@ -338,6 +338,15 @@ def test_calls_in_flight_share_their_link():
     assert {k: v - start for k, v in done.items()} == {"A": pytest.approx(0.012), "B": pytest.approx(0.024)}
     assert alone.counters["put_job_s"] == pytest.approx(0.012 + 0.024)  # B waited 12 ms for the worker
 
+    # from the command line: the flags reach the cluster
+    from nanoforge.cli import build_parser
+    from nanoforge.sim.commands import config_from_args
+
+    args = build_parser().parse_args(["simulate", "--trace", "t", "--prefill", "1", "--decode", "1",
+                                      "--pool-workers", "4", "--shared-link"])
+    config = config_from_args(args)
+    assert (config.pool_workers, config.shared_link) == (4, True)
+
 
 def test_the_pool_admits_and_evicts_as_mooncake_does():
     """Hand-computed (LEASE_S 10 s; one eviction per round: 5% of 4, at least 1; rounds when a put finds the pool
@@ -634,6 +643,7 @@ def test_cli_capacity_and_sweep(tmp_path, capsys):
     (["simulate", "--trace", "{trace}", "--colocated", "1", "--profile", "{bad_profile}"], "decode.per_seq_s"),
     (["simulate", "--trace", "{trace}", "--colocated", "1", "--speedup", "0"], "--speedup"),
     (["simulate", "--trace", "{trace}", "--colocated", "1", "--early-reject"], "--early-reject needs"),
+    (["simulate", "--trace", "{trace}", "--colocated", "1", "--pool-workers", "0"], "--pool-workers"),
     (["simulate", "capacity", "--trace", "{trace}", "--colocated", "1"], "both SLOs"),
     (["simulate", "capacity", "--trace", "{trace}", "--ttft-slo", "1", "--tpot-slo", "1", "--configs", "4+"],
      "a configuration is"),

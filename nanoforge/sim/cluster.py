@@ -146,6 +146,8 @@ class ClusterConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise NanoforgeError(f"--{name.replace('_', '-')} must be > 0, got {v}", param=name)
+        if self.pool_workers < 1:
+            raise NanoforgeError(f"--pool-workers must be >= 1, got {self.pool_workers}", param="pool_workers")
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -89,6 +89,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shape: bool = True) -> 
                    help="the context; longer requests fail (default: long enough for every request)")
     g.add_argument("--shared-gpu", action="store_true",
                    help="all instances share one GPU, which time-slices between their steps (1P+1D on one GPU)")
+    g.add_argument("--pool-workers", type=int, default=1, metavar="N",
+                   help="a KV connector's pool calls in flight at most, sharing its link (the engine runs 4; 1, the "
+                        "default, is the model validated against the H200's runs)")
+    g.add_argument("--shared-link", action="store_true",
+                   help="every instance's pool calls share one link (all on one host)")
     g.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="instances that the engine lets schedule a step ahead (no pool saves) do (default: on "
                         "where the profile was measured on a GPU, as the engine does there)")
@@ -117,6 +122,7 @@ def config_from_args(args, **shape) -> ClusterConfig:
                            link_gbs=args.link_gbs, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=args.max_model_len, shared_gpu=args.shared_gpu,
+                           shared_link=args.shared_link, pool_workers=args.pool_workers,
                            schedule_ahead=args.schedule_ahead, seed=args.seed)
     config.check()
     return config
