@@ -288,6 +288,12 @@ def test_colocated_instances_behind_the_conductor(model, tok, tmp_path, llm):
     try:
         assert any("(2 colocated instances, policy round-robin" in line for line in c.lines)
         assert sorted(n for n in c.children if n != "master") == ["both 1", "both 2"]
+        # every port of ours on loopback (the others are Mooncake's transfer engine's, as in the first test)
+        ours = {int(u.rsplit(":", 1)[1]) for n, (u, _) in c.children.items() if n != "master"}
+        ours.add(int(c.url.rsplit(":", 1)[1]))
+        socks = listening({pid for _, pid in c.children.values()} | {c.proc.pid})
+        assert ours <= {port for _, port, _ in socks}
+        assert all(address == "127.0.0.1" for address, port, pid in socks if port in ours or pid == c.pid("master"))
         prefix = [(5 * i) % 60 for i in range(160)]  # 10 full blocks
         prompts = [prefix + [1], prefix + [2], [7, 8, 9], [9, 8, 7, 6]]
         outs = [complete(c.url, p) for p in prompts]

@@ -48,7 +48,7 @@ STAGING_GIB = {"cuda": 1.0, "cpu": 64 / 1024}  # the KV connector's default stag
 METRICS = (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p90 (ms)", "ttft_ms", "p90"), ("TPOT p50 (ms)", "tpot_ms", "p50"),
            ("throughput (req/s)", "request_throughput", None))
 WARMUP_LENS = (128, 1024, 4096)  # gpu_disagg.sh's default WARMUP_LENS, in the order it sends them
-CALL_ROWS = {  # the instances' own TTFT and the pool calls, not judged: key -> (label, what)
+NOT_JUDGED = {  # the instances' own TTFT and the pool calls, shown beside the judged metrics: key -> (label, what)
     "prefill_ttft_ms": ("prefill inst. TTFT", "its mean, warm-up included; the server's from before its parsing"),
     "decode_ttft_ms": ("decode inst. TTFT", "its mean from the hand-over, warm-up included; its load in it"),
     "put_call_ms_per_blocks": ("put call (ms/block)", "the prefill instances' saves, the calls"),
@@ -69,31 +69,31 @@ def measured_step_ms(path: Path, kind: str = "decode") -> float | None:
     return 1000 * total / n if n else None
 
 
-def measured_call_ms(run_dir: Path, role: str, kind: str, what: str = "call", per: str = "blocks") -> float | None:
-    """ms per block (`per` "blocks") or per call ("calls") of the pool calls of `kind` ("put", "get") that the
-    run's `role` instances made: the calls themselves (`what` "call") or from submission to end ("job"); from
-    their /metrics at the end (nanoforge_kv_pool_{call,job}_seconds, _call_blocks, _calls: servers from session 16
-    on), or None."""
-    seconds = count = 0.0
+def _per_role(run_dir: Path, role: str, total: str, count: str) -> float | None:
+    """1000 x the sum of `total` over the sum of `count` across the run's `role` instances' /metrics at the end
+    (samples as written, labels included), or None where none has them."""
+    totals = counts = 0.0
     for f in sorted(run_dir.glob(f"metrics-{role}*.txt")):
         v = metric_values(f.read_text(), labelled=True)
-        names = (f"kv_pool_{what}_seconds", "kv_pool_calls" if per == "calls" else "kv_pool_call_blocks")
-        s, n = (v.get(f'nanoforge_{x}_total{{kind="{kind}"}}') for x in names)
-        if s is not None and n:
-            seconds, count = seconds + s, count + n
-    return 1000 * seconds / count if count else None
+        t, n = v.get(total), v.get(count)
+        if t is not None and n:
+            totals, counts = totals + t, counts + n
+    return 1000 * totals / counts if counts else None
+
+
+def measured_call_ms(run_dir: Path, role: str, kind: str, what: str = "call", per: str = "blocks") -> float | None:
+    """ms per block (`per` "blocks") or per call ("calls") of the pool calls of `kind` ("put", "get") that the
+    run's `role` instances made: the calls themselves (`what` "call") or from submission to end ("job")
+    (nanoforge_kv_pool_{call,job}_seconds, _call_blocks, _calls: servers from session 16 on), or None."""
+    count = "kv_pool_calls" if per == "calls" else "kv_pool_call_blocks"
+    return _per_role(run_dir, role, f'nanoforge_kv_pool_{what}_seconds_total{{kind="{kind}"}}',
+                     f'nanoforge_{count}_total{{kind="{kind}"}}')
 
 
 def measured_ttft_ms(run_dir: Path, role: str) -> float | None:
-    """The `role` instances' mean TTFT in ms (their nanoforge_time_to_first_token_seconds at the end, warm-up
-    included), or None."""
-    seconds = count = 0.0
-    for f in sorted(run_dir.glob(f"metrics-{role}*.txt")):
-        v = metric_values(f.read_text())
-        s, n = (v.get(f"nanoforge_time_to_first_token_seconds_{x}") for x in ("sum", "count"))
-        if s is not None and n:
-            seconds, count = seconds + s, count + n
-    return 1000 * seconds / count if count else None
+    """The `role` instances' mean TTFT in ms (nanoforge_time_to_first_token_seconds, warm-up included), or None."""
+    return _per_role(run_dir, role, "nanoforge_time_to_first_token_seconds_sum",
+                     "nanoforge_time_to_first_token_seconds_count")
 
 
 def predicted_call_ms(instances: list[dict], role: str, kind: str, what: str = "call",
@@ -214,7 +214,7 @@ def validate(run_dirs: Path | list[Path], profile: Profile, *, pool_memory: floa
         row = {**each[0], "runs": len(each), "metrics": metrics,
                "measured_summary": [r["measured_summary"] for r in each],
                "predicted_summary": [r["predicted_summary"] for r in each]}
-        for key in ("decode_step_ms", "decode_pool_loaded_blocks", *CALL_ROWS):
+        for key in ("decode_step_ms", "decode_pool_loaded_blocks", *NOT_JUDGED):
             row[key] = {side: _median([r[key][side] for r in each]) for side in ("measured", "predicted")}
         row["ok"] = all(v["ok"] for v in metrics.values())
         rows.append(row)
@@ -303,7 +303,7 @@ def table(report: dict) -> str:
             lines.append(line.rstrip())
         for label, key, fmt, what in (("decode step (ms)", "decode_step_ms", ".2f", "the decoding instance's steps"),
                                       ("pool blocks loaded", "decode_pool_loaded_blocks", "", "the decode instances' loads"),
-                                      *((label, key, ".3f", what) for key, (label, what) in CALL_ROWS.items())):
+                                      *((label, key, ".3f", what) for key, (label, what) in NOT_JUDGED.items())):
             v = r.get(key) or {}
             if v.get("measured") is not None and v.get("predicted") is not None:
                 err = f"{100 * (v['predicted'] - v['measured']) / v['measured']:+.1f}%" if v["measured"] else "-"

@@ -207,10 +207,7 @@ class Conductor:
                  health_interval: float = 1.0, seed: int = 0):
         info = instances[0].info
         self.instances = instances
-        both = [i for i in instances if i.role == "both"]
-        if both and len(both) < len(instances):
-            raise NanoforgeError("a conductor routes to colocated instances or to prefill and decode ones, not both "
-                                 "kinds", param="colocated")
+        both = [i for i in instances if i.role == "both"]  # colocated instances come alone (`discover`)
         self.router = Router(both or [i for i in instances if i.role == "prefill"],
                              both or [i for i in instances if i.role == "decode"], policy, ttft_slo=ttft_slo,
                              tpot_slo=tpot_slo, seed=seed, colocated=bool(both))
@@ -424,7 +421,7 @@ class Conductor:
                         if pace is None:  # the prompt is done: as a prefill instance's answer
                             self.router.prefill_done(plan, ahead, time.monotonic() - start,
                                                      len(prompt) - out.num_cached_tokens)
-                            batch, pace = self.router.decode_started(inst), _DecodePace(out)
+                            batch, pace = self.router.decode_started(inst), _DecodePace()
                         else:  # the rest: as a decode instance's, from here
                             pace.observe(out)
                         yield out
@@ -487,16 +484,16 @@ class Conductor:
 
 
 class _DecodePace:
-    """What the router learns from a decode: its first token's delay after the start (the hand-over, or a
-    colocated request's first token, `start`), then the mean time per token after that one."""
+    """What the router learns from a decode: its first token's delay after the pace starts (at the hand-over,
+    or at a colocated request's first token), then the mean time per token after that one."""
 
-    def __init__(self, start: RequestOutput | None = None):
-        self.start, self.tokens = time.monotonic(), _tokens(start) if start is not None else 0
+    def __init__(self):
+        self.start, self.tokens = time.monotonic(), 0
         self.first = self.step = self.at = None
         self.finished = False
 
     def observe(self, out: RequestOutput) -> None:
-        now, tokens = time.monotonic(), _tokens(out)
+        now, tokens = time.monotonic(), max(len(c.token_ids) for c in out.outputs)
         if self.at is None:
             self.first, self.at, self.tokens = now - self.start, now, tokens
         elif out.finished:
@@ -507,10 +504,6 @@ class _DecodePace:
     def learned(self) -> tuple[float | None, float | None]:
         """(first token's delay, time per token) of a finished decode; (None, None) for one that failed."""
         return (self.first, self.step) if self.finished else (None, None)
-
-
-def _tokens(out: RequestOutput) -> int:
-    return max(len(c.token_ids) for c in out.outputs)
 
 
 def _relayed(inst: Instance, body: dict, status: int) -> Exception:
