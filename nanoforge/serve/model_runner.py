@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoforge.kernels.dispatch import env_choice
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
 from nanoforge.kernels.sampling import sample_tokens
@@ -166,6 +167,9 @@ class ModelRunner:
         self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        # the KV connector's copies: on a side stream, made at the first use (_copy_stream), or on the compute stream
+        self._kv_side = env_choice("NANOFORGE_KV_COPY_STREAM", ("1", "0")) == "1"
+        self._kv_stream = None
         cpu_shape = (self.cfg.n_layers, num_cpu_blocks) + shape[2:]
         cuda = self.device.type == "cuda"
         self.k_swap = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=cuda) if num_cpu_blocks else None
@@ -245,28 +249,56 @@ class ModelRunner:
     # H200's host, on the engine thread): so the blocks are gathered on the device and moved a slot at a time,
     # asynchronously from page-locked memory. On a GPU both return an event recorded after the copies: the staging
     # slots are ready (read) or free again (write) once it has happened. On the CPU the copies are done on return.
+    #
+    # The host copies run on a stream of their own (`copy_stream`), so the steps' kernels do not wait behind them:
+    # a long prompt's save moves ~200 MB over PCIe (several ms), which on the compute stream held up the prefill
+    # instance's next step, and a load's held up the decode instance's batch. Only the device-side gather
+    # (before a save's copy) and scatter (after a load's) are on the compute stream, in its order.
+    # NANOFORGE_KV_COPY_STREAM=0 puts the copies back on the compute stream (the comparison in the README).
 
     def read_blocks(self, blocks: list[int], out: torch.Tensor) -> torch.cuda.Event | None:
         idx = torch.tensor(blocks, device=self.device)
         kv = torch.empty(out.shape, dtype=out.dtype, device=self.device)
         kv[:, 0] = self.k_cache[:, idx].transpose(0, 1)
         kv[:, 1] = self.v_cache[:, idx].transpose(0, 1)
-        return self._copy_slots(out, kv)
+        if self.device.type != "cuda":
+            out.copy_(kv)
+            return None
+        side = self._copy_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))  # after the gather
+        with torch.cuda.stream(side):
+            event = self._copy_slots(out, kv)
+        kv.record_stream(side)  # the compute stream's allocator must not hand it out before the copies have read it
+        return event
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> torch.cuda.Event | None:
         idx = torch.tensor(blocks, device=self.device)
-        staged = torch.empty(kv.shape, dtype=kv.dtype, device=self.device) if kv.device != self.device else kv
-        copied = self._copy_slots(staged, kv) if staged is not kv else None
+        copied = None
+        if kv.device == self.device:  # the CPU: the staging buffer is the cache's memory already
+            staged = kv
+        else:
+            with torch.cuda.stream(self._copy_stream()):  # allocated on the copy stream: it waits for nothing
+                staged = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
+                copied = self._copy_slots(staged, kv)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)  # the scatter after the copies
+            staged.record_stream(compute)
         self.k_cache[:, idx] = staged[:, 0].transpose(0, 1)
         self.v_cache[:, idx] = staged[:, 1].transpose(0, 1)
         return copied
 
-    def _copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
-        cuda = self.device.type == "cuda"
+    def _copy_stream(self) -> torch.cuda.Stream:
+        """The stream of the KV connector's host copies: a side stream, or the compute stream where
+        NANOFORGE_KV_COPY_STREAM=0."""
+        if self._kv_stream is None:
+            self._kv_stream = torch.cuda.Stream(self.device) if self._kv_side else torch.cuda.current_stream(self.device)
+        return self._kv_stream
+
+    @staticmethod
+    def _copy_slots(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        """Slot by slot, asynchronously, on the current stream; an event recorded after the last."""
         for d, s in zip(dst, src):
-            d.copy_(s, non_blocking=cuda)
-        if not cuda:
-            return None
+            d.copy_(s, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return event
