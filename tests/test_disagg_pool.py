@@ -360,3 +360,11 @@ def test_a_dead_master_means_computing_locally_then_the_pool_again(model, tok, l
         assert run(a, [list(range(6, 60))])[0].num_cached_tokens == 48
     finally:
         a.close()
+
+
+def test_the_copy_stream_switch_is_checked_at_start_up(model, tok, monkeypatch):
+    """NANOFORGE_KV_COPY_STREAM (where the connector's host copies run on a GPU) is read when the engine is built:
+    a bad value is one line naming it, before anything is served."""
+    monkeypatch.setenv("NANOFORGE_KV_COPY_STREAM", "side")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_KV_COPY_STREAM must be 1 or 0, not 'side'"):
+        LLMEngine(model, tok, EngineConfig(num_gpu_blocks=8, block_size=BS))
