@@ -23,6 +23,7 @@ from nanoforge.serve.api import build_app  # noqa: E402
 from nanoforge.serve.disagg.conductor import Conductor, build_conductor_app, discover  # noqa: E402
 from nanoforge.serve.disagg.launcher import instance_devices  # noqa: E402
 from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore  # noqa: E402
+from nanoforge.serve.disagg.process import free_port  # noqa: E402
 from nanoforge.serve.disagg.router import Instance  # noqa: E402
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 
@@ -138,3 +139,18 @@ def test_bad_command_lines_are_one_line_and_exit_2(colocated, capsys, tmp_path):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, (argv, err)
     assert instance_devices(None, 3) is None and instance_devices("1, 0", 2) == ["1", "0"]
+
+
+def test_a_colocated_instance_that_cannot_be_reached_is_routed_around(colocated):
+    """A second conductor over a dead colocated instance (nothing listens at its address) and a live one, taking
+    turns: every request that went to the dead one is retried on the live one and answers as the single server."""
+    url, single, apps, conductor = colocated
+    live = conductor.instances[0]
+    dead = Instance(f"http://127.0.0.1:{free_port()}", "both", live.info)
+    other = Conductor([dead, Instance(live.url, "both", live.info)], policy="round-robin", health_interval=3600)
+    with serving(build_conductor_app(other)) as url2:
+        for i in range(4):
+            body = {"model": MODEL, "prompt": f"the cat {i}", "max_tokens": 6, "temperature": 0}
+            assert post(url2, body).json()["choices"] == post(single, body).json()["choices"]
+        assert other.counters["retries"] >= 1 and not dead.healthy
+        assert metric(url2, "nanoforge_handover_retries_total") >= 1

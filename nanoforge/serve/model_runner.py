@@ -291,7 +291,8 @@ class ModelRunner:
         """The stream of the KV connector's host copies: a side stream, or the compute stream where
         NANOFORGE_KV_COPY_STREAM=0."""
         if self._kv_stream is None:
-            self._kv_stream = torch.cuda.Stream(self.device) if self._kv_side else torch.cuda.current_stream(self.device)
+            current = torch.cuda.current_stream(self.device)
+            self._kv_stream = torch.cuda.Stream(self.device) if self._kv_side else current
         return self._kv_stream
 
     @staticmethod

@@ -84,7 +84,8 @@ class SimInstance:
             self.connector = SimConnector(sim, pool, self.scheduler.block_manager,
                                           load=role == "decode" or pool.cache, save=role != "decode",
                                           staging_blocks=staging_blocks, on_ready=self.kick, segment=segment,
-                                          link=sim.link or Shared(sim.clock), workers=sim.config.pool_workers)
+                                          link=sim.link or (Shared(sim.clock) if sim.config.pool_workers > 1 else None),
+                                          workers=sim.config.pool_workers)  # one call at a time: none to share with
         self.gpu = gpu
         self.in_flight: deque[tuple[SchedulerOutput, float, float]] = deque()  # launched, not collected (+ device
         # and host seconds)

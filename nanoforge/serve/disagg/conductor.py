@@ -404,15 +404,29 @@ class Conductor:
                                      f"({type(e).__name__}); retry it", status=503) from None
             raise
 
+    async def _on_instances(self, inst: Instance, attempt, another) -> AsyncIterator[RequestOutput]:
+        """`attempt(inst)`'s outputs. Where an instance cannot be reached before its first event (`_relay`), the
+        same on `another(tried)`: an instance the router picks, not one of those tried so far."""
+        tried: list[Instance] = []
+        while True:
+            try:
+                async with contextlib.aclosing(attempt(inst)) as outs:
+                    async for out in outs:
+                        yield out
+                return
+            except httpx.TransportError:
+                tried.append(inst)
+                self.counters["retries"] += 1
+                inst = another(tuple(tried))
+
     async def _generate(self, rid: str, prompt: list[int], params: SamplingParams, plan: Plan,
                         pool_blocks: int) -> AsyncIterator[RequestOutput]:
         """A whole request on the colocated instance the router chose. The router learns what it learns in a
         disaggregated cluster: the first event's delay and computed tokens as a prefill answer's, then the next
         token's delay after it and the time per token of the rest as a decode instance's."""
         body = handover_body(rid, prompt, params)
-        tried: list[Instance] = []
-        while True:
-            inst = plan.prefill
+
+        async def attempt(inst: Instance) -> AsyncIterator[RequestOutput]:
             ahead = self.router.prefill_started(plan)
             start, batch, pace = time.monotonic(), None, None
             try:
@@ -425,40 +439,40 @@ class Conductor:
                         else:  # the rest: as a decode instance's, from here
                             pace.observe(out)
                         yield out
-                return
-            except httpx.TransportError:
-                pass  # it never answered: another one
             finally:
                 if pace is None:
                     self.router.prefill_done(plan, ahead, None, None)
                 else:
                     self.router.decode_done(inst, batch, *pace.learned(), len(prompt))
-            tried.append(inst)
-            self.counters["retries"] += 1
-            self.router.reroute_prefill(plan, len(prompt), pool_blocks, tuple(tried))
+
+        def another(tried: tuple[Instance, ...]) -> Instance:
+            self.router.reroute_prefill(plan, len(prompt), pool_blocks, tried)
             plan.decode = plan.prefill
+            return plan.prefill
+
+        async for out in self._on_instances(plan.prefill, attempt, another):
+            yield out
 
     async def _decode(self, rid: str, prompt: list[int], params: SamplingParams, pending: list[CompletionOutput],
                       plan: Plan) -> AsyncIterator[RequestOutput]:
         body = handover_body(rid, prompt, params, pending)
-        tried: list[Instance] = []
-        while True:
-            inst = plan.decode
-            batch = self.router.decode_started(inst)
-            pace = _DecodePace()
+
+        async def attempt(inst: Instance) -> AsyncIterator[RequestOutput]:
+            batch, pace = self.router.decode_started(inst), _DecodePace()
             try:
                 async with contextlib.aclosing(self._relay(inst, "/disagg/decode", body, rid, prompt)) as outs:
                     async for out in outs:
                         pace.observe(out)
                         yield out
-                return
-            except httpx.TransportError:
-                pass  # it never answered: another one
             finally:
                 self.router.decode_done(inst, batch, *pace.learned(), len(prompt))
-            tried.append(inst)
-            self.counters["retries"] += 1
-            plan.decode = self.router.choose_decode(exclude=tuple(tried))
+
+        def another(tried: tuple[Instance, ...]) -> Instance:
+            plan.decode = self.router.choose_decode(exclude=tried)
+            return plan.decode
+
+        async for out in self._on_instances(plan.decode, attempt, another):
+            yield out
 
     # --- health ------------------------------------------------------------------------------------------
 
