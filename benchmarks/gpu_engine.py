@@ -48,7 +48,9 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch._inductor.config  # noqa: E402  (the reference patches it, as gpt-fast sets it)
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from nanoforge.kernels import gemv  # noqa: E402
 from nanoforge.kernels.rope import apply_rope_ref  # noqa: E402  (the reference in plain PyTorch)
@@ -180,10 +182,17 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
 
 # --- (b) batch-1 decode ------------------------------------------------------------------------------------
 
+# gpt-fast's generate.py sets these for every compile; without them (sessions 6-17) the reference left
+# Inductor's coordinate-descent tuning of its generated kernels off.
+GPTFAST_INDUCTOR = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True, "fx_graph_cache": True}
+
+
 def gptfast_decoder(model: Transformer, max_len: int, compile_step: bool):
     """gpt-fast's recipe on our weights: static per-layer K/V tensors (1, Hkv, max_len, D), a decode step in
     plain PyTorch (F.rms_norm, F.linear, SDPA over the whole static cache with a mask, K/V repeated to the
-    query heads) compiled with mode="reduce-overhead" (CUDA graphs). Returns step(token (1, 1), pos (1,))."""
+    query heads) compiled with mode="reduce-overhead" (CUDA graphs) under gpt-fast's Inductor settings
+    (GPTFAST_INDUCTOR), and run, as gpt-fast's decode loop runs it, with SDPA's math backend (so that Inductor
+    generates the attention itself). Returns step(token (1, 1), pos (1,))."""
     cfg = model.cfg
     dev, dtype = model.embed.weight.device, model.embed.weight.dtype
     hkv, d = cfg.n_kv_heads, cfg.head_dim
@@ -216,11 +225,16 @@ def gptfast_decoder(model: Transformer, max_len: int, compile_step: bool):
         x = F.rms_norm(x, (cfg.d_model,), model.norm.weight, eps)
         return F.linear(x[:, -1], model.lm_head.weight).argmax(dim=-1, keepdim=True)
 
-    if not compile_step:
-        return step
-    for t in kc + vc:  # as gpt-fast's cache buffers: static addresses the captured graph writes in place
-        torch._dynamo.mark_static_address(t)
-    return torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    if compile_step:
+        for t in kc + vc:  # as gpt-fast's cache buffers: static addresses the captured graph writes in place
+            torch._dynamo.mark_static_address(t)
+        step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+
+    def run(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with torch._inductor.config.patch(GPTFAST_INDUCTOR), sdpa_kernel(SDPBackend.MATH):
+            return step(tok, pos)
+
+    return run
 
 
 @torch.no_grad()
@@ -331,6 +345,8 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                             "reference_hbm_fraction": per_token * ref["tok_s"] / hbm,
                             "greedy_tokens_identical": same, "compared": n,
                             "reference_cudagraph_skips": ref["cudagraph_skips"],
+                            "reference_recipe": {"inductor": GPTFAST_INDUCTOR, "sdpa": "math",
+                                                 "compiled": bool(c["compile"])},
                             "truncated": ours["truncated"] or ref["truncated"],
                             "ours_decode_tokens": ours["decode_tokens"], "reference_decode_tokens": ref["decode_tokens"],
                             "variants": {v: {"env": DECODE_VARIANTS[v], "tok_s": run["tok_s"],
