@@ -220,3 +220,18 @@ def test_project_triton_kernels_compile_at_their_inspect_configuration(compiled,
     r = _report(results, name)
     assert 0 < r["registers_per_thread"] <= 255 and r["threads_per_block"] % 32 == 0
     assert (out / f"{name}.sass").stat().st_size > 0
+
+
+def test_the_prefetch_ahead_kernel_waits_for_its_predecessor_before_it_asks_l2(compiled):
+    """kernels/prefetch.py: with PDL the kernel lets its successor launch, waits for its predecessor (so the
+    chain keeps its order and the Q/K/V projection keeps the bandwidth), and only then issues Hopper's bulk L2
+    prefetch, once per range, which ptxas turns into the uniform datapath's UBLKPF."""
+    results, out = compiled
+    r = _report(results, "prefetch_ahead")
+    assert r["local_bytes_per_thread"] == 0 and r["threads_per_block"] == 32
+    ptx = (out / "prefetch_ahead.ptx").read_text()
+    launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    prefetches = [i for i, line in enumerate(ptx.splitlines()) if "cp.async.bulk.prefetch.L2.global" in line]
+    assert launch < wait and len(prefetches) == 3  # one loop per range
+    assert ptx.count("\n", 0, wait) < prefetches[0]
+    assert "UBLKPF.L2" in (out / "prefetch_ahead.sass").read_text()

@@ -42,6 +42,17 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def env_mib(name: str, default: str) -> float:
+    """The environment setting `name` as a number of MiB (unset: `default`), or one line naming the problem."""
+    value = os.environ.get(name, default)
+    try:
+        return float(value)
+    except ValueError:
+        from nanoforge.errors import NanoforgeError
+
+        raise NanoforgeError(f"{name} must be a number of MiB, not {value!r}", param=name) from None
+
+
 def kernel_mode() -> str:
     return env_choice("NANOFORGE_KERNELS", ("auto", "torch", "triton"))
 

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import arrival_counters, env_choice, interpreting, sm_count, use_fast
+from nanoforge.kernels.dispatch import arrival_counters, env_choice, env_mib, interpreting, sm_count, use_fast
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
@@ -200,14 +200,7 @@ def prefetch_k(weight: torch.Tensor) -> int:
     """How many of W's K columns (every row's first ones) a program launched early asks L2 for before it waits:
     all of them for a matrix of at most NANOFORGE_GEMV_PREFETCH_MB (default 16, a third of the H200's L2; 0 turns
     the prefetch off), a matching share of a larger one (Llama-3.2-1B's gate-and-up, 64 MiB: its first 512)."""
-    mb = os.environ.get("NANOFORGE_GEMV_PREFETCH_MB", "16")
-    try:
-        budget = float(mb) * (1 << 20)
-    except ValueError:
-        from nanoforge.errors import NanoforgeError
-
-        raise NanoforgeError(f"NANOFORGE_GEMV_PREFETCH_MB must be a number of MiB, not {mb!r}",
-                             param="NANOFORGE_GEMV_PREFETCH_MB") from None
+    budget = env_mib("NANOFORGE_GEMV_PREFETCH_MB", "16") * (1 << 20)
     return max(0, min(weight.shape[1], int(budget // (weight.shape[0] * weight.element_size()))))
 
 

@@ -316,6 +316,11 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
          "HAS_NORM": False},
         num_warps=4,
     ),
+    "prefetch_ahead": TritonKernel(  # a decode layer's next weights into L2 under its attention, with PDL
+        "nanoforge.kernels.prefetch:_prefetch_kernel",
+        {"W0": "*bf16", "N0": "i64", "W1": "*bf16", "N1": "i64", "W2": "*bf16", "N2": "i64"},
+        {"CHUNK": 524288, "BLOCK": 32, "PDL": 1}, num_warps=1,
+    ),
     "rope_qkv_write_kv": TritonKernel(  # Qwen3's q/k norms, RoPE and the paged KV write of one token per program
         "nanoforge.kernels.rope:_qkv_rope_write_kv_kernel",
         {**{p: "*bf16" for p in ("Q", "K", "V", "COS", "SIN", "QW", "KW", "QO", "KC", "VC")}, "SLOTS": "*i64",
