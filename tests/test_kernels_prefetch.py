@@ -29,6 +29,9 @@ def test_the_budget_takes_whole_weights_in_order_then_the_start_of_the_next():
     assert [n for _, n in pf.plan((wo, w_in, w_out), 4 * MiB + 5)] == [4 * MiB]  # multiples of 16 bytes
     assert [n for _, n in pf.plan((wo, w_in, w_out), 8 * MiB + 100)] == [8 * MiB, 96]
     assert pf.plan((wo, w_in, w_out), 15) == [] and pf.plan((wo,), 0) == []
+    # a weight that is not one dense range ends the list (its bytes from data_ptr are not its elements)
+    assert [n for _, n in pf.plan((wo, w_in.t(), w_out), 200 * MiB)] == [8 * MiB]
+    assert pf.plan((torch.zeros(64, dtype=torch.bfloat16)[1:],), MiB) == []  # 2-byte aligned
 
 
 def test_the_switch_is_a_number_of_mib_off_by_default(monkeypatch):

@@ -49,15 +49,18 @@ def enabled(t: torch.Tensor) -> int:
     """How kernels on t's device launch: OFF, EARLY or LATE (never under the interpreter, never before sm_90).
     Kernels take it as their PDL constexpr and launch with `launch_pdl=bool(...)`."""
     m = mode()
-    if m == "0" or t.device.type != "cuda" or interpreting():
-        return OFF
-    if not _supported(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+    if m == "0" or interpreting() or not hopper(t.device):
         return OFF
     return LATE if m == "late" else EARLY
 
 
+def hopper(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU of compute capability 9.0 or newer (PDL, the bulk L2 prefetch)."""
+    return device.type == "cuda" and _sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _supported(index: int) -> bool:
+def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 

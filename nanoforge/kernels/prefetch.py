@@ -25,8 +25,6 @@ only on CUDA devices of compute capability 9.0 or newer (the bulk prefetch), out
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -47,9 +45,11 @@ def ahead_bytes() -> int:
 def plan(weights: tuple[torch.Tensor, ...], budget: int) -> list[tuple[torch.Tensor, int]]:
     """(weight, bytes from its start) for the weights in order until `budget` bytes are taken: whole weights,
     then the first part of the one the budget ends in. Every count is a multiple of 16, as the bulk prefetch
-    needs."""
+    needs, and the weights stop at the first that is not one dense, 16-byte-aligned range."""
     ranges = []
     for w in weights:
+        if not (w.is_contiguous() and w.data_ptr() % 16 == 0):
+            break
         take = min(w.numel() * w.element_size(), budget) // 16 * 16
         if take <= 0:
             break
@@ -62,7 +62,7 @@ def prefetch_ahead(*weights: torch.Tensor) -> None:
     """Ask L2 for the first NANOFORGE_PREFETCH_AHEAD_MB of `weights` (in order) once the kernel before this
     launch has finished; nothing where that is 0 or the device has no bulk prefetch."""
     budget = ahead_bytes()
-    if not budget or not weights or not _supported(weights[0]):
+    if not budget or not weights or interpreting() or not pdl.hopper(weights[0].device):
         return
     ranges = plan(weights[:MAX_RANGES], budget)
     if not ranges:
@@ -73,16 +73,6 @@ def prefetch_ahead(*weights: torch.Tensor) -> None:
         args += [w, n if i < len(ranges) else 0]
     on = pdl.enabled(weights[0])
     _prefetch_kernel[(PROGRAMS,)](*args, CHUNK=CHUNK, BLOCK=32, PDL=on, num_warps=1, launch_pdl=bool(on))
-
-
-def _supported(w: torch.Tensor) -> bool:
-    return (w.device.type == "cuda" and not interpreting() and w.is_contiguous()
-            and w.data_ptr() % 16 == 0 and _bulk_prefetch_device(w.device.index or 0))
-
-
-@functools.cache
-def _bulk_prefetch_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit
