@@ -11,8 +11,9 @@ HBM has almost nothing to do. The skinny matmul asks L2 for its own weights befo
 next, in order. It launches one small kernel. With PDL, the kernel lets its successor launch at once, waits
 for the projection before it, asks L2 for the weights' first NANOFORGE_PREFETCH_AHEAD_MB, and exits. It uses
 Hopper's bulk prefetch (`cp.async.bulk.prefetch.L2`), one instruction per CHUNK bytes spread over
-PROGRAMS programs, and nothing waits for the transfers. So the HBM streams the next projections' weights while attention runs, and those projections
-start with that share of their weights in L2 (50 MB on an H200).
+PROGRAMS programs, and nothing waits for the transfers. So the HBM streams the next projections' weights
+while attention runs, and those projections start with that share of their weights in L2 (50 MB on an
+H200).
 
 The kernel waits before it asks, so its prefetches do not take bandwidth from the Q/K/V projection, which is
 on the critical path. It ends after that projection, so the kernels after it keep their order. Weights are
