@@ -613,5 +613,8 @@ def bench_rows(quick: bool) -> list[dict]:
     if not quick:
         cases += [("decode", [32768] * 64, [1] * 64), ("prefill", [8192] * 8, [512] * 8)]
     rows = [_bench_case(kind, ctx, qlens, 32, 8, 128, torch.bfloat16) for kind, ctx, qlens in cases]
+    if not quick:  # gpu_engine.py (c)'s step: 8 fresh prompts of 2,000 tokens, Llama-3.2-1B's heads (D 64), where
+        # session 7's profile of one 16K-token step had this kernel at 11.1 of ~58 ms (~190 TFLOP/s)
+        rows.append(_bench_case("prefill", [2000] * 8, [2000] * 8, 32, 8, 64, torch.bfloat16))
     return rows + [_bench_case("decode", [1024], [1], 32, 8, 64, torch.bfloat16, combine, graph=True)  # CUDA graphs:
                    for combine in ("kernel", "fused")]  # the GPU's time, as the engine replays a decode step
