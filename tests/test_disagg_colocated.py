@@ -5,13 +5,12 @@ instance holds to that instance. In this process, over a real mooncake_master on
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
-from disagg_helpers import SEGMENT, close_all, need_mooncake
-from test_disagg_serving import instance_app, post, random_text, same, streamed
-from test_serve_api import MODEL, metric, model, one_torch_thread, serving, tok  # noqa: F401
+from disagg_helpers import need_mooncake
+from test_disagg_serving import CONFIG, conductor_cluster, post, random_text, same, streamed
+from test_serve_api import MODEL, metric, model, serving, tok  # noqa: F401
 
 need_mooncake()
 
@@ -22,30 +21,15 @@ from nanoforge.errors import NanoforgeError  # noqa: E402
 from nanoforge.serve.api import build_app  # noqa: E402
 from nanoforge.serve.disagg.conductor import Conductor, build_conductor_app, discover  # noqa: E402
 from nanoforge.serve.disagg.launcher import instance_devices  # noqa: E402
-from nanoforge.serve.disagg.mooncake_store import MooncakeMaster, MooncakeStore  # noqa: E402
 from nanoforge.serve.disagg.process import free_port  # noqa: E402
 from nanoforge.serve.disagg.router import Instance  # noqa: E402
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 
-CONFIG = dict(num_gpu_blocks=600, max_num_seqs=64)
-
-
 @pytest.fixture(scope="module")
 def colocated(model, tok):
-    """(conductor URL, single server URL, [both app, both app], conductor)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(one_torch_thread())
-        master = stack.enter_context(MooncakeMaster())
-        stores = [MooncakeStore(master.address, segment_bytes=SEGMENT) for _ in range(2)]
-        lookups = MooncakeStore(master.address)
-        stack.callback(close_all, [*stores, lookups])
-        apps = [instance_app(model, tok, "both", store) for store in stores]
-        stack.callback(lambda: [app.state.engine.engine.close() for app in apps])
-        urls = [stack.enter_context(serving(app)) for app in apps]
-        conductor = Conductor(discover([], [], timeout=10, colocated_urls=urls), store=lookups)
-        url = stack.enter_context(serving(build_conductor_app(conductor)))
-        single = stack.enter_context(serving(build_app(LLMEngine(model, tok, EngineConfig(**CONFIG)), MODEL)))
-        yield url, single, apps, conductor
+    """Two `both` instances behind the conductor (`conductor_cluster`)."""
+    with conductor_cluster(model, tok, ("both", "both")) as c:
+        yield c
 
 
 def test_outputs_equal_the_single_server_and_each_request_runs_on_one_instance(colocated):

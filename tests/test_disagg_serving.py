@@ -38,22 +38,33 @@ def instance_app(model, tok, role, store):
     return app
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tok):
-    """(conductor URL, single server URL, [prefill app, decode app], conductor) on the same weights."""
+@contextlib.contextmanager
+def conductor_cluster(model, tok, roles: tuple[str, str]):
+    """Two instances of `roles` (("prefill", "decode") or ("both", "both")), each with its share of a Mooncake
+    pool, behind a conductor, and a single server on the same weights: (conductor URL, single server URL, [the
+    instances' apps], conductor)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(one_torch_thread())
         master = stack.enter_context(MooncakeMaster())
-        stores = [MooncakeStore(master.address, segment_bytes=SEGMENT) for _ in range(2)]
+        stores = [MooncakeStore(master.address, segment_bytes=SEGMENT) for _ in roles]
         lookups = MooncakeStore(master.address)  # the conductor's: holds no part of the pool
         stack.callback(close_all, [*stores, lookups])
-        apps = [instance_app(model, tok, "prefill", stores[0]), instance_app(model, tok, "decode", stores[1])]
+        apps = [instance_app(model, tok, role, store) for role, store in zip(roles, stores)]
         stack.callback(lambda: [app.state.engine.engine.close() for app in apps])
         urls = [stack.enter_context(serving(app)) for app in apps]
-        conductor = Conductor(discover(urls[:1], urls[1:], timeout=10), store=lookups)
+        found = (discover([], [], timeout=10, colocated_urls=urls) if roles[0] == "both"
+                 else discover(urls[:1], urls[1:], timeout=10))
+        conductor = Conductor(found, store=lookups)
         url = stack.enter_context(serving(build_conductor_app(conductor)))
         single = stack.enter_context(serving(build_app(LLMEngine(model, tok, EngineConfig(**CONFIG)), MODEL)))
         yield url, single, apps, conductor
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tok):
+    """A prefill and a decode instance behind the conductor (`conductor_cluster`)."""
+    with conductor_cluster(model, tok, ("prefill", "decode")) as c:
+        yield c
 
 
 def post(url: str, body: dict) -> httpx.Response:

@@ -93,3 +93,25 @@ def test_a_decode_layer_asks_for_the_weights_it_reads_after_attention(monkeypatc
         monkeypatch.setattr(transformer, "prefetch_ahead", lambda *ws: calls.append(ws))
         model(torch.randint(0, model.cfg.vocab_size, (2, 9)))  # 18 rows: a prefill's path
     assert calls == []
+
+
+def test_a_launch_passes_each_range_and_pads_the_unused_slots_with_no_bytes(monkeypatch):
+    """On a Hopper GPU (stood in for here) one launch of PROGRAMS programs takes (weight, bytes) per slot:
+    the plan's ranges, then empty slots."""
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid, args, meta))
+
+    monkeypatch.setattr(pf, "_prefetch_kernel", Kernel())
+    monkeypatch.setattr(pf, "interpreting", lambda: False)
+    monkeypatch.setattr(pf.pdl, "hopper", lambda device: True)
+    monkeypatch.setattr(pf.pdl, "enabled", lambda t: 1)
+    monkeypatch.setenv("NANOFORGE_PREFETCH_AHEAD_MB", "32")
+    wo, w_in, w_out = llama_1b_mlp_weights()
+    pf.prefetch_ahead(wo, w_in, w_out)
+    (grid, args, meta), = launches
+    assert grid == (pf.PROGRAMS,) and meta["PDL"] == 1 and meta["launch_pdl"] is True
+    assert [a if isinstance(a, int) else a.shape for a in args] == [wo.shape, 8 * MiB, w_in.shape, 24 * MiB,
+                                                                    wo.shape, 0]

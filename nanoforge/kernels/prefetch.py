@@ -68,10 +68,8 @@ def prefetch_ahead(*weights: torch.Tensor) -> None:
     ranges = plan(weights[:MAX_RANGES], budget)
     if not ranges:
         return
-    args = []
-    for i in range(MAX_RANGES):
-        w, n = ranges[i] if i < len(ranges) else ranges[0]
-        args += [w, n if i < len(ranges) else 0]
+    ranges += [(ranges[0][0], 0)] * (MAX_RANGES - len(ranges))  # unused slots: no bytes
+    args = [x for w, n in ranges for x in (w, n)]
     on = pdl.enabled(weights[0])
     _prefetch_kernel[(PROGRAMS,)](*args, CHUNK=CHUNK, BLOCK=32, PDL=on, num_warps=1, launch_pdl=bool(on))
 
