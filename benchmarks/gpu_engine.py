@@ -18,6 +18,7 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     Hugging Face transformers' forward with SDPA (batches of 8, logits of the last position only: the same
     work); tok/s and MFU (forward FLOPs: 2 per weight per token, causal attention pairs; 989 TFLOP/s dense bf16
     on an H200). Targets: >= 1.5x HF on both shapes, MFU >= 55% on Llama-3.2-1B's.
+    `--prefill-tiles` runs (a) and (c) again with other tiles of prefill attention (NANOFORGE_ATTN_PREFILL_TILE).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
     that hit the cache against the share of prefill time saved (target: saved >= 80% of the hit share).
@@ -52,7 +53,9 @@ import torch._inductor.config  # noqa: E402  (the reference patches it, as gpt-f
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from nanoforge.errors import NanoforgeError  # noqa: E402
 from nanoforge.kernels import gemv  # noqa: E402
+from nanoforge.kernels.paged_attention import PREFILL_TILE_DEFAULT, _parse_tile  # noqa: E402
 from nanoforge.kernels.rope import apply_rope_ref  # noqa: E402  (the reference in plain PyTorch)
 from nanoforge.model.config import preset  # noqa: E402
 from nanoforge.model.transformer import Transformer  # noqa: E402
@@ -79,6 +82,7 @@ SMOKE = {"throughput": dict(preset="tiny-qwen3", requests=6, lo=8, hi=40, budget
          "total": 300}
 OTHER = not GRAPH_PREFILL_DEFAULT  # the prefill-step mode each section also measures, beside the default
 OTHER_NAME = "graphed" if OTHER else "eager"
+TILE_ENV = "NANOFORGE_ATTN_PREFILL_TILE"  # prefill and mixed steps' attention tile (kernels/paged_attention.py)
 MIN_DECODE_TOKENS = 64  # timed past the deadline if need be: compiling the reference may take most of it
 SECTIONS = ("throughput", "decode", "prefill", "prefix", "profile")
 
@@ -160,6 +164,11 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
     r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, profile=profile)
     keys = ("output_tok_s", "seconds", "steps", "preemptions", "kv_blocks_total")
     if not profile:
+        for tile in c.get("tiles", ()):  # the default again with another prefill attention tile
+            t = with_env({TILE_ENV: tile}, lambda: run_engine(model, prompts, outputs, max_num_seqs=256,
+                                                              temperature=0.6)[0])
+            r.setdefault("prefill_tiles", {})[tile] = {**{k: t[k] for k in keys},
+                                                       "vs_default": t["output_tok_s"] / r["output_tok_s"]}
         r["sync_scheduling"] = {k: sync_r[k] for k in keys}
         r["vs_sync_scheduling"] = r["output_tok_s"] / sync_r["output_tok_s"]
         # and with the other kind of prefill steps (graphed or eager)
@@ -173,10 +182,12 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
         print_profile(r["profile"])
     else:
         print(f"\n(a) throughput, {c['preset']} shape, {c['requests']} requests: {r['output_tok_s']:,.0f} output tok/s "
-              f"({r['seconds']:.1f} s, {r['steps']} steps, {r['preemptions']} preemptions; target >= 20,000); "
+              f"({r['seconds']:.1f} s, {sum(k['steps'] for k in r['steps'].values())} steps, {r['preemptions']} preemptions; target >= 20,000); "
               f"{r['sync_scheduling']['output_tok_s']:,.0f} scheduled step by step ({r['vs_sync_scheduling']:.2f}x); "
               f"{r[OTHER_NAME + '_prefill']['output_tok_s']:,.0f} with {OTHER_NAME} prefill steps "
-              f"({r['other_prefill_vs_default']:.2f}x)")
+              f"({r['other_prefill_vs_default']:.2f}x)"
+              + "".join(f"; prefill tile {t} {d['output_tok_s']:,.0f} ({d['vs_default']:.2f}x)"
+                        for t, d in r.get("prefill_tiles", {}).items()))
     return r
 
 
@@ -424,8 +435,9 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
     prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
     warm = [[rng.randrange(vocab) for _ in range(length)] for _ in range(c["hf_batch"])]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    timed = {}
-    for graphed in (None, OTHER):  # the engine's default prefill steps, then the other kind
+
+    def prefill(graphed, deadline: float) -> tuple[float, dict, list, bool]:
+        """The prompts through a fresh engine (after a warm-up batch): seconds, outputs, request ids, graphed?"""
         engine = make_engine(model, max_num_seqs=n, max_len=length + 8, prefix_caching=False, graph_prefill=graphed)
         try:
             for p in warm:
@@ -434,15 +446,21 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
             rids = [engine.add_request(p, one) for p in prompts]
             sync(device)
             t0 = time.perf_counter()
-            done = drain(engine, time.perf_counter() + (deadline - time.perf_counter()) / (3 if graphed is None else 2))
+            done = drain(engine, deadline)
             sync(device)
-            timed[graphed] = (time.perf_counter() - t0, len(done))
-            if graphed is None:
-                ours_done, ours_rids, ours_graphed = done, rids, bool(engine.runner.batch.prefill_buckets)
+            return time.perf_counter() - t0, done, rids, bool(engine.runner.batch.prefill_buckets)
         finally:
             engine.close()
-    other_s, other_n = timed[OTHER]
-    ours_s, ours_n = timed[None]
+
+    # the engine's default prefill steps, then the other kind, then the default with each other tile; HF last
+    runs = [(None, {}), (OTHER, {})] + [(None, {TILE_ENV: t}) for t in c.get("tiles", ())]
+    timed = {}
+    for i, (graphed, env) in enumerate(runs):
+        share = (deadline - time.perf_counter()) / (len(runs) - i + 1)
+        timed[(graphed, env.get(TILE_ENV))] = with_env(env, lambda: prefill(graphed, time.perf_counter() + share))
+    ours_s, ours_done, ours_rids, ours_graphed = timed[(None, None)]
+    other_s, other_done = timed[(OTHER, None)][:2]
+    ours_n, other_n = len(ours_done), len(other_done)
     hf = prefill_hf(model, prompts, c["hf_batch"], deadline)
     flops = prefill_flops(model, [length])
     ours_tok_s, hf_tok_s = ours_n * length / ours_s, hf["prompts"] * length / hf["seconds"]
@@ -455,13 +473,20 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
          "first_tokens_identical": sum(a == b for a, b in zip(ours_first, hf["first_tokens"])),
          "graph_prefill": ours_graphed,
          f"{OTHER_NAME}_prefill_tok_s": other_n * length / other_s,
-         f"{OTHER_NAME}_prefill_mfu": other_n * flops / other_s / flops_peak}
+         f"{OTHER_NAME}_prefill_mfu": other_n * flops / other_s / flops_peak,
+         "prefill_tiles": {t: {"tok_s": len(done) * length / sec, "mfu": len(done) * flops / sec / flops_peak,
+                               "vs_default": len(done) / sec / (ours_n / ours_s), "prompts_timed": len(done),
+                               "first_tokens_identical_to_default": sum(
+                                   done[a].outputs[0].token_ids == ours_done[b].outputs[0].token_ids
+                                   for a, b in zip(rids, ours_rids) if a in done and b in ours_done)}
+                           for (_, t), (sec, done, rids, _) in timed.items() if t}}
     del model
     free_memory(device)
     print(f"\n(c) prefill {name}, {n} x {length} tokens: ours {ours_tok_s:,.0f} tok/s (MFU "
           f"{100 * r['ours_mfu']:.1f}%), HF SDPA {hf_tok_s:,.0f} tok/s (MFU {100 * r['hf_mfu']:.1f}%): {r['ratio']:.2f}x; "
           f"{OTHER_NAME} prefill steps {r[OTHER_NAME + '_prefill_tok_s']:,.0f} tok/s "
-          f"(MFU {100 * r[OTHER_NAME + '_prefill_mfu']:.1f}%)")
+          f"(MFU {100 * r[OTHER_NAME + '_prefill_mfu']:.1f}%)"
+          + "".join(f"; tile {t} {d['tok_s']:,.0f} tok/s ({d['vs_default']:.2f}x)" for t, d in r["prefill_tiles"].items()))
     return r
 
 
@@ -555,6 +580,9 @@ def main(argv=None) -> int:
     p.add_argument("--total", type=float, help="the run's time budget in seconds (default: 540 on a GPU)")
     p.add_argument("--decode-variants", default="cublas_only,no_pdl",
                    help=f"(b): the engine also run with these levers off or forced, of {','.join(DECODE_VARIANTS)}")
+    p.add_argument("--prefill-tiles", default="",
+                   help="(a) and (c): the engine also run with these prefill attention tiles, comma-separated "
+                        f"{TILE_ENV} values (ROWSxKEYSwWARPSsSTAGES; default {PREFILL_TILE_DEFAULT})")
     p.add_argument("--presets", help="comma-separated model shapes for (b) and (c) (default: both)")
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
@@ -564,6 +592,13 @@ def main(argv=None) -> int:
     bad = [v for v in args.decode_variants.split(",") if v and v not in DECODE_VARIANTS]
     if bad:
         print(f"--decode-variants: {', '.join(bad)} unknown; variants are {', '.join(DECODE_VARIANTS)}", file=sys.stderr)
+        return 2
+    tiles = [t for t in args.prefill_tiles.split(",") if t]
+    try:
+        for t in tiles:
+            _parse_tile(t)
+    except NanoforgeError as e:
+        print(f"--prefill-tiles: {e}", file=sys.stderr)
         return 2
     picked = run_on(args.smoke)
     if picked is None:
@@ -584,6 +619,8 @@ def main(argv=None) -> int:
         c = dict(conf[name])
         if name == "decode":
             c["variants"] = [v for v in args.decode_variants.split(",") if v]
+        if name in ("throughput", "prefill"):
+            c["tiles"] = tiles
         if args.presets and "presets" in c:
             c["presets"] = tuple(args.presets.split(","))
         left = end - time.perf_counter()
@@ -615,6 +652,8 @@ def summarize(r: dict) -> None:
     if "throughput" in r:
         rows.append(("(a) nano-vllm workload, output tok/s", f"{r['throughput']['output_tok_s']:,.0f}", "-",
                      ">= 20,000"))
+        for t, dt in r["throughput"].get("prefill_tiles", {}).items():
+            rows.append((f"(a) ... prefill tile {t}", f"{dt['output_tok_s']:,.0f}", f"({dt['vs_default']:.2f}x)", ""))
     for name, d in r.get("decode", {}).items():
         rows.append((f"(b) batch-1 decode {name}, tok/s", f"{d['ours_tok_s']:,.0f}",
                      f"{d['reference_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.3x"))
@@ -628,6 +667,9 @@ def summarize(r: dict) -> None:
                      f"{d['hf_sdpa_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.5x"))
         rows.append((f"(c) prefill {name}, MFU", f"{100 * d['ours_mfu']:.1f}%", f"{100 * d['hf_mfu']:.1f}%",
                      ">= 55%" if "llama" in name else "-"))
+        for t, dt in d.get("prefill_tiles", {}).items():
+            rows.append((f"(c) ... tile {t}, tok/s (MFU)", f"{dt['tok_s']:,.0f} ({100 * dt['mfu']:.1f}%)",
+                         f"({dt['tok_s'] / d['hf_sdpa_tok_s']:.2f}x)", ""))
     if "prefix" in r:
         d = r["prefix"]
         rows.append(("(d) saved prefill time / hit share", f"{d['saved_over_hit']:.2f}",

@@ -181,9 +181,11 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
                     rows.append(row)
         best = max((r for r in rows if r["shape"] == name and r["ok"]), key=lambda r: r["tflops"])
         base = next((r for r in rows if r["shape"] == name and r["default"]), None)
+        best["setting"] = f"{best['block_m']}x{best['block_n']}w{best['warps']}s{best['stages']}"
         print(f"  best: BLOCK_M {best['block_m']} BLOCK_N {best['block_n']} warps {best['warps']} stages "
               f"{best['stages']}, {best['tflops']:.0f} TFLOP/s"
-              + (f" ({best['tflops'] / base['tflops']:.2f}x the default)" if base else ""))
+              + (f" ({best['tflops'] / base['tflops']:.2f}x the default)" if base else "")
+              + f"; in the engine: NANOFORGE_ATTN_PREFILL_TILE={best['setting']}")
     return rows
 
 

@@ -235,3 +235,16 @@ def test_the_prefetch_ahead_kernel_waits_for_its_predecessor_before_it_asks_l2(c
     assert launch < wait and len(prefetches) == 3  # one loop per range
     assert ptx.count("\n", 0, wait) < prefetches[0]
     assert "UBLKPF.L2" in (out / "prefetch_ahead.sass").read_text()
+
+
+@pytest.mark.parametrize("name", ["paged_attention_prefill", "paged_attention_prefill_wide"])
+def test_prefill_attention_compiles_to_hopper_tensor_core_instructions_without_spills(compiled, name):
+    """Paged attention's prefill tiles (the default at Qwen3-0.6B's heads; 128 rows over two warpgroups at
+    Llama-3.2-1B's, NANOFORGE_ATTN_PREFILL_TILE=128x64w8s3) as a launch specializes them: both products on
+    wgmma (SASS HGMMA), the K/V gather pipelined through shared memory with cp.async, nothing in local memory."""
+    results, out = compiled
+    r = _report(results, name)
+    assert r["local_bytes_per_thread"] == 0 and r["registers_per_thread"] < 255
+    ptx = (out / f"{name}.ptx").read_text()
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert "HGMMA" in (out / f"{name}.sass").read_text()

@@ -143,6 +143,39 @@ def test_chunked_prefill_with_split_contexts_matches_float64(poisoned, splits, f
     assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
+@interpreter
+@pytest.mark.parametrize("tile", ["128x64w8s3", "128x128w8s2", "64x32w4s2"])
+def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
+    """The tiles NANOFORGE_ATTN_PREFILL_TILE can pick (rows of (token, head) pairs x keys): whole prompts longer
+    than a tile, chunks after cached prefixes, a decode, padding; group 2 and group 3 (rows left unused)."""
+    rows, keys, warps, stages = pa._parse_tile(tile)
+    for ctx, qlens, hq, hkv in (([150, 20, 9, 170, 1], [150, 20, 1, 37, 0], 4, 2), ([75, 3], [40, 3], 6, 2)):
+        b = batch(ctx, qlens, hq, hkv, 16, 8, seed=rows + keys)
+        block_q = rows // (hq // hkv)
+        out = pa._paged_attention_triton(
+            **b, scale=1 / math.sqrt(16), max_q_len=max(qlens), block_m=rows, block_q=block_q, block_n=keys,
+            num_splits=1, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        check(b, out)
+
+
+def test_the_prefill_tile_comes_from_the_environment(monkeypatch):
+    """NANOFORGE_ATTN_PREFILL_TILE sets prefill steps' launch (decode keeps its own), rows widened to a group's
+    heads; a malformed value is one line naming the setting."""
+    monkeypatch.setattr(pa, "interpreting", lambda: False)
+    assert pa._tile_config(100, 4) == (64, 16, 64, 4, 3)  # the default
+    monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", "128X128w8s2")
+    assert pa._tile_config(100, 4) == (128, 32, 128, 8, 2)
+    assert pa._tile_config(2, 2) == (128, 64, 128, 8, 2)
+    assert pa._tile_config(1, 4) == (16, 1, 64, 4, 3)  # decode
+    monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", "16x64w4s3")
+    assert pa._tile_config(100, 32)[:2] == (32, 1)  # 32 query heads a kv head: one token's rows at least
+    for bad in ("128x64", "96x64w4s3", "128x64w3s2", "128x512w8s2", "128x64w8s0"):
+        monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", bad)
+        with pytest.raises(NanoforgeError, match=f"NANOFORGE_ATTN_PREFILL_TILE must be .* not '{bad}'"):
+            pa._tile_config(100, 4)
+
+
 def test_the_combine_switch_takes_two_values(monkeypatch):
     monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", "Fused")
     assert pa.combine_mode() == "fused"
@@ -223,6 +256,18 @@ def test_gpu_full_size_bf16(poisoned, monkeypatch, ctx, qlens, combine):
     monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", combine)
     b = pa.make_paged_batch(ctx, qlens, 32, 8, 128, 16, torch.bfloat16, "cuda")
     out = pa.paged_attention(**b, max_q_len=max(qlens))
+    assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["64x64w4s3", "128x64w8s3", "128x64w8s2", "128x128w8s2"])
+@pytest.mark.parametrize("hq,d", [(32, 64), (16, 128)])  # Llama-3.2-1B's and Qwen3-0.6B's heads (8 kv heads)
+def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, d):
+    """Each prefill tile the sweep and gpu_engine.py --prefill-tiles try, through the public entry point: whole
+    prompts, a chunk after a long cached prefix and decodes in one step."""
+    monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", tile)
+    b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, 8, d, 16, torch.bfloat16, "cuda")
+    out = pa.paged_attention(**b, max_q_len=2000)
     assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
 
 

@@ -90,6 +90,21 @@ def test_gpu_engine_with_weights_prefetched_under_attention_equals_the_reference
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_gpu_engine_with_other_prefill_tiles_equals_the_reference_fp32(tok, name, monkeypatch):
+    """NANOFORGE_ATTN_PREFILL_TILE (prefill and mixed steps' attention tile, the lever of gpu_engine.py
+    --prefill-tiles): the same tokens as the reference generator, graphed steps a step ahead, under preemption
+    and prefix hits (chunks after cached prefixes)."""
+    model = make_model(tok, name).cuda()
+    ps = workload(6)
+    want = [generate(model, p, max_new_tokens=24) for p in ps]
+    for tile in ("128x64w8s3", "128x128w8s2"):
+        monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", tile)
+        got, stats = engine_tokens(model, tok, ps, GREEDY, async_scheduling=True, graph_prefill=True, max_num_seqs=24)
+        assert got == want, f"{name}, {tile}"
+        assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_engine_greedy_in_bf16_parts_from_the_reference_only_at_near_ties(tok, name):
     model32 = make_model(tok, name).cuda()
     model = make_model(tok, name).cuda().to(torch.bfloat16)

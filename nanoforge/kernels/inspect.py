@@ -245,6 +245,9 @@ _PAGED_SIGNATURE = {  # paged attention's kernel: decode and prefill differ in c
     **_i32("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs"),
     **_i32("stride_vh", "stride_bt", "stride_ot", "stride_oh"), "qk_scale": "fp32", "num_seqs": "i32",
     "num_splits": "i32", **_i32("stride_knt", "stride_knh", "stride_vnt", "stride_vnh", "stride_ct"), "eps": "fp32"}
+# every stride a launch passes is a multiple of 16 (head dims of 64 and 128), but the block tables' row stride,
+# which the kernel does not specialize on (it changes from step to step)
+_PAGED_ALIGNED = tuple(a for a in _PAGED_SIGNATURE if a.startswith("stride_") and a != "stride_bt")
 
 
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
@@ -301,12 +304,14 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         {"GROUP": 4, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
          "SPLIT": True, "FUSE": False, "SPLITS_P2": 32, "VARLEN": False, "PDL": False, "ROPE": False,
          "HAS_NORM": False},
+        aligned=_PAGED_ALIGNED,
     ),
     "paged_attention_decode_fused": TritonKernel(  # NANOFORGE_ATTN_COMBINE=fused, NANOFORGE_ATTN_ROPE=fused:
         "nanoforge.kernels.paged_attention:_paged_attn_kernel",  # Qwen3-0.6B's heads, its q/k norms
         _PAGED_SIGNATURE,
         {"GROUP": 2, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
          "SPLIT": True, "FUSE": True, "SPLITS_P2": 32, "VARLEN": False, "PDL": True, "ROPE": True, "HAS_NORM": True},
+        aligned=_PAGED_ALIGNED,
     ),
     "paged_attention_prefill": TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel",
@@ -314,7 +319,15 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         {"GROUP": 2, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_Q": 32, "BLOCK_N": 64,
          "SPLIT": False, "FUSE": False, "SPLITS_P2": 32, "VARLEN": True, "PDL": False, "ROPE": False,
          "HAS_NORM": False},
-        num_warps=4,
+        num_warps=4, aligned=_PAGED_ALIGNED,
+    ),
+    "paged_attention_prefill_wide": TritonKernel(  # NANOFORGE_ATTN_PREFILL_TILE=128x64w8s3, Llama-3.2-1B's heads
+        "nanoforge.kernels.paged_attention:_paged_attn_kernel",
+        _PAGED_SIGNATURE,
+        {"GROUP": 4, "HEAD_D": 64, "BLOCK_D": 64, "BLOCK_SIZE": 16, "BLOCK_M": 128, "BLOCK_Q": 32, "BLOCK_N": 64,
+         "SPLIT": False, "FUSE": False, "SPLITS_P2": 32, "VARLEN": True, "PDL": False, "ROPE": False,
+         "HAS_NORM": False},
+        num_warps=8, aligned=_PAGED_ALIGNED,
     ),
     "prefetch_ahead": TritonKernel(  # a decode layer's next weights into L2 under its attention, with PDL
         "nanoforge.kernels.prefetch:_prefetch_kernel",

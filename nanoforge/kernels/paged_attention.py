@@ -25,8 +25,10 @@ tiles whatever the lengths, and zero-length (padding) sequences cost nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
 from unittest import mock
 
 import torch
@@ -235,6 +237,33 @@ _SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: 
 
 
 
+# Prefill and mixed steps' tile, NANOFORGE_ATTN_PREFILL_TILE = "{rows}x{keys}w{warps}s{stages}": BLOCK_M rows of
+# (token, head) pairs x BLOCK_N keys, num_warps, num_stages. The default is one warpgroup over 64 rows (the
+# smallest wgmma tile); session 7's profile had it at ~190 TFLOP/s in gpu_engine (c)'s step (D 64).
+# `benchmarks/gpu_kernels_attention.py --prefill-sweep` times 24 tiles at that step and prints the setting of
+# the fastest; `gpu_engine.py --prefill-tiles` runs (a) and (c) again with others. Compiled for sm_90 (Triton
+# 3.9, `nanoforge kernels inspect`), 64x64w4s3, 128x64w8s3 and 128x128w8s2 spill nothing at D 64 or D 128.
+PREFILL_TILE_DEFAULT = "64x64w4s3"
+
+
+def prefill_tile() -> tuple[int, int, int, int]:
+    """(rows, keys, warps, stages) of prefill and mixed steps' attention tiles (NANOFORGE_ATTN_PREFILL_TILE)."""
+    return _parse_tile(os.environ.get("NANOFORGE_ATTN_PREFILL_TILE", PREFILL_TILE_DEFAULT))
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_tile(value: str) -> tuple[int, int, int, int]:
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", value.strip().lower())
+    tile = tuple(map(int, m.groups())) if m else ()
+    if not (tile and all(16 <= x <= 256 and x & (x - 1) == 0 for x in tile[:2]) and tile[2] in (1, 2, 4, 8, 16)
+            and 1 <= tile[3] <= 6):
+        raise NanoforgeError(
+            "NANOFORGE_ATTN_PREFILL_TILE must be ROWSxKEYSwWARPSsSTAGES (rows and keys powers of two from 16 to 256, "
+            f"warps a power of two up to 16, stages 1 to 6), e.g. 64x64w4s3, not {value!r}",
+            param="NANOFORGE_ATTN_PREFILL_TILE")
+    return tile
+
+
 def _tile_config(max_q_len: int, group: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_Q, BLOCK_N keys, num_warps, num_stages)."""
     if interpreting():
@@ -243,8 +272,9 @@ def _tile_config(max_q_len: int, group: int) -> tuple[int, int, int, int, int]:
     if max_q_len == 1:  # decode: one token's heads; memory-bound, so small tiles and deep pipelining
         block_m = max(16, triton.next_power_of_2(group))
         return block_m, 1, 64, 4, 3
-    block_m = max(64, triton.next_power_of_2(group))  # chunked prefill: compute-bound, big tiles
-    return block_m, block_m // group, 64, 4, 3
+    rows, block_n, warps, stages = prefill_tile()  # chunked prefill: compute-bound, big tiles
+    block_m = max(rows, triton.next_power_of_2(group))
+    return block_m, block_m // group, block_n, warps, stages
 
 
 def _num_splits(busy: int, programs: int, max_context: int, device: torch.device) -> int:
