@@ -39,6 +39,15 @@ def as_float64(b):
     return {k: v.double() if v.is_floating_point() else v for k, v in b.items()}
 
 
+def launch(b, max_q_len, tile, splits=1, fused=False, **kw):
+    """The kernel at an explicit tile, (block_m, block_q, block_n, warps, stages), and split count."""
+    block_m, block_q, block_n, warps, stages = tile
+    return pa._paged_attention_triton(
+        **b, scale=1 / math.sqrt(b["q"].shape[-1]), max_q_len=max_q_len, block_m=block_m, block_q=block_q,
+        block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages, fused_combine=fused, **kw,
+    )  # fmt: skip
+
+
 def naive_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
     """Independent definition, one query token at a time: read its context slot by slot, softmax, sum."""
     out = torch.zeros_like(q)
@@ -102,12 +111,7 @@ def test_decode_matches_float64(poisoned, ctx, hq, hkv, d, bs, splits, fused):
     """fused: the last split of each tile to finish combines the splits (NANOFORGE_ATTN_COMBINE=fused), and
     leaves its arrival count at zero for the next kernel on the stream."""
     b = batch(ctx, [1] * len(ctx), hq, hkv, d, bs, seed=len(ctx))
-    block_m, block_q, block_n, warps, stages = pa._tile_config(1, hq // hkv)
-    out = pa._paged_attention_triton(
-        **b, scale=1 / math.sqrt(d), max_q_len=1, block_m=block_m, block_q=block_q, block_n=block_n,
-        num_splits=splits, num_warps=warps, num_stages=stages, fused_combine=fused,
-    )  # fmt: skip
-    check(b, out)
+    check(b, launch(b, 1, pa._tile_config(1, hq // hkv), splits, fused))
     assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
@@ -134,12 +138,7 @@ def test_chunked_prefill_with_split_contexts_matches_float64(poisoned, splits, f
     whole prompt and a decode, beside padding sequences (whose tiles exit at once and count nothing)."""
     ctx, qlens = [90, 20, 9, 70, 1], [3, 20, 1, 17, 0]
     b = batch(ctx, qlens, 4, 2, 16, 8, seed=splits)
-    block_m, block_q, block_n, warps, stages = pa._tile_config(20, 2)
-    out = pa._paged_attention_triton(
-        **b, scale=1 / math.sqrt(16), max_q_len=20, block_m=block_m, block_q=block_q, block_n=block_n,
-        num_splits=splits, num_warps=warps, num_stages=stages, fused_combine=fused,
-    )  # fmt: skip
-    check(b, out)
+    check(b, launch(b, 20, pa._tile_config(20, 2), splits, fused))
     assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
@@ -151,12 +150,7 @@ def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
     rows, keys, warps, stages = pa._parse_tile(tile)
     for ctx, qlens, hq, hkv in (([150, 20, 9, 170, 1], [150, 20, 1, 37, 0], 4, 2), ([75, 3], [40, 3], 6, 2)):
         b = batch(ctx, qlens, hq, hkv, 16, 8, seed=rows + keys)
-        block_q = rows // (hq // hkv)
-        out = pa._paged_attention_triton(
-            **b, scale=1 / math.sqrt(16), max_q_len=max(qlens), block_m=rows, block_q=block_q, block_n=keys,
-            num_splits=1, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        check(b, out)
+        check(b, launch(b, max(qlens), (rows, rows // (hq // hkv), keys, warps, stages)))
 
 
 def test_the_prefill_tile_comes_from_the_environment(monkeypatch):
@@ -337,12 +331,8 @@ def test_rope_and_kv_write_inside_attention_equal_the_parts(poisoned, hq, hkv, d
     with torch.no_grad():
         q_rot = rope_qkv_and_write_kv(q, k, v, cos, sin, want_k, want_v, slots, qk_norm)  # Triton's own kernel
         want = pa.paged_attention_ref(**as_float64({**b, "q": q_rot, "k_cache": want_k, "v_cache": want_v}))
-        block_m, block_q, block_n, warps, stages = pa._tile_config(1, hq // hkv)
-        out = pa._paged_attention_triton(
-            q, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["cu_seqlens_q"], 1 / math.sqrt(d),
-            1, block_m=block_m, block_q=block_q, block_n=block_n, num_splits=splits, num_warps=warps,
-            num_stages=stages, fused_combine=fused, new_kv=(k, v, cos, sin, slots, qk_norm),
-        )  # fmt: skip
+        out = launch({**b, "q": q}, 1, pa._tile_config(1, hq // hkv), splits, fused,
+                     new_kv=(k, v, cos, sin, slots, qk_norm))
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
     tol = dict(rtol=1e-5, atol=1e-5) if norm else dict(rtol=0, atol=0)  # a norm's sum in another order
     torch.testing.assert_close(b["k_cache"], want_k, equal_nan=True, **tol)  # the new keys; NaN elsewhere kept

@@ -250,6 +250,17 @@ _PAGED_SIGNATURE = {  # paged attention's kernel: decode and prefill differ in c
 _PAGED_ALIGNED = tuple(a for a in _PAGED_SIGNATURE if a.startswith("stride_") and a != "stride_bt")
 
 
+def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
+    """Paged attention's kernel with these constants (BLOCK_D = HEAD_D, 16-token cache blocks, 64-key tiles and
+    the optional parts off unless given)."""
+    return TritonKernel(
+        "nanoforge.kernels.paged_attention:_paged_attn_kernel", _PAGED_SIGNATURE,
+        {"BLOCK_D": constexprs["HEAD_D"], "BLOCK_SIZE": 16, "BLOCK_N": 64, "FUSE": False, "SPLITS_P2": 32,
+         "PDL": False, "ROPE": False, "HAS_NORM": False, **constexprs},
+        num_warps=num_warps, aligned=_PAGED_ALIGNED,
+    )  # fmt: skip
+
+
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
 
 _GEMV_SIGNATURE = {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")}, "P": "*fp32", "C": "*i32",
@@ -298,37 +309,14 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         "nanoforge.kernels.flash_attention:_doc_bounds_kernel",
         {"IDS": "*i64", "STARTS": "*i32", "ENDS": "*i32", "T": "i32"}, {"BLOCK": 1024}, num_warps=4,
     ),
-    "paged_attention_decode": TritonKernel(
-        "nanoforge.kernels.paged_attention:_paged_attn_kernel",
-        _PAGED_SIGNATURE,
-        {"GROUP": 4, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
-         "SPLIT": True, "FUSE": False, "SPLITS_P2": 32, "VARLEN": False, "PDL": False, "ROPE": False,
-         "HAS_NORM": False},
-        aligned=_PAGED_ALIGNED,
-    ),
-    "paged_attention_decode_fused": TritonKernel(  # NANOFORGE_ATTN_COMBINE=fused, NANOFORGE_ATTN_ROPE=fused:
-        "nanoforge.kernels.paged_attention:_paged_attn_kernel",  # Qwen3-0.6B's heads, its q/k norms
-        _PAGED_SIGNATURE,
-        {"GROUP": 2, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": 64,
-         "SPLIT": True, "FUSE": True, "SPLITS_P2": 32, "VARLEN": False, "PDL": True, "ROPE": True, "HAS_NORM": True},
-        aligned=_PAGED_ALIGNED,
-    ),
-    "paged_attention_prefill": TritonKernel(
-        "nanoforge.kernels.paged_attention:_paged_attn_kernel",
-        _PAGED_SIGNATURE,
-        {"GROUP": 2, "HEAD_D": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_M": 64, "BLOCK_Q": 32, "BLOCK_N": 64,
-         "SPLIT": False, "FUSE": False, "SPLITS_P2": 32, "VARLEN": True, "PDL": False, "ROPE": False,
-         "HAS_NORM": False},
-        num_warps=4, aligned=_PAGED_ALIGNED,
-    ),
-    "paged_attention_prefill_wide": TritonKernel(  # NANOFORGE_ATTN_PREFILL_TILE=128x64w8s3, Llama-3.2-1B's heads
-        "nanoforge.kernels.paged_attention:_paged_attn_kernel",
-        _PAGED_SIGNATURE,
-        {"GROUP": 4, "HEAD_D": 64, "BLOCK_D": 64, "BLOCK_SIZE": 16, "BLOCK_M": 128, "BLOCK_Q": 32, "BLOCK_N": 64,
-         "SPLIT": False, "FUSE": False, "SPLITS_P2": 32, "VARLEN": True, "PDL": False, "ROPE": False,
-         "HAS_NORM": False},
-        num_warps=8, aligned=_PAGED_ALIGNED,
-    ),
+    "paged_attention_decode": _paged(GROUP=4, HEAD_D=128, BLOCK_M=16, BLOCK_Q=1, SPLIT=True, VARLEN=False),
+    "paged_attention_decode_fused": _paged(  # NANOFORGE_ATTN_COMBINE=fused, NANOFORGE_ATTN_ROPE=fused:
+        GROUP=2, HEAD_D=128, BLOCK_M=16, BLOCK_Q=1, SPLIT=True, VARLEN=False, FUSE=True, PDL=True, ROPE=True,
+        HAS_NORM=True),  # Qwen3-0.6B's heads, its q/k norms
+    "paged_attention_prefill": _paged(GROUP=2, HEAD_D=128, BLOCK_M=64, BLOCK_Q=32, SPLIT=False, VARLEN=True,
+                                      num_warps=4),  # the default tile at Qwen3-0.6B's heads
+    "paged_attention_prefill_wide": _paged(  # NANOFORGE_ATTN_PREFILL_TILE=128x64w8s3 at Llama-3.2-1B's heads
+        GROUP=4, HEAD_D=64, BLOCK_M=128, BLOCK_Q=32, SPLIT=False, VARLEN=True, num_warps=8),
     "prefetch_ahead": TritonKernel(  # a decode layer's next weights into L2 under its attention, with PDL
         "nanoforge.kernels.prefetch:_prefetch_kernel",
         {"W0": "*bf16", "N0": "i64", "W1": "*bf16", "N1": "i64", "W2": "*bf16", "N2": "i64"},
