@@ -40,6 +40,8 @@ from nanoforge.train.parallel.plan import Hardware, Layout, Workload, estimate
 from nanoforge.train.progress import write_json
 
 PP_MICRO = 4  # micro-batches per step of pipelined runs
+VOCAB = 8192  # the runs' byte-level BPE (prepare_data)
+H200_HBM_GIB = 143771 / 1024  # what torch and nvidia-smi report for the lent H200s
 BF16_NOISE = 0.02  # relative loss difference at any step that bf16 runs of different layouts stay within
 
 
@@ -83,7 +85,7 @@ class Runner:
         if (self.data / "meta.json").exists():
             return
         sources = sorted(str(p) for p in (REPO / "nanoforge").rglob("*.py") if p.stat().st_size)
-        vocab = "bpe:512" if self.args.cpu else "bpe:8192"
+        vocab = "bpe:512" if self.args.cpu else f"bpe:{VOCAB}"
         subprocess.run([sys.executable, "-m", "nanoforge", "data", "prepare", *sources, "--out", str(self.data),
                         "--tokenizer", vocab], check=True, cwd=REPO, env=self.env(), stdout=subprocess.DEVNULL)
 
@@ -126,24 +128,34 @@ class Runner:
                 "losses": [r["loss"] for r in log["history"]["train"]], "vocab_size": log["model"]["vocab_size"],
                 "final_val": log.get("final_val_loss_full_split"), "parallel": log.get("parallel")}
 
-    def planned(self, entry: dict) -> dict | None:
-        """The planner's memory per GPU and step time for the run's layout (None on CPUs)."""
-        if self.args.cpu or entry.get("exit"):
+    def plan(self, spec: dict) -> dict | None:
+        """The planner's numbers for a run (`run_spec`) on this machine's GPUs (None on CPUs)."""
+        if self.args.cpu:
             return None
         import torch
 
-        mesh = entry["mesh"]
-        cfg = preset(self.args.shape, vocab_size=entry["vocab_size"])
-        dp = mesh.get("dp_shard", 1)
-        lay = Layout(tp=mesh.get("tp", 1), cp=mesh.get("cp", 1), pp=mesh.get("pp", 1), dp=dp,
-                     schedule="1f1b" if mesh.get("pp", 1) > 1 else "fsdp")
-        rows_per_rank = max(1, entry["batch"] // dp)
-        work = Workload(seq_len=entry["seq_len"], batch_tokens=entry["batch"] * entry["grad_accum"] * entry["seq_len"],
-                        micro_batch=rows_per_rank)
-        hw = Hardware(gpus=entry["gpus"], hbm_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
-        est = estimate(cfg, lay, work, hw)
-        return {"memory_gib": est["memory_gib"]["total"], "tensors_gib": est["memory_gib"]["total"] - hw.overhead_gib,
-                "step_ms": 1000 * est["time_s"]["step"]}
+        entry = spec | {"gpus": gpus_of(spec["mesh"]), "vocab_size": VOCAB}
+        return planned(self.args.shape, entry, torch.cuda.get_device_properties(0).total_memory / 2**30)
+
+
+def planned(shape: str, entry: dict, hbm_gib: float) -> dict:
+    """The planner's memory per GPU (all of it, and the tensors alone: what a run's peak measures), step time,
+    tokens/s and MFU (at its assumed kernel efficiency) for a run's layout, batch and sequence length, on GPUs of
+    `hbm_gib`; whether it fits, and whether only with activation recomputation (the run then trains with
+    `--ac full`, and the memory is that of the recomputing layout)."""
+    mesh = entry["mesh"]
+    cfg = preset(shape, vocab_size=entry["vocab_size"])
+    dp = mesh.get("dp_shard", 1)
+    lay = Layout(tp=mesh.get("tp", 1), cp=mesh.get("cp", 1), pp=mesh.get("pp", 1), dp=dp,
+                 schedule="1f1b" if mesh.get("pp", 1) > 1 else "fsdp")
+    work = Workload(seq_len=entry["seq_len"], batch_tokens=entry["batch"] * entry["grad_accum"] * entry["seq_len"],
+                    micro_batch=max(1, entry["batch"] // dp))
+    hw = Hardware(gpus=entry["gpus"], hbm_gib=hbm_gib)
+    est = estimate(cfg, lay, work, hw)
+    memory = est["memory_gib"]["total_recompute" if est["recompute"] else "total"]
+    return {"memory_gib": memory, "tensors_gib": memory - hw.overhead_gib,
+            "step_ms": 1000 * est["time_s"]["step"], "tokens_per_s": est["tokens_per_s"], "mfu": est["mfu"],
+            "fits": est["fits"], "recompute": est["recompute"], "efficiency_assumed": hw.efficiency}
 
 
 def compare_losses(entry: dict, reference: list[float] | None) -> None:
@@ -170,8 +182,15 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="a dry run on CPUs: gloo, fp32, eager, small sizes")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--work", type=Path, default=None, help="run folders (default: a temporary one)")
+    p.add_argument("--predict", action="store_true",
+                   help="no runs: the planner's memory per GPU and step time for each run on --gpus GPUs (default 8) "
+                        "of --hbm-gib, written before the runs to compare them with")
+    p.add_argument("--hbm-gib", type=float, default=H200_HBM_GIB, help="with --predict: memory per GPU "
+                                                                        "(default: an H200's 143,771 MiB)")
     a = p.parse_args()
-    if a.cpu:
+    if a.predict:
+        a.gpus = a.gpus or 8
+    elif a.cpu:
         a.shape = a.shape if a.shape.startswith("tiny") else "tiny-llama"
         a.gpus = a.gpus or 2
         a.seq_len, a.steps, a.rows_per_gpu = min(a.seq_len, 64), min(a.steps, 4), min(a.rows_per_gpu, 2)
@@ -182,35 +201,33 @@ def main() -> None:
             sys.exit("multigpu_train.py needs CUDA GPUs (or --cpu for a dry run)")
         a.gpus = a.gpus or torch.cuda.device_count()
     n = a.gpus
-    work = a.work or Path(tempfile.mkdtemp(prefix="multigpu_train_"))
-    runner = Runner(a, work)
-    runner.prepare_data()
-
     known = layouts(n)
     names = list(known) + ["cp32k", "reshard"] if a.runs == "all" else a.runs.split(",")
     unknown = [x for x in names if x not in known and x not in ("cp32k", "reshard")]
     if unknown:
         sys.exit(f"unknown runs {unknown}; on {n} GPUs: {', '.join(known)}, cp32k, reshard")
     a.out.mkdir(parents=True, exist_ok=True)
+    # One global batch for every layout: rows_per_gpu x n rows (the loader draws each micro-batch's rows from
+    # (seed, micro-step), so every run reads the same rows; `run_spec`)
+    rows = a.rows_per_gpu * n
+    if a.predict:
+        predict(a, names, known, rows)
+        return
     path = a.out / f"multigpu_train_{a.shape}.json"
     results = json.loads(path.read_text()) if path.exists() else {"shape": a.shape, "runs": {}}
     results |= {"gpus": n, "seq_len": a.seq_len, "steps": a.steps}
-
-    # One global batch for every layout: rows_per_gpu x n rows in one micro-batch, so every run reads the same rows
-    # (the loader draws each micro-batch's rows from (seed, micro-step)). A pipeline needs micro-batches: its
-    # runs take the same rows in PP_MICRO micro-batches, and so does their single-GPU twin, "single-pp".
-    rows = a.rows_per_gpu * n
+    work = a.work or Path(tempfile.mkdtemp(prefix="multigpu_train_"))
+    runner = Runner(a, work)
+    runner.prepare_data()
     for k, name in enumerate(names, 1):
         t0 = time.perf_counter()
         print(f"== run {k}/{len(names)}: {name}", flush=True)
-        if name == "cp32k":  # context parallelism over every GPU, one 32K-token sequence of packed documents
-            seq = 128 if a.cpu else 32768
-            entry = runner.train(name, {"cp": n}, seq_len=seq, batch=1, accum=1, steps=min(a.steps, 20))
-        elif name == "reshard":  # DCP: FSDP over n saves at the half-way step, TP x FSDP resumes to the end
+        if name == "reshard":  # DCP: FSDP over n saves at the half-way step, TP x FSDP resumes to the end
             half = a.steps // 2
             first = {"dp_shard": n}
             second = {"tp": 2, "dp_shard": n // 2} if n >= 4 else {"tp": n}
             out = work / "reshard"
+            plan = runner.plan({"mesh": second, "seq_len": a.seq_len, "batch": rows, "grad_accum": 1})
             saved = runner.train("reshard-save", first, seq_len=a.seq_len, batch=rows, accum=1, steps=half, out=out)
             entry = saved if saved.get("exit") else runner.train(
                 "reshard-resume", second, seq_len=a.seq_len, batch=rows, accum=1, steps=a.steps, out=out,
@@ -218,12 +235,14 @@ def main() -> None:
             entry |= {"saved_at": first, "resumed_at": second, "saved_step": half,
                       "reference": f"fsdp{n}" if f"fsdp{n}" in results["runs"] else "single"}
         else:
-            mesh = known[name]
-            piped = mesh.get("pp", 1) > 1 or name == "single-pp"
-            accum = PP_MICRO if piped else 1
-            entry = runner.train(name, mesh, seq_len=a.seq_len, batch=rows // accum, accum=accum, steps=a.steps)
-            entry["reference"] = None if name.startswith("single") else "single-pp" if piped else "single"
-        entry["planned"] = runner.planned(entry)
+            spec = run_spec(name, known, rows, a)
+            plan = runner.plan(spec)
+            # where the planner finds the activations too big for the GPU, it plans their recomputation: so does the run
+            ac = "full" if plan and plan["recompute"] else "none"
+            entry = runner.train(name, spec["mesh"], seq_len=spec["seq_len"], batch=spec["batch"],
+                                 accum=spec["grad_accum"], steps=spec["steps"], extra=["--ac", ac])
+            entry |= {"reference": spec["reference"], "ac": ac}
+        entry["planned"] = plan
         entry["call_s"] = time.perf_counter() - t0
         results["runs"][name] = entry
         write_json(path, results)
@@ -238,6 +257,48 @@ def main() -> None:
             e["scaling_efficiency"] = e["tokens_per_s"] / e["gpus"] / ref["tokens_per_s"]
     write_json(path, results)
     print_table(results)
+    print(f"wrote {path}")
+
+
+def run_spec(name: str, known: dict, rows: int, a: argparse.Namespace) -> dict:
+    """A run's layout, sequence length, rows per micro-batch (all ranks), micro-batches, steps and the run its
+    losses are compared with. Layouts read the global batch's `rows` in one micro-batch; a pipeline needs
+    micro-batches, so its runs, and their single-GPU twin "single-pp", take the same rows in PP_MICRO of them.
+    cp32k: context parallelism over every GPU, one 32K-token sequence of packed documents."""
+    if name == "cp32k":
+        return {"mesh": {"cp": a.gpus}, "seq_len": 128 if a.cpu else 32768, "batch": 1, "grad_accum": 1,
+                "steps": min(a.steps, 20), "reference": None}
+    mesh = known[name]
+    piped = mesh.get("pp", 1) > 1 or name == "single-pp"
+    accum = PP_MICRO if piped else 1
+    return {"mesh": mesh, "seq_len": a.seq_len, "batch": rows // accum, "grad_accum": accum, "steps": a.steps,
+            "reference": None if name.startswith("single") else "single-pp" if piped else "single"}
+
+
+def predict(a: argparse.Namespace, names: list[str], known: dict, rows: int) -> None:
+    """--predict: no run, the planner's numbers for each run on `a.gpus` GPUs of `a.hbm_gib`, written as
+    $OUT/multigpu_train_<shape>_<gpus>gpus_planned.json and a table, so that a run is compared with numbers fixed
+    before it. (The resharding run's two layouts are fsdpN's and the TP one's.)"""
+    plans = {}
+    for name in names:
+        if name == "reshard":
+            continue
+        spec = run_spec(name, known, rows, a)
+        entry = spec | {"gpus": gpus_of(spec["mesh"]), "vocab_size": VOCAB}
+        plans[name] = entry | {"planned": planned(a.shape, entry, a.hbm_gib)}
+    path = a.out / f"multigpu_train_{a.shape}_{a.gpus}gpus_planned.json"
+    write_json(path, {"shape": a.shape, "gpus": a.gpus, "hbm_gib": a.hbm_gib, "runs": plans})
+    print(f"{a.shape}: the planner's numbers for {a.gpus} GPUs of {a.hbm_gib:.1f} GiB "
+          f"(step time at {next(iter(plans.values()))['planned']['efficiency_assumed']:.0%} of peak in the kernels)")
+    head = f"{'run':<16}{'GPUs':>5}{'seq':>7}{'rows':>6}{'GiB/GPU':>9}{'tensors':>9}{'tok/s':>12}{'tok/s/GPU':>11}" \
+           f"{'MFU':>7}  note"
+    print(head + "\n" + "-" * len(head))
+    for name, e in plans.items():
+        pl = e["planned"]
+        note = "does not fit" if not pl["fits"] else "--ac full (activations recomputed)" if pl["recompute"] else ""
+        print(f"{name:<16}{e['gpus']:>5}{e['seq_len']:>7}{e['batch'] * e['grad_accum']:>6}{pl['memory_gib']:>9.1f}"
+              f"{pl['tensors_gib']:>9.1f}{pl['tokens_per_s']:>12,.0f}{pl['tokens_per_s'] / e['gpus']:>11,.0f}"
+              f"{pl['mfu']:>7.1%}  {note}")
     print(f"wrote {path}")
 
 

@@ -3,8 +3,8 @@ seconds), each training the same recipe with `pretrain` on its own DeviceMesh of
 
     torchrun --nproc-per-node N tests/parallel_worker.py DATA_DIR OUT_DIR NAME=MODEL:k=v,k=v ...
 
-k=v are ParallelDims fields (tp, cp, pp, dp_shard, dp_replicate; pp_schedule, stages_per_rank) and
-`ga` (--grad-accum); every given degree counts as a flag given (applied even at degree 1). Each layout
+k=v are ParallelDims fields (tp, cp, pp, dp_shard, dp_replicate; pp_schedule, stages_per_rank), `ga`
+(--grad-accum) and `ac` (--ac); every given degree counts as a flag given (applied even at degree 1). Each layout
 writes its run folder OUT_DIR/NAME (log.json, the exported model); the test compares them with
 one-process runs of the same recipe.
 """
@@ -31,6 +31,7 @@ def main(data_dir: str, out_dir: str, *specs: str) -> None:
         model, _, opts = rest.partition(":")
         kw = dict(o.split("=") for o in opts.split(",") if o)
         ga = int(kw.pop("ga", 1))
+        extra = {"ac": kw.pop("ac")} if "ac" in kw else {}  # a TrainConfig field: activation checkpointing
         ints = {k: int(v) for k, v in kw.items() if k != "pp_schedule"}
         dims = ParallelDims(**ints, pp_schedule=kw.get("pp_schedule", "1f1b"), world_size=world, explicit=frozenset(ints))
         if not started:
@@ -38,7 +39,7 @@ def main(data_dir: str, out_dir: str, *specs: str) -> None:
             started = True
         else:
             layout = Parallel.build(dims, torch.device("cpu"))
-        pretrain(recipe(model, data_dir, ga), Path(out_dir) / name, layout=layout)
+        pretrain(recipe(model, data_dir, ga, **extra), Path(out_dir) / name, layout=layout)
         dist.barrier()
     layout.close()
 

@@ -25,3 +25,23 @@ def test_the_dry_run_measures_each_layout_against_one_process(tmp_path):
     # fp32 on the CPU: the same rows give the same losses to rounding (different rows would differ by ~1e-3)
     assert fsdp["worst_loss_rel_diff"] < 1e-5 and fsdp["losses_match"]
     assert 0 < fsdp["scaling_efficiency"] and "scaling" in run.stdout
+
+
+def test_predict_writes_the_planners_numbers_for_every_run_without_running_one(tmp_path):
+    """--predict (no GPU, no torchrun): per run of an 8-GPU machine, the planner's memory and rate at the script's
+    own batch; the runs that fit only with recomputation are the ones the script trains with --ac full."""
+    run = subprocess.run([sys.executable, "benchmarks/multigpu_train.py", "--predict", "--shape", "llama3-8b",
+                          "--gpus", "8", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads((tmp_path / "multigpu_train_llama3-8b_8gpus_planned.json").read_text())
+    runs = r["runs"]
+    assert r["hbm_gib"] == 143771 / 1024 and "reshard" not in runs
+    assert {"single", "fsdp8", "tp8", "tp2-fsdp4", "pp2-tp2-fsdp2", "tp2-cp2-fsdp2", "cp32k"} <= set(runs)
+    assert runs["fsdp8"]["batch"] == runs["single"]["batch"] == 32 and runs["cp32k"]["seq_len"] == 32768
+    assert runs["single-pp"]["batch"] * runs["single-pp"]["grad_accum"] == 32  # the same rows in 4 micro-batches
+    plan = {name: e["planned"] for name, e in runs.items()}
+    assert plan["single"]["recompute"] and not plan["fsdp8"]["recompute"]  # 8B's fp32 state alone is ~119 GiB
+    assert plan["fsdp8"]["tensors_gib"] < plan["fsdp4"]["tensors_gib"] < plan["single"]["tensors_gib"]
+    assert all(p["fits"] and p["tensors_gib"] == p["memory_gib"] - 4.0 for p in plan.values())
+    assert "--ac full" in run.stdout and "fsdp8" in run.stdout

@@ -229,10 +229,14 @@ def test_plan_lists_runnable_layouts_fitting_first_and_llama3_405b(tmp_path, cap
 
 LAYOUTS = {
     2: {"fsdp": "tiny-qwen3:dp_shard=2", "tp": "tiny-qwen3:tp=2", "cp": "tiny-qwen3:cp=2",
-        "pp_gpipe": "tiny-llama:pp=2,pp_schedule=gpipe,ga=2", "pp_1f1b": "tiny-llama:pp=2,ga=2"},
+        "pp_gpipe": "tiny-llama:pp=2,pp_schedule=gpipe,ga=2", "pp_1f1b": "tiny-llama:pp=2,ga=2",
+        # activation checkpointing: FSDP2 gathers again for the recomputation; every other block of a stage
+        "fsdp_ac": "tiny-qwen3:dp_shard=2,ac=full", "pp_1f1b_ac": "tiny-llama:pp=2,ga=2,ac=2"},
     4: {"dp_tp": "tiny-qwen3:dp_shard=2,tp=2", "tp_cp": "tiny-qwen3:tp=2,cp=2",
         "pp_dp": "tiny-llama:pp=2,dp_shard=2,ga=2", "hsdp": "tiny-llama:dp_replicate=2,dp_shard=2",
-        "pp_interleaved_dp": "tiny-llama:pp=2,pp_schedule=interleaved-1f1b,dp_shard=2,ga=2"},
+        "pp_interleaved_dp": "tiny-llama:pp=2,pp_schedule=interleaved-1f1b,dp_shard=2,ga=2",
+        # recomputed under TP's redistributions and CP's key gathers
+        "tp_cp_ac": "tiny-qwen3:tp=2,cp=2,ac=full"},
 }
 
 
@@ -250,7 +254,8 @@ def references(data, root: Path) -> dict:
 
 def test_every_layout_trains_like_one_process(data, tmp_path):
     """FSDP2, TP (+SP), CP, PP (GPipe, 1F1B) on 2 processes; dp x tp, tp x cp, pp x dp, HSDP and interleaved
-    1F1B x dp on 4: losses and weights after 5 steps equal the one-process run's. The 2- and the 4-process
+    1F1B x dp on 4; activation checkpointing under FSDP2, PP, and TP x CP: losses and weights after 5 steps equal
+    the one-process run's (without checkpointing). The 2- and the 4-process
     launch run side by side (each process spends seconds importing), the one-process runs here meanwhile."""
     launched = {n: launch(n, REPO / "tests" / "parallel_worker.py", data, tmp_path / f"on{n}",
                           *(f"{name}={spec}" for name, spec in LAYOUTS[n].items()), port=port)
@@ -265,11 +270,13 @@ def test_every_layout_trains_like_one_process(data, tmp_path):
             model, _, opts = spec.partition(":")
             ga = 2 if "ga=2" in opts else 1
             assert_same_run(tmp_path / f"on{n}" / name, want[model, ga], name)
-            described = log(tmp_path / f"on{n}" / name)["parallel"]  # e.g. "dp_shard 2 x tp 2"
+            ran = log(tmp_path / f"on{n}" / name)
+            assert ran["checkpointed_blocks"] == {"ac=full": [0, 1], "ac=2": [0]}.get(opts.split(",")[-1], []), name
+            described = ran["parallel"]  # e.g. "dp_shard 2 x tp 2"
             assert all(f"{k} {v}" in described for k, v in (o.split("=") for o in opts.split(","))
                        if k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")), described
-    # on 2 processes, 2 stages, 2 micro-batches: (2 - 1) / (2 + 2 - 1) of a step idle
-    assert runs[2].stdout.count("bubble fraction 33.3%") == 2, runs[2].stdout
+    # on 2 processes, 2 stages, 2 micro-batches (three pipelined runs): (2 - 1) / (2 + 2 - 1) of a step idle
+    assert runs[2].stdout.count("bubble fraction 33.3%") == 3, runs[2].stdout
 
 
 # --- checkpoints reshard; failures end the run ---------------------------------------------------------

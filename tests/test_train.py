@@ -224,6 +224,57 @@ def test_training_steps_drop_attention_weights_and_evaluation_does_not(corpus, t
     assert via_training_path[0] == via_training_path[1] == pytest.approx(exact, rel=1e-5)
 
 
+@pytest.mark.parametrize("mode,blocks", [("full", [0, 1, 2, 3]), ("2", [0, 2])])
+def test_activation_checkpointing_keeps_only_block_inputs_and_changes_no_gradient(mode, blocks):
+    """--ac (train/parallel/ac.py): the checkpointed blocks save nothing for the backward (autograd sees only what
+    the rest of the model saves), recompute in the backward with the same dropout masks, and the loss and every
+    gradient are the plain model's, bit for bit (fp32); parameter names stay as they were."""
+    import copy
+
+    from nanoforge.train.parallel.ac import apply_ac, checkpointed
+
+    torch.manual_seed(0)
+    plain = Transformer(model_preset("tiny-llama", n_layers=4, dropout=0.1)).train()
+    model = copy.deepcopy(plain)
+    assert apply_ac(model, mode) == len(blocks) and checkpointed(model) == blocks and checkpointed(plain) == []
+    batch = _batch(torch.randint(0, 256, (2, 33)))
+
+    def run(m):
+        saved = []
+        loss_fn = trainer.make_loss_fn(m, trainer.training_attention(trainer.document_attention, 0.1), compiled=False)
+        torch.manual_seed(1)  # the same dropout masks in both models' forwards
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = loss_fn(batch)
+        loss.backward()
+        return sum(saved), loss.item(), {n: p.grad for n, p in m.named_parameters()}
+
+    bytes_plain, loss_plain, grads_plain = run(plain)
+    bytes_ac, loss_ac, grads_ac = run(model)
+    assert loss_ac == loss_plain and grads_ac.keys() == grads_plain.keys()
+    assert all(torch.equal(grads_ac[n], grads_plain[n]) for n in grads_plain)
+    per_block = (bytes_plain - bytes_ac) / len(blocks)  # what each checkpointed block no longer keeps
+    outside = bytes_plain - 4 * per_block  # embedding, final norm, head and loss
+    assert per_block > 0 and bytes_ac == pytest.approx(outside + (4 - len(blocks)) * per_block, rel=1e-6)
+    assert outside < 4 * per_block
+    model.eval()
+    with torch.no_grad():  # evaluation runs the blocks plainly
+        assert torch.equal(model(batch.input_ids), plain.eval()(batch.input_ids))
+
+
+def test_the_ac_flag_trains_the_same_run_and_refuses_unknown_modes(corpus, tmp_path, capsys):
+    assert run_cli(*tiny_args(corpus, tmp_path / "plain", "--max-steps", "2")) == 0
+    assert run_cli(*tiny_args(corpus, tmp_path / "ac", "--max-steps", "2", "--ac", "full")) == 0
+    losses = {run: [r["loss"] for part in ("train", "val") for r in history(tmp_path / run)[part]]
+              for run in ("plain", "ac")}
+    assert losses["ac"] == losses["plain"]  # dropout 0.1 included
+    assert json.loads((tmp_path / "ac" / "log.json").read_text())["checkpointed_blocks"] == [0, 1, 2, 3]
+    capsys.readouterr()
+    assert run_cli(*tiny_args(corpus, tmp_path / "bad", "--ac", "some")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ac must be none, full or a number N (every N-th block), not 'some'" in err and "\n" not in err
+
+
 def test_the_final_val_loss_covers_the_whole_split(corpus, tmp_path):
     """Along the way eval_iters batches; at the end the whole split, to its last token (recomputed here
     from the saved model and val.bin, window by window)."""
@@ -553,6 +604,44 @@ def test_cuda_graphed_training_resumes_exactly(corpus, tmp_path):
     a, b = history(straight), history(split)
     assert a["train"][-1]["step"] == b["train"][-1]["step"] == 8
     assert [r["loss"] for r in a["train"]] == pytest.approx([r["loss"] for r in b["train"]], rel=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gpu_activation_checkpointing_trains_the_same_run_in_less_memory(name, corpus, tmp_path):
+    """--ac full on the H200, each family: a forward and backward of 8 blocks over 32 x 128 tokens under bf16
+    autocast peaks lower than without, with the same gradients to bf16 rounding; and the GPU's default loop
+    (compiled or not, its step a CUDA graph, dropout on) trains the family's run without checkpointing."""
+    from nanoforge.train.parallel.ac import apply_ac
+
+    dev = torch.device("cuda")
+    ids = torch.randint(0, 256, (32, 129), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids[:, :-1], ids[:, 1:], torch.zeros_like(ids[:, :-1]), torch.arange(128).expand(32, 128)).to(dev)
+    peaks, grads = {}, {}
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        model = Transformer(model_preset(name, n_layers=8)).to(dev).train()
+        apply_ac(model, mode)
+        loss_fn = trainer.make_loss_fn(model, trainer.document_attention, compiled=False)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = loss_fn(batch)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[mode] = torch.cuda.max_memory_allocated() - base
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert peaks["full"] < 0.6 * peaks["none"], peaks
+    assert ((grads["full"] - grads["none"]).norm() / grads["none"].norm()).item() < 1e-2
+    for compile_flag in ("--compile", "--no-compile"):
+        runs = {}
+        for ac in ("none", "full"):
+            out = tmp_path / f"{compile_flag}-{ac}"
+            args = tiny_args(corpus, out, "--max-steps", "6", "--device", "cuda", compile_flag, "--ac", ac)
+            assert run_cli(*[name if a == "shakespeare-char-cpu" else a for a in args]) == 0
+            runs[ac] = [r["loss"] for r in history(out)["train"]]
+        assert runs["full"] == pytest.approx(runs["none"], rel=2e-2), compile_flag
 
 
 def test_loss_chunk_flag_trains_the_same_run(corpus, tmp_path, capsys):

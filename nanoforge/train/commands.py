@@ -38,6 +38,8 @@ _LOOP_FLAGS = {
     "val_fraction": (float, "share of the data held out for validation"),
     "seed": (int, "seed of initialisation, batches and dropout"),
     "loss_chunk": (int, "fuse the LM head and the loss, this many tokens at a time (saves the logits' memory)"),
+    "ac": (str, "activation checkpointing: none (default), full (every block recomputes its activations in the "
+                "backward), or N (every N-th block)"),
 }
 
 

@@ -57,6 +57,7 @@ class TrainConfig:
     compile: bool | None = None  # torch.compile the model; None: on GPU only
     cuda_graph: bool | None = None  # capture the whole optimizer step in a CUDA graph; None: on GPU only
     loss_chunk: int | None = None  # fuse the LM head and cross-entropy, this many tokens at a time; None: off
+    ac: str = "none"  # activation checkpointing: none, full, or N (every N-th block); train/parallel/ac.py
 
     def __post_init__(self):
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "log_interval", "pad_vocab")
@@ -78,6 +79,9 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise NanoforgeError(f"dtype {self.dtype!r} cannot be trained in; choose one of {', '.join(DTYPES)} "
                                  "(fp16 would need loss scaling)", param="dtype")
+        from nanoforge.train.parallel.ac import ac_every
+
+        ac_every(self.ac)  # one line naming the problem if it is none of the modes
         if self.model not in MODEL_PRESETS:
             raise NanoforgeError(f"no model preset named {self.model!r}; choose one of {', '.join(MODEL_PRESETS)}",
                                  param="model")

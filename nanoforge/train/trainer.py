@@ -54,6 +54,7 @@ from nanoforge.train.checkpoint import canonical, load_shards, restore_rng, rng_
 from nanoforge.train.config import DTYPES, TrainConfig, sequence_length
 from nanoforge.train.loss import linear_cross_entropy
 from nanoforge.train.optim import init_optimizer_state, lr_at, make_optimizer
+from nanoforge.train.parallel.ac import apply_ac, checkpointed
 from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, write_json
 
 AttentionFor = Callable[[Batch], AttentionBackend]  # which attention a batch gets
@@ -223,7 +224,8 @@ class SingleDevice:
         """The run is over (a parallel layout leaves its process group)."""
 
     def parallelize(self, model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
-        """The model as this rank trains it (here: as it is)."""
+        """The model as this rank trains it (here: as it is, its blocks checkpointed if cfg.ac says so)."""
+        apply_ac(model, cfg.ac)
         return model
 
     def local(self, batch: Batch) -> Batch:
@@ -654,7 +656,8 @@ class Trainer:
                     "best_val_loss": min(vals) if vals else None, "wall_time_s": time.perf_counter() - wall_start,
                     "ms_per_step": ms_per_step, "tokens_per_s": tok_s, "mfu": meter.mfu(tok_s),
                     "device": str(self.device), "compiled": self.compiled, "cuda_graph": self.graphed,
-                    "parallel": self.layout.name, "model": self.model_cfg.to_dict(), "config": cfg.to_dict()}
+                    "parallel": self.layout.name, "checkpointed_blocks": checkpointed(self.model),
+                    "model": self.model_cfg.to_dict(), "config": cfg.to_dict()}
 
         def write_log(extra: dict | None = None) -> dict:
             log = summary() | (extra or {})

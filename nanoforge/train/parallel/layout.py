@@ -41,6 +41,7 @@ from nanoforge.train.checkpoint import (SHARDS, STATE_FILE, begin_checkpoint, co
                                         save_shards)
 from nanoforge.train.config import TrainConfig
 from nanoforge.train.parallel import cp as cp_
+from nanoforge.train.parallel.ac import apply_ac
 from nanoforge.train.parallel.dims import MESH_DIMS, ParallelDims
 from nanoforge.train.parallel.fsdp import apply_fsdp
 from nanoforge.train.parallel.pp import Pipeline, Stage, bubble_fraction, prune, rank_stages
@@ -177,6 +178,7 @@ class Parallel:
         split_fused_projections(model)
         if self.tp_mesh is not None:
             apply_tp(model, self.tp_mesh)
+        apply_ac(model, cfg.ac)
         if cfg.compile if cfg.compile is not None else self.device.type == "cuda":
             for block in model.layers:
                 if block is not None:

@@ -15,8 +15,8 @@ Memory per GPU (the worst pipeline stage: the first, with the embedding, or the 
                                 the tokens plus the gathered K and V of the whole sequence. Held for the
                                 micro-batches in flight: 1 without pipelining, pp (1F1B), m (GPipe), or
                                 pp (1 + (pp - 1) / (pp v)) interleaved. With recomputation (activation
-                                checkpointing per block) only each block's input stays, plus one block's
-                                activations while it is recomputed.
+                                checkpointing per block: the trainer's --ac full) only each block's input
+                                stays, plus one block's activations while it is recomputed.
     logits                      the last stage's micro-batch of logits. Compiled (the GPU default) the
                                 head and the loss are one graph: the bf16 logits kept for the backward
                                 and their bf16 gradient, 4 B per token and vocabulary entry / tp; eager
