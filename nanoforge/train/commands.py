@@ -336,7 +336,7 @@ def run_plan(args) -> int:
     fit = sum(r["fits"] for r in rows)
     print(f"{args.model} ({model.num_params(False) / 1e9:.1f}B parameters) on {args.gpus} GPUs of {args.hbm_gib:g} GiB: "
           f"{work.batch_tokens:,} tokens per step in sequences of {seq_len:,}; {fit} of {len(rows)} layouts fit "
-          f"(rc: with activation recomputation; >: does not fit)")
+          f"(rc: with activation recomputation, --ac full; >: does not fit)")
     print(table(rows, hw.hbm_gib, args.top))
     report = {"model": args.model, "hardware": vars(hw), "workload": vars(work), "layouts": rows}
     if args.llama3:
