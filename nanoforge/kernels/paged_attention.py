@@ -236,7 +236,6 @@ _MAX_PROGRAMS = 16384  # ...and the grid under this (programs that exit at once 
 _SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: one variant for any split count
 
 
-
 # Prefill and mixed steps' tile, NANOFORGE_ATTN_PREFILL_TILE = "{rows}x{keys}w{warps}s{stages}": BLOCK_M rows of
 # (token, head) pairs x BLOCK_N keys, num_warps, num_stages. The default is one warpgroup over 64 rows (the
 # smallest wgmma tile); session 7's profile had it at ~190 TFLOP/s in gpu_engine (c)'s step (D 64).
