@@ -227,6 +227,33 @@ def test_the_model_sends_decode_rows_through_it_when_enabled(poisoned, monkeypat
 
 
 @interpreter
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-qwen3"])  # a head of its own; one tied to the embedding
+def test_the_lm_head_takes_it_for_a_decodes_rows(poisoned, monkeypatch, name):
+    """Transformer.logits (the serving engine's sampled rows): a few rows outside autograd go the way the
+    projections go (NANOFORGE_GEMV=1: the kernel), into `out` where given; more rows than a tile, or autograd,
+    take the plain matmul. The same logits either way."""
+    from nanoforge.model.config import preset
+    from nanoforge.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset(name)).eval()
+    hidden = torch.randn(3, model.cfg.d_model)
+    want = hidden.double() @ model.lm_head.weight.double().t()
+    calls = _launches(monkeypatch)
+    monkeypatch.setenv("NANOFORGE_GEMV", "1")
+    with torch.no_grad():
+        out = torch.full((3, model.cfg.vocab_size), float("nan"))
+        got = model.logits(hidden, out=out)
+        assert calls == [(False, False, False)] and got is out
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+        many = torch.randn(gv.MAX_ROWS + 1, model.cfg.d_model)
+        torch.testing.assert_close(model.logits(many).double(), many.double() @ model.lm_head.weight.double().t(),
+                                   rtol=1e-4, atol=1e-4)
+    model.logits(hidden)  # autograd
+    assert len(calls) == 1
+
+
+@interpreter
 def test_auto_takes_the_way_measured_fastest_once_per_shape(poisoned, monkeypatch):
     """NANOFORGE_GEMV=auto (the default): each projection shape is timed once (here a stand-in timer that makes
     ours fastest where a norm is fused and cuBLAS elsewhere) and then always takes the way found; the logits

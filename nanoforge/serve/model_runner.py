@@ -424,7 +424,7 @@ class ModelRunner:
     def _sample(self, v: dict, hidden: torch.Tensor, n: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the n sampled rows (in the model's dtype; into `logits_out` if given) and their tokens,
         greedy or drawn with temperature, into self.sampled[:n]. Top-k / top-p is `_sample_filtered`'s."""
-        logits = torch.matmul(hidden, self.model.lm_head.weight.t(), out=logits_out)
+        logits = self.model.logits(hidden, out=logits_out)
         slots = v["sample_slot"][:n]
         sample_tokens(logits, self.slot_temperature[slots], self._seeds(v, n), v["draw"][:n], out=self.sampled[:n])
         return logits
