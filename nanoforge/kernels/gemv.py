@@ -537,7 +537,8 @@ def decisions() -> dict:
 # (model, d_model, q/k/v features, attention-out K, d_ff, layers): the decode projections of Llama-3.2-1B and
 # Qwen3-0.6B; each layer is Q/K/V (the norm and residual add fused), attention-out, gate-and-up (norm, residual
 # and SwiGLU fused) and MLP-down
-BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28)]
+# (model, d_model, Q/K/V rows, attention-out columns, d_ff, layers, vocabulary)
+BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16, 128256), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28, 151936)]
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
 # ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not; K split where
@@ -604,7 +605,7 @@ def bench_rows(quick: bool) -> list[dict]:
     """Each model's decode layers' projections (with the norms, residual adds and SwiGLU between them; attention
     left out), every layer its own weights, at 1 (and, not quick, 8) rows, bf16, replayed from a CUDA graph as
     the engine replays its decode steps, each of BENCH_WAYS against cuBLAS, per layer; then each projection alone
-    (a chain of it, one weight copy a layer). The autotuner's pick for each shape is printed."""
+    (a chain of it, one weight copy a layer), and the LM head. The autotuner's pick for each shape is printed."""
     from unittest import mock
 
     from nanoforge.errors import NanoforgeError
@@ -613,21 +614,24 @@ def bench_rows(quick: bool) -> list[dict]:
     if not torch.cuda.is_available():
         raise NanoforgeError("gemv benchmarks need a CUDA GPU", param="kinds")
     rows = []
-    for model, d, qkv, ao, ff, n_layers in BENCH_MODELS:
+    for model, d, qkv, ao, ff, n_layers, vocab in BENCH_MODELS:
         for m in (1,) if quick else (1, 8):
             gen = torch.Generator(device="cuda").manual_seed(m)
             x0 = torch.randn(m, d, generator=gen, device="cuda").bfloat16()
-            # (label, weight bytes a link, make): the whole layer, then each projection alone
-            parts = [("layer", 2 * (qkv * d + d * ao + 2 * ff * d + d * ff), lambda: _layer(d, qkv, ao, ff, m, gen))]
-            parts += [(label, 2 * n * k, lambda k=k, n=n, s=s, nm=nm: _projection(m, k, n, s, nm, gen))
-                      for label, k, n, s, nm in (("qkv+norm", d, qkv, False, True), ("attn-out", ao, d, False, False),
-                                                 ("gate-up+norm+swiglu", d, 2 * ff, True, True),
-                                                 ("down", ff, d, False, False))]
-            for label, b, make in parts:
+            # (label, weight bytes a link, make, links): the whole layer, then each projection alone, then the LM
+            # head (`Transformer.logits`; two copies of it, each several times L2)
+            parts = [("layer", 2 * (qkv * d + d * ao + 2 * ff * d + d * ff), lambda: _layer(d, qkv, ao, ff, m, gen),
+                      n_layers)]
+            parts += [(label, 2 * n * k, lambda k=k, n=n, s=s, nm=nm: _projection(m, k, n, s, nm, gen), links)
+                      for label, k, n, s, nm, links in (
+                          ("qkv+norm", d, qkv, False, True, n_layers), ("attn-out", ao, d, False, False, n_layers),
+                          ("gate-up+norm+swiglu", d, 2 * ff, True, True, n_layers),
+                          ("down", ff, d, False, False, n_layers), ("lm-head", d, vocab, False, False, 2))]
+            for label, b, make, links in parts:
                 times = {}
                 for name, env in BENCH_WAYS.items():
                     with mock.patch.dict(os.environ, env):
-                        times[name] = _chain_us(make, n_layers, x0, quick)
+                        times[name] = _chain_us(make, links, x0, quick)
                 rows += [make_row("gemv", f"{model} {label} {name} {m}x{d}", times[name] / 1000, times["cublas"] / 1000,
                                   "cuBLAS + norm, SwiGLU kernels", 2.0 * m * b / 2, b) for name in times if name != "cublas"]
     made = decisions()
