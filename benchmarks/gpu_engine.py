@@ -18,7 +18,9 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     Hugging Face transformers' forward with SDPA (batches of 8, logits of the last position only: the same
     work); tok/s and MFU (forward FLOPs: 2 per weight per token, causal attention pairs; 989 TFLOP/s dense bf16
     on an H200). Targets: >= 1.5x HF on both shapes, MFU >= 55% on Llama-3.2-1B's.
-    `--prefill-tiles` runs (a) and (c) again with other tiles of prefill attention (NANOFORGE_ATTN_PREFILL_TILE).
+    `--prefill-variants` runs (a) and (c) again with prefill levers: another tile of prefill attention
+    (NANOFORGE_ATTN_PREFILL_TILE, e.g. 128x64w8s3), `swiglu_epilogue` (gate-and-up's GEMM with SwiGLU in its
+    epilogue), or both (`128x64w8s3+swiglu_epilogue`).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
     that hit the cache against the share of prefill time saved (target: saved >= 80% of the hit share).
@@ -82,7 +84,27 @@ SMOKE = {"throughput": dict(preset="tiny-qwen3", requests=6, lo=8, hi=40, budget
          "total": 300}
 OTHER = not GRAPH_PREFILL_DEFAULT  # the prefill-step mode each section also measures, beside the default
 OTHER_NAME = "graphed" if OTHER else "eager"
-TILE_ENV = "NANOFORGE_ATTN_PREFILL_TILE"  # prefill and mixed steps' attention tile (kernels/paged_attention.py)
+# Prefill levers (--prefill-variants): a variant is '+'-joined parts, each a name here or a prefill attention tile
+# (NANOFORGE_ATTN_PREFILL_TILE, kernels/paged_attention.py)
+PREFILL_LEVERS = {"swiglu_epilogue": {"NANOFORGE_SWIGLU_EPILOGUE": "1"}}  # gate-and-up + SwiGLU in one GEMM
+
+
+def prefill_env(variant: str) -> dict[str, str]:
+    """The environment of a --prefill-variants entry; one line naming the problem if a part is neither."""
+    env = {}
+    for part in variant.split("+"):
+        if part in PREFILL_LEVERS:
+            env |= PREFILL_LEVERS[part]
+        else:
+            try:
+                _parse_tile(part)
+            except NanoforgeError as e:
+                raise NanoforgeError(f"{part!r} (in {variant!r}) is neither a lever ({', '.join(PREFILL_LEVERS)}) "
+                                     f"nor a tile: {e}", param="prefill-variants") from None
+            env["NANOFORGE_ATTN_PREFILL_TILE"] = part
+    return env
+
+
 MIN_DECODE_TOKENS = 64  # timed past the deadline if need be: compiling the reference may take most of it
 SECTIONS = ("throughput", "decode", "prefill", "prefix", "profile")
 
@@ -164,11 +186,11 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
     r, _ = run_engine(model, prompts, outputs, max_num_seqs=256, temperature=0.6, profile=profile)
     keys = ("output_tok_s", "seconds", "steps", "preemptions", "kv_blocks_total")
     if not profile:
-        for tile in c.get("tiles", ()):  # the default again with another prefill attention tile
-            t = with_env({TILE_ENV: tile}, lambda: run_engine(model, prompts, outputs, max_num_seqs=256,
-                                                              temperature=0.6)[0])
-            r.setdefault("prefill_tiles", {})[tile] = {**{k: t[k] for k in keys},
-                                                       "vs_default": t["output_tok_s"] / r["output_tok_s"]}
+        for variant in c.get("prefill_variants", ()):  # the default again with prefill levers
+            t = with_env(prefill_env(variant), lambda: run_engine(model, prompts, outputs, max_num_seqs=256,
+                                                                  temperature=0.6)[0])
+            r.setdefault("prefill_variants", {})[variant] = {**{k: t[k] for k in keys},
+                                                             "vs_default": t["output_tok_s"] / r["output_tok_s"]}
         r["sync_scheduling"] = {k: sync_r[k] for k in keys}
         r["vs_sync_scheduling"] = r["output_tok_s"] / sync_r["output_tok_s"]
         # and with the other kind of prefill steps (graphed or eager)
@@ -186,8 +208,8 @@ def section_throughput(c: dict, device, dtype, deadline: float, profile: bool = 
               f"{r['sync_scheduling']['output_tok_s']:,.0f} scheduled step by step ({r['vs_sync_scheduling']:.2f}x); "
               f"{r[OTHER_NAME + '_prefill']['output_tok_s']:,.0f} with {OTHER_NAME} prefill steps "
               f"({r['other_prefill_vs_default']:.2f}x)"
-              + "".join(f"; prefill tile {t} {d['output_tok_s']:,.0f} ({d['vs_default']:.2f}x)"
-                        for t, d in r.get("prefill_tiles", {}).items()))
+              + "".join(f"; prefill {v} {d['output_tok_s']:,.0f} ({d['vs_default']:.2f}x)"
+                        for v, d in r.get("prefill_variants", {}).items()))
     return r
 
 
@@ -452,12 +474,13 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
         finally:
             engine.close()
 
-    # the engine's default prefill steps, then the other kind, then the default with each other tile; HF last
-    runs = [(None, {}), (OTHER, {})] + [(None, {TILE_ENV: t}) for t in c.get("tiles", ())]
+    # the engine's default prefill steps, then the other kind, then the default with each variant; HF last
+    runs = [(None, None), (OTHER, None)] + [(None, v) for v in c.get("prefill_variants", ())]
     timed = {}
-    for i, (graphed, env) in enumerate(runs):
+    for i, (graphed, variant) in enumerate(runs):
         share = (deadline - time.perf_counter()) / (len(runs) - i + 1)
-        timed[(graphed, env.get(TILE_ENV))] = with_env(env, lambda: prefill(graphed, time.perf_counter() + share))
+        timed[(graphed, variant)] = with_env(prefill_env(variant) if variant else {},
+                                             lambda: prefill(graphed, time.perf_counter() + share))
     ours_s, ours_done, ours_rids, ours_graphed = timed[(None, None)]
     other_s, other_done = timed[(OTHER, None)][:2]
     ours_n, other_n = len(ours_done), len(other_done)
@@ -474,7 +497,7 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
          "graph_prefill": ours_graphed,
          f"{OTHER_NAME}_prefill_tok_s": other_n * length / other_s,
          f"{OTHER_NAME}_prefill_mfu": other_n * flops / other_s / flops_peak,
-         "prefill_tiles": {t: {"tok_s": len(done) * length / sec, "mfu": len(done) * flops / sec / flops_peak,
+         "prefill_variants": {t: {"tok_s": len(done) * length / sec, "mfu": len(done) * flops / sec / flops_peak,
                                "vs_default": len(done) / sec / (ours_n / ours_s), "prompts_timed": len(done),
                                "first_tokens_identical_to_default": sum(
                                    done[a].outputs[0].token_ids == ours_done[b].outputs[0].token_ids
@@ -486,7 +509,7 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
           f"{100 * r['ours_mfu']:.1f}%), HF SDPA {hf_tok_s:,.0f} tok/s (MFU {100 * r['hf_mfu']:.1f}%): {r['ratio']:.2f}x; "
           f"{OTHER_NAME} prefill steps {r[OTHER_NAME + '_prefill_tok_s']:,.0f} tok/s "
           f"(MFU {100 * r[OTHER_NAME + '_prefill_mfu']:.1f}%)"
-          + "".join(f"; tile {t} {d['tok_s']:,.0f} tok/s ({d['vs_default']:.2f}x)" for t, d in r["prefill_tiles"].items()))
+          + "".join(f"; {v} {d['tok_s']:,.0f} tok/s ({d['vs_default']:.2f}x)" for v, d in r["prefill_variants"].items()))
     return r
 
 
@@ -580,9 +603,10 @@ def main(argv=None) -> int:
     p.add_argument("--total", type=float, help="the run's time budget in seconds (default: 540 on a GPU)")
     p.add_argument("--decode-variants", default="cublas_only,no_pdl",
                    help=f"(b): the engine also run with these levers off or forced, of {','.join(DECODE_VARIANTS)}")
-    p.add_argument("--prefill-tiles", default="",
-                   help="(a) and (c): the engine also run with these prefill attention tiles, comma-separated "
-                        f"{TILE_ENV} values (ROWSxKEYSwWARPSsSTAGES; default {PREFILL_TILE_DEFAULT})")
+    p.add_argument("--prefill-variants", default="",
+                   help="(a) and (c): the engine also run with these, comma-separated; each '+'-joined parts, a "
+                        f"prefill attention tile (ROWSxKEYSwWARPSsSTAGES, default {PREFILL_TILE_DEFAULT}) or one of "
+                        f"{', '.join(PREFILL_LEVERS)}"),
     p.add_argument("--presets", help="comma-separated model shapes for (b) and (c) (default: both)")
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
@@ -593,12 +617,12 @@ def main(argv=None) -> int:
     if bad:
         print(f"--decode-variants: {', '.join(bad)} unknown; variants are {', '.join(DECODE_VARIANTS)}", file=sys.stderr)
         return 2
-    tiles = [t for t in args.prefill_tiles.split(",") if t]
+    prefill_variants = [v for v in args.prefill_variants.split(",") if v]
     try:
-        for t in tiles:
-            _parse_tile(t)
+        for v in prefill_variants:
+            prefill_env(v)
     except NanoforgeError as e:
-        print(f"--prefill-tiles: {e}", file=sys.stderr)
+        print(f"--prefill-variants: {e}", file=sys.stderr)
         return 2
     picked = run_on(args.smoke)
     if picked is None:
@@ -620,7 +644,7 @@ def main(argv=None) -> int:
         if name == "decode":
             c["variants"] = [v for v in args.decode_variants.split(",") if v]
         if name in ("throughput", "prefill"):
-            c["tiles"] = tiles
+            c["prefill_variants"] = prefill_variants
         if args.presets and "presets" in c:
             c["presets"] = tuple(args.presets.split(","))
         left = end - time.perf_counter()
@@ -652,8 +676,8 @@ def summarize(r: dict) -> None:
     if "throughput" in r:
         rows.append(("(a) nano-vllm workload, output tok/s", f"{r['throughput']['output_tok_s']:,.0f}", "-",
                      ">= 20,000"))
-        for t, dt in r["throughput"].get("prefill_tiles", {}).items():
-            rows.append((f"(a) ... prefill tile {t}", f"{dt['output_tok_s']:,.0f}", f"({dt['vs_default']:.2f}x)", ""))
+        for t, dt in r["throughput"].get("prefill_variants", {}).items():
+            rows.append((f"(a) ... prefill {t}", f"{dt['output_tok_s']:,.0f}", f"({dt['vs_default']:.2f}x)", ""))
     for name, d in r.get("decode", {}).items():
         rows.append((f"(b) batch-1 decode {name}, tok/s", f"{d['ours_tok_s']:,.0f}",
                      f"{d['reference_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.3x"))
@@ -667,8 +691,8 @@ def summarize(r: dict) -> None:
                      f"{d['hf_sdpa_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.5x"))
         rows.append((f"(c) prefill {name}, MFU", f"{100 * d['ours_mfu']:.1f}%", f"{100 * d['hf_mfu']:.1f}%",
                      ">= 55%" if "llama" in name else "-"))
-        for t, dt in d.get("prefill_tiles", {}).items():
-            rows.append((f"(c) ... tile {t}, tok/s (MFU)", f"{dt['tok_s']:,.0f} ({100 * dt['mfu']:.1f}%)",
+        for t, dt in d.get("prefill_variants", {}).items():
+            rows.append((f"(c) ... {t}, tok/s (MFU)", f"{dt['tok_s']:,.0f} ({100 * dt['mfu']:.1f}%)",
                          f"({dt['tok_s'] / d['hf_sdpa_tok_s']:.2f}x)", ""))
     if "prefix" in r:
         d = r["prefix"]

@@ -74,7 +74,7 @@ def test_matmul_matches_float64(force_triton, schedule, dtype, M, N, K, tma):
 
 @interpreter
 @pytest.mark.parametrize("schedule", ["tiled", "hybrid"])
-@pytest.mark.parametrize("activation", mm.ACTIVATIONS)
+@pytest.mark.parametrize("activation", [a for a in mm.ACTIVATIONS if a != "swiglu"])  # swiglu: below
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_fused_epilogue(force_triton, schedule, activation, use_bias):
     a, b, bias = _inputs(45, 70, 40, torch.bfloat16, seed=1)
@@ -82,6 +82,83 @@ def test_fused_epilogue(force_triton, schedule, activation, use_bias):
     out = _run(a, b, bias=bias, activation=activation, schedule=schedule)
     ref = mm.matmul_ref(a.double(), b.double(), bias=None if bias is None else bias.double(), activation=activation)
     _assert_matches(out, ref, torch.bfloat16)
+
+
+def swiglu_want(a, b, bias, dtype):
+    """silu_mul's rounding of a GEMM's output, from float64 products: gate and up rounded to the dtype, silu
+    rounded, then their product (which the fused epilogue computes exactly in fp32 and rounds once)."""
+    y = a.double() @ b.double() + (0 if bias is None else bias.double())
+    gate, up = (h.to(dtype).double() for h in y.chunk(2, dim=-1))
+    return F.silu(gate).to(dtype).double() * up
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K,tma", [(64, 96, 64, True), (40, 48, 72, True), (37, 90, 70, False),
+                                       (150, 34, 33, False)])  # F = 17: the last tile's gate half runs past F
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_swiglu_epilogue_matches_silu_mul_of_the_product(force_triton, dtype, M, N, K, tma, use_bias):
+    """activation="swiglu": each tile computes its gate columns and the up columns F further on, and writes
+    silu(gate) * up, (M, N / 2), through TMA descriptors (b's and c's blocks half a tile wide) and through
+    pointers; every output element written (NaN in `out` before), the (M, N) product never."""
+    a, b, bias = _inputs(M, N, K, dtype, seed=M)
+    bias = bias if use_bias else None
+    out = torch.full((M, N // 2), float("nan"), dtype=dtype)
+    assert mm.matmul(a, b, bias=bias, activation="swiglu", out=out) is out
+    assert mm._tma_ok(a, b, out) == tma
+    want = swiglu_want(a, b, bias, dtype)
+    # three roundings to the dtype, each a full ulp where the interpreter truncates bfloat16 (RTOL's note); a
+    # gate or up column off by one, or the halves swapped, is off by O(1)
+    torch.testing.assert_close(out.double(), want, rtol=4 * RTOL[dtype], atol=1e-3 * want.abs().max().item())
+    x = torch.randn(2, 5, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    w = b.t().contiguous()  # a model's (2F, K) gate-and-up weight
+    y = mm.linear(x, w, activation="swiglu")
+    assert y.shape == (2, 5, N // 2)
+    torch.testing.assert_close(y.double(), swiglu_want(x, w.t(), None, dtype), rtol=4 * RTOL[dtype],
+                               atol=1e-3 * y.double().abs().max().item())
+
+
+def test_the_swiglu_epilogue_switch_and_its_reference(monkeypatch):
+    """Off by default (cuBLAS, then the SwiGLU kernel); the reference path (here the CPU) is silu_mul's."""
+    assert not mm.swiglu_epilogue()
+    monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", "1")
+    assert mm.swiglu_epilogue()
+    monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", "yes")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_SWIGLU_EPILOGUE must be 0 or 1, not 'yes'"):
+        mm.swiglu_epilogue()
+    a, b = torch.randn(3, 8), torch.randn(8, 10)
+    h = a @ b
+    assert torch.equal(mm.matmul(a, b, activation="swiglu"), F.silu(h[:, :5]) * h[:, 5:])
+
+
+@interpreter
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_a_prefills_gate_and_up_take_the_swiglu_epilogue_when_enabled(force_triton, monkeypatch, name):
+    """NANOFORGE_SWIGLU_EPILOGUE=1: a bf16 forward of a prompt outside autograd runs every block's gate-and-up as
+    one GEMM with SwiGLU in its epilogue and gives the logits of the forward without it (cuBLAS's stand-in and
+    the SwiGLU kernel) to bf16 rounding; a decode's few rows keep the skinny matmul's way, autograd nn.Linear."""
+    from nanoforge.model.config import preset
+    from nanoforge.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset(name)).bfloat16().eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 40))
+    calls, real = [], mm._matmul_triton
+    monkeypatch.setattr(mm, "_matmul_triton", lambda a, b, bias, act, *rest: calls.append(act) or real(a, b, bias,
+                                                                                                      act, *rest))
+    with torch.no_grad():
+        want = model(ids).double()
+        assert calls == []
+        monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", "1")
+        got = model(ids).double()
+        assert calls == ["swiglu"] * model.cfg.n_layers
+        model(ids[:1, :3])  # 3 rows: the decode's way
+        assert len(calls) == model.cfg.n_layers
+    # bf16 rounding apart (~0.4% here, the interpreter truncating); the halves swapped or offset by a column
+    # would move the logits by tens of percent
+    assert ((got - want).norm() / want.norm()).item() < 0.02
+    model(ids)  # autograd
+    assert len(calls) == model.cfg.n_layers
 
 
 @interpreter
@@ -245,6 +322,9 @@ def test_empty_k_gives_bias(force_triton):
     (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), schedule="splitk"), "schedule"),
     (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), out=torch.zeros(5, 2)), "out"),
     (lambda: mm.linear(torch.zeros(2, 3), torch.zeros(3, 5)), "weight"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), activation="swiglu"), "even N"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 6), activation="swiglu", schedule="hybrid"), "tiled"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 6), activation="swiglu", out=torch.zeros(2, 6)), "(2, 3)"),
 ])
 def test_bad_arguments_raise_clear_errors(call, words):
     with raises_bug(re.escape(words)):
@@ -302,6 +382,16 @@ def test_gpu_full_size(schedule, M, N, K):
     out = _run(a, b, bias=bias, activation="gelu_tanh", schedule=schedule)
     ref = mm.matmul_ref(a.double(), b.double(), bias=bias.double(), activation="gelu_tanh")
     _assert_matches(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,F,K", [(16384, 8192, 2048), (4096, 3072, 1024), (3001, 2501, 1037)])  # Llama-3.2-1B's
+def test_gpu_swiglu_epilogue_full_size(M, F, K):  # and Qwen3-0.6B's gate-and-up, and a ragged one (pointers)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(2 * F, K, generator=g) / K**0.5).bfloat16().cuda()
+    got = mm.linear(x, w, activation="swiglu")
+    torch.testing.assert_close(got.double(), swiglu_want(x, w.t(), None, torch.bfloat16), rtol=2**-6, atol=1e-2)
 
 
 @pytest.mark.gpu

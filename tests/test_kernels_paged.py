@@ -257,7 +257,7 @@ def test_gpu_full_size_bf16(poisoned, monkeypatch, ctx, qlens, combine):
 @pytest.mark.parametrize("tile", ["64x64w4s3", "128x64w8s3", "128x64w8s2", "128x128w8s2"])
 @pytest.mark.parametrize("hq,d", [(32, 64), (16, 128)])  # Llama-3.2-1B's and Qwen3-0.6B's heads (8 kv heads)
 def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, d):
-    """Each prefill tile the sweep and gpu_engine.py --prefill-tiles try, through the public entry point: whole
+    """Each prefill tile the sweep and gpu_engine.py --prefill-variants try, through the public entry point: whole
     prompts, a chunk after a long cached prefix and decodes in one step."""
     monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", tile)
     b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, 8, d, 16, torch.bfloat16, "cuda")

@@ -92,7 +92,7 @@ def test_gpu_engine_with_weights_prefetched_under_attention_equals_the_reference
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_engine_with_other_prefill_tiles_equals_the_reference_fp32(tok, name, monkeypatch):
     """NANOFORGE_ATTN_PREFILL_TILE (prefill and mixed steps' attention tile, the lever of gpu_engine.py
-    --prefill-tiles): the same tokens as the reference generator, graphed steps a step ahead, under preemption
+    --prefill-variants): the same tokens as the reference generator, graphed steps a step ahead, under preemption
     and prefix hits (chunks after cached prefixes)."""
     model = make_model(tok, name).cuda()
     ps = workload(6)
@@ -105,12 +105,15 @@ def test_gpu_engine_with_other_prefill_tiles_equals_the_reference_fp32(tok, name
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_gpu_engine_greedy_in_bf16_parts_from_the_reference_only_at_near_ties(tok, name):
+def test_gpu_engine_greedy_in_bf16_parts_from_the_reference_only_at_near_ties(tok, name, monkeypatch):
+    """bf16, the serving dtype, step by step and a step ahead; and with NANOFORGE_SWIGLU_EPILOGUE=1 (a prefill's
+    gate-and-up and SwiGLU in one GEMM, `kernels.matmul`; GPT-2's GELU MLP keeps its way)."""
     model32 = make_model(tok, name).cuda()
     model = make_model(tok, name).cuda().to(torch.bfloat16)
     ps = workload(2)
     want = [generate(model, p, max_new_tokens=24) for p in ps]
-    for async_scheduling in (False, True):
+    for async_scheduling, epilogue in ((False, "0"), (True, "0"), (True, "1")):
+        monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", epilogue)
         got, _ = engine_tokens(model, tok, ps, GREEDY, async_scheduling=async_scheduling)
         for p, g, w in zip(ps, got, want):
             at = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)

@@ -9,7 +9,9 @@
   vocab) at M = 16384 tokens, both *launched* the way a user calls them: a
   Python loop of calls with CUDA events around the loop (`time_launched_ms`),
   so a call whose host side is slower than its kernel shows. The summary gives
-  the geometric-mean ratio.
+  the geometric-mean ratio. Then gate-and-up with SwiGLU in the GEMM's epilogue
+  (`activation="swiglu"`) vs cuBLAS + the SwiGLU kernel, at Llama-3.2-1B's and
+  Qwen3-0.6B's shapes and a prefill step of 16,384 tokens, in CUDA graphs.
 - "streamk": shapes whose tile count lands just past a multiple of the SM
   count; Stream-K and the hybrid vs our data-parallel tiled kernel.
 - "rmsnorm": rms_norm vs F.rms_norm, add_rms_norm vs torch add + F.rms_norm.
@@ -189,6 +191,30 @@ def _gemm_rows(quick: bool, shapes: list[tuple[str, int, int, int]] | None = Non
     return rows
 
 
+def _swiglu_rows(quick: bool) -> list[dict]:
+    """Gate-and-up + SwiGLU of a 16K-token prefill step: one GEMM with SwiGLU in its epilogue against cuBLAS's
+    (tokens, 2F) product and the SwiGLU kernel, each replayed from a CUDA graph as the engine's prefill steps are.
+    Bytes: the weight, the input and the (tokens, F) output; cuBLAS's way also moves the product (3 passes)."""
+    from nanoforge.kernels.matmul import linear
+    from nanoforge.kernels.swiglu import silu_mul
+
+    rows = []
+    for name, d, f in (("llama3-1b", 2048, 8192), ("qwen3-0.6b", 1024, 3072))[: 1 if quick else None]:
+        print(f"[gemm-swiglu] {name} gate-and-up {TOKENS}x{2 * f}x{d}", flush=True)
+        x = torch.randn(TOKENS, d, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(2 * f, d, device="cuda") / d**0.5).bfloat16()
+        _check_close(linear(x, w, activation="swiglu"), silu_mul(x @ w.t()), f"swiglu {name}")
+        ours = time_ms(lambda: linear(x, w, activation="swiglu"), quick, graph=True)
+        base = time_ms(lambda: silu_mul(x @ w.t()), quick, graph=True)
+        rows.append(make_row("gemm-swiglu", f"{name} {TOKENS}x{2 * f}x{d}", ours, base, "cuBLAS + SwiGLU kernel",
+                             2.0 * TOKENS * 2 * f * d, 2.0 * (TOKENS * d + 2 * f * d + TOKENS * f)))
+    return rows
+
+
+def _gemm_suite(quick: bool) -> list[dict]:
+    return _gemm_rows(quick) + _swiglu_rows(quick)
+
+
 def _streamk_rows(quick: bool) -> list[dict]:
     from nanoforge.kernels.matmul import _num_sms, matmul
 
@@ -246,7 +272,7 @@ def _external_rows(kind: str, quick: bool) -> list[dict]:
     return bench_rows(quick)
 
 
-_SUITES = {"gemm": _gemm_rows, "streamk": _streamk_rows, "rmsnorm": _rmsnorm_rows}
+_SUITES = {"gemm": _gemm_suite, "streamk": _streamk_rows, "rmsnorm": _rmsnorm_rows}
 
 
 # --------------------------------------------------------------------------- report

@@ -72,9 +72,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoforge.kernels.dispatch import interpreting, use_fast
+from nanoforge.kernels.dispatch import env_choice, interpreting, use_fast
+from nanoforge.kernels.swiglu import silu_mul_ref
 
-ACTIVATIONS = (None, "gelu_tanh", "silu", "relu")
+ACTIVATIONS = (None, "gelu_tanh", "silu", "relu", "swiglu")
 SCHEDULES = ("auto", "tiled", "persistent", "streamk", "hybrid")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -99,6 +100,8 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = 
         out = F.silu(out)
     elif activation == "gelu_tanh":
         out = F.gelu(out, approximate="tanh")
+    elif activation == "swiglu":
+        out = silu_mul_ref(out)
     return out
 
 
@@ -110,9 +113,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
            out: torch.Tensor | None = None) -> torch.Tensor:
     """act(a @ b + bias) for a: (M, K), b: (K, N), bias: (N,); returns (M, N) in a's dtype.
 
-    activation: None, "gelu_tanh", "silu" or "relu". schedule: "auto", "tiled",
-    "persistent", "streamk" or "hybrid" (ignored on the reference path).
-    `out`, if given, is an (M, N) tensor of a's dtype that receives the result.
+    activation: None, "gelu_tanh", "silu", "relu" or "swiglu". "swiglu" takes b's columns as SwiGLU's
+    [gate | up] halves and returns (M, N / 2) = silu(gate) * up, rounded as `swiglu.silu_mul` rounds the
+    GEMM's output (gate and up to a's dtype, silu, the product): the epilogue of the "tiled" schedule, which
+    it always takes, computes each tile's gate and up columns, so the (M, N) product is never written.
+    schedule: "auto", "tiled", "persistent", "streamk" or "hybrid" (ignored on the reference path).
+    `out`, if given, is a tensor of a's dtype and the result's shape that receives it.
     """
     _check_args(a, b, bias, activation, schedule, out)
     fast = (use_fast(a, b) and a.dtype in _TRITON_DTYPES and a.numel() > 0 and b.numel() > 0
@@ -123,14 +129,22 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     return _matmul_triton(a, b, bias, activation, schedule, out)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias for torch-layout weights (out_features, in_features); any leading dims of x."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           activation: str | None = None) -> torch.Tensor:
+    """act(x @ weight.T + bias) for torch-layout weights (out_features, in_features); any leading dims of x
+    ("swiglu": half the out_features)."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear: x has shape {tuple(x.shape)} but weight has shape {tuple(weight.shape)}; "
             f"expected x (..., in_features) and weight (out_features, in_features)")
-    y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias, activation=activation)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def swiglu_epilogue() -> bool:
+    """NANOFORGE_SWIGLU_EPILOGUE=1: a prefill step's gate-and-up projection runs this GEMM with SwiGLU in its
+    epilogue (`linear(..., activation="swiglu")`); 0 (the default): cuBLAS, then the SwiGLU kernel."""
+    return env_choice("NANOFORGE_SWIGLU_EPILOGUE", ("0", "1")) == "1"
 
 
 def _check_args(a, b, bias, activation, schedule, out) -> None:
@@ -147,10 +161,13 @@ def _check_args(a, b, bias, activation, schedule, out) -> None:
         raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, not {activation!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"matmul: schedule must be one of {SCHEDULES}, not {schedule!r}")
-    if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != a.dtype
-                            or out.device != a.device):
+    if activation == "swiglu" and (b.shape[1] % 2 or schedule not in ("auto", "tiled")):
+        raise ValueError(f"matmul: swiglu needs an even N ([gate | up]) and the tiled schedule, got N {b.shape[1]} "
+                         f"and {schedule!r}")
+    n_out = b.shape[1] // 2 if activation == "swiglu" else b.shape[1]
+    if out is not None and (out.shape != (a.shape[0], n_out) or out.dtype != a.dtype or out.device != a.device):
         raise ValueError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
-                         f"({a.shape[0]}, {b.shape[1]}) {a.dtype} on {a.device}")
+                         f"({a.shape[0]}, {n_out}) {a.dtype} on {a.device}")
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -261,10 +278,76 @@ def _matmul_tiled_kernel(a, b, c, bias, M, N, K, M_BUCKET,
                          USE_TMA: tl.constexpr, B_NK: tl.constexpr):
     # M_BUCKET is only the autotune key (a bucketed M).
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    acc = _mac(a, b, pid_m, pid_n, 0, tl.cdiv(K, BLOCK_K), M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-               BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
-    _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
-                    ACTIVATION, USE_TMA)
+    if ACTIVATION == "swiglu":  # a tile's BLOCK_N columns of b: BLOCK_N / 2 of gate and the matching up
+        gate, up = _mac_swiglu(a, b, pid_m, pid_n, tl.cdiv(K, BLOCK_K), M, N // 2, K, stride_am, stride_ak,
+                               stride_bk, stride_bn, BLOCK_M, BLOCK_N // 2, BLOCK_K, USE_TMA, B_NK)
+        _swiglu_store(c, bias, gate, up, pid_m, pid_n, M, N // 2, stride_cm, stride_cn, BLOCK_M, BLOCK_N // 2,
+                      HAS_BIAS, USE_TMA)
+    else:
+        acc = _mac(a, b, pid_m, pid_n, 0, tl.cdiv(K, BLOCK_K), M, N, K, stride_am, stride_ak, stride_bk,
+                   stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+        _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
+                        ACTIVATION, USE_TMA)
+
+
+@triton.jit
+def _mac_swiglu(a, b, pid_m, pid_n, k_tiles, M, F, K, stride_am, stride_ak, stride_bk, stride_bn,
+                BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+                B_NK: tl.constexpr):
+    """`_mac` for SwiGLU: fp32 tiles of A @ B's gate columns [pid_n * HALF, + HALF) and of the up columns F
+    further, each A tile loaded once for both products."""
+    gate = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    n0 = pid_n * HALF
+    if USE_TMA:  # b's block is HALF wide; the gate tile at the edge reads up columns, never stored
+        for ki in range(0, k_tiles):
+            a_blk = a.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            if B_NK:
+                g_blk = b.load([n0, ki * BLOCK_K]).T
+                u_blk = b.load([F + n0, ki * BLOCK_K]).T
+            else:
+                g_blk = b.load([ki * BLOCK_K, n0])
+                u_blk = b.load([ki * BLOCK_K, F + n0])
+            gate = _dot(a_blk, g_blk, gate)
+            up = _dot(a_blk, u_blk, up)
+    else:  # clamped rows and columns, as `_mac`
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = n0 + tl.arange(0, HALF)
+        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < F, rn, 0), HALF), HALF)
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = a + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+        g_ptrs = b + rk[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+        for ki in range(0, k_tiles):
+            k_left = K - ki * BLOCK_K
+            a_blk = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            g_blk = tl.load(g_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            u_blk = tl.load(g_ptrs + F * stride_bn, mask=rk[:, None] < k_left, other=0.0)
+            gate = _dot(a_blk, g_blk, gate)
+            up = _dot(a_blk, u_blk, up)
+            a_ptrs += BLOCK_K * stride_ak
+            g_ptrs += BLOCK_K * stride_bk
+    return gate, up
+
+
+@triton.jit
+def _swiglu_store(c, bias, gate, up, pid_m, pid_n, M, F, stride_cm, stride_cn, BLOCK_M: tl.constexpr,
+                  HALF: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr):
+    """silu(gate) * up into C's columns [pid_n * HALF, + HALF), rounded as `swiglu.silu_mul` rounds a GEMM's
+    output: gate and up to C's dtype, silu to it, then the product."""
+    rn = pid_n * HALF + tl.arange(0, HALF)
+    if HAS_BIAS:
+        gate += tl.load(bias + rn, mask=rn < F, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias + F + rn, mask=rn < F, other=0.0).to(tl.float32)[None, :]
+    ty = c.dtype if USE_TMA else c.dtype.element_ty
+    g = gate.to(ty).to(tl.float32)
+    out = ((g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32) * up.to(ty).to(tl.float32)).to(ty)
+    if USE_TMA:
+        c.store([pid_m * BLOCK_M, pid_n * HALF], out)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(c + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn, out,
+                 mask=(rm[:, None] < M) & (rn[None, :] < F))
 
 
 @triton.jit
@@ -431,10 +514,16 @@ def _set_tma_block_shapes(nargs: dict) -> None:
     """Autotune pre-hook: give the TMA descriptors the block shape of the config being run."""
     if not nargs["USE_TMA"]:
         return
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    nargs["a"].block_shape = [bm, bk]
-    nargs["b"].block_shape = [bn, bk] if nargs["B_NK"] else [bk, bn]
-    nargs["c"].block_shape = [bm, bn]
+    nargs["a"].block_shape, nargs["b"].block_shape, nargs["c"].block_shape = _block_shapes(
+        nargs, nargs["B_NK"], nargs["ACTIVATION"] == "swiglu")
+
+
+def _block_shapes(config: dict, b_nk: bool, swiglu: bool) -> tuple[list, list, list]:
+    """The TMA descriptors' block shapes of a block config: a (BM, BK); b (BN, BK) or (BK, BN); c (BM, BN).
+    With SwiGLU, b's and c's blocks are BN / 2 wide: the gate and the up half of a tile, and its output."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    bn = bn // 2 if swiglu else bn
+    return [bm, bk], [bn, bk] if b_nk else [bk, bn], [bm, bn]
 
 
 def _gpu_configs(**extra) -> list:
@@ -550,9 +639,8 @@ class _Plan:
 
     def fix_config(self, M: int, N: int, config: dict, num_sms: int) -> None:
         """Freeze the block config: the descriptors' block shapes and the grid follow from it."""
-        bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-        self.blocks = ([bm, bk], [bn, bk] if self.b_nk else [bk, bn], [bm, bn])
-        self.grid = (_programs(self.schedule, M, N, bm, bn, num_sms), 1, 1)
+        self.blocks = _block_shapes(config, self.b_nk, self.consts["ACTIVATION"] == "swiglu")
+        self.grid = (_programs(self.schedule, M, N, config["BLOCK_M"], config["BLOCK_N"], num_sms), 1, 1)
 
 
 def _programs(schedule: str, M: int, N: int, block_m: int, block_n: int, num_sms: int) -> int:
@@ -571,7 +659,7 @@ _MAX_PLANS = 4096  # one per distinct (shape, strides, ...) seen; a serving engi
 def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned) -> _Plan:
     (M, K), N = a.shape, b.shape[1]
     if schedule == "auto":
-        schedule = _pick_schedule(M, N, num_sms)
+        schedule = "tiled" if activation == "swiglu" else _pick_schedule(M, N, num_sms)
     use_tma = operands_aligned and _tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c_strides)
     consts = {"HAS_BIAS": bias is not None, "ACTIVATION": activation or "none", "USE_TMA": use_tma,
               "B_NK": use_tma and b.stride(1) != 1}
@@ -605,19 +693,21 @@ def _operands(plan: _Plan, a, b, c, blocks) -> tuple:
     """a, b, c as the kernel takes them: TMA descriptors or the tensors themselves."""
     if not plan.use_tma:
         return a, b, c
-    (M, K), N = a.shape, c.shape[1]
+    (M, K), N = a.shape, b.shape[1]
     # b as (N, K) when it is the transposed view of a row-major weight; same base address either way
     b_desc = (_descriptor(b, [N, K], b.stride(1), blocks[1]) if plan.b_nk
               else _descriptor(b, [K, N], b.stride(0), blocks[1]))
-    return _descriptor(a, [M, K], a.stride(0), blocks[0]), b_desc, _descriptor(c, [M, N], c.stride(0), blocks[2])
+    return (_descriptor(a, [M, K], a.stride(0), blocks[0]), b_desc,
+            _descriptor(c, [M, c.shape[1]], c.stride(0), blocks[2]))
 
 
 def _matmul_triton(a, b, bias, activation, schedule, out):
     (M, K), N = a.shape, b.shape[1]
+    n_out = N // 2 if activation == "swiglu" else N
     device = a.device
     num_sms = _num_sms(device)
     tuned = _autotuned(device)
-    c_strides = (N, 1) if out is None else out.stride()
+    c_strides = (n_out, 1) if out is None else out.stride()
     if bias is not None:
         bias = bias.contiguous()
     # Triton specializes pointers on 16-byte alignment: part of the key (a fresh `c` is always aligned).
@@ -630,7 +720,7 @@ def _matmul_triton(a, b, bias, activation, schedule, out):
             _PLANS.clear()
         operands_aligned = all(aligned[:3])  # TMA bases must be 16-byte aligned
         plan = _PLANS[key] = _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned)
-    c = out if out is not None else torch.empty((M, N), device=device, dtype=a.dtype)
+    c = out if out is not None else torch.empty((M, n_out), device=device, dtype=a.dtype)
     bias_arg = bias if bias is not None else c  # c: any pointer, never read without HAS_BIAS
     if plan.compiled is not None:  # the steady state on a GPU
         plan.compiled[plan.grid](*_operands(plan, a, b, c, plan.blocks), bias_arg, *plan.rest)

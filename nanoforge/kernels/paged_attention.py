@@ -240,7 +240,7 @@ _SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: 
 # (token, head) pairs x BLOCK_N keys, num_warps, num_stages. The default is one warpgroup over 64 rows (the
 # smallest wgmma tile); session 7's profile had it at ~190 TFLOP/s in gpu_engine (c)'s step (D 64).
 # `benchmarks/gpu_kernels_attention.py --prefill-sweep` times 24 tiles at that step and prints the setting of
-# the fastest; `gpu_engine.py --prefill-tiles` runs (a) and (c) again with others. Compiled for sm_90 (Triton
+# the fastest; `gpu_engine.py --prefill-variants` runs (a) and (c) again with others. Compiled for sm_90 (Triton
 # 3.9, `nanoforge kernels inspect`), 64x64w4s3, 128x64w8s3 and 128x128w8s2 spill nothing at D 64 or D 128.
 PREFILL_TILE_DEFAULT = "64x64w4s3"
 

@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.kernels import gemv
+from nanoforge.kernels import gemv, matmul
+from nanoforge.kernels.matmul import swiglu_epilogue
 from nanoforge.kernels.prefetch import prefetch_ahead
 from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
 from nanoforge.kernels.swiglu import silu_mul
@@ -174,9 +175,13 @@ def linear(x, layer: nn.Module, *, swiglu: bool = False):
     """layer(x), then silu(gate) * up of its two halves with `swiglu`. A decode's few rows (`kernels.gemv.fits`)
     through a bypassable nn.Linear take the fastest way for their shape (`kernels.gemv.skinny_linear`: cuBLAS or
     the skinny matmul with SwiGLU in its epilogue, measured; NANOFORGE_GEMV); tensor-parallel serving's
-    row-parallel layers (not nn.Linear) never do."""
+    row-parallel layers (not nn.Linear) never do. More rows with `swiglu` and NANOFORGE_SWIGLU_EPILOGUE=1 take
+    `kernels.matmul` with SwiGLU in its epilogue (the (rows, 2F) product never written); else cuBLAS, then the
+    SwiGLU kernel."""
     if _skinny(x, layer):
         return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
+    if swiglu and type(layer) is nn.Linear and _bypassable(layer, x, layer.weight.data) and swiglu_epilogue():
+        return matmul.linear(x, layer.weight, layer.bias, activation="swiglu")  # a prefill's rows: one GEMM
     y = layer(x)
     return silu_mul(y) if swiglu else y
 
