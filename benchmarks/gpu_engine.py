@@ -643,10 +643,11 @@ def main(argv=None) -> int:
         c = dict(conf[name])
         if name == "decode":
             c["variants"] = [v for v in args.decode_variants.split(",") if v]
-        if name in ("throughput", "prefill"):
-            c["prefill_variants"] = prefill_variants
         if args.presets and "presets" in c:
             c["presets"] = tuple(args.presets.split(","))
+        if name in ("throughput", "prefill"):  # each variant is another engine run: more time for the section
+            c["prefill_variants"] = prefill_variants
+            c["budget"] += len(prefill_variants) * (25 if name == "throughput" else 30 * len(c["presets"]))
         left = end - time.perf_counter()
         info = results["sections"][name] = {"budget_s": c["budget"]}
         if left < c["budget"] / 2:
