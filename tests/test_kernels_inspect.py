@@ -248,3 +248,14 @@ def test_prefill_attention_compiles_to_hopper_tensor_core_instructions_without_s
     ptx = (out / f"{name}.ptx").read_text()
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
     assert "HGMMA" in (out / f"{name}.sass").read_text()
+
+
+def test_the_swiglu_gemm_compiles_to_tma_loads_and_wgmma_without_spills(compiled):
+    """kernels/matmul.py's tiled GEMM with activation="swiglu" as a Hopper launch specializes it (TMA descriptors,
+    a 128 x 256 tile: 128 gate and 128 up columns): both products on wgmma, the tiles through TMA, no local
+    memory."""
+    results, out = compiled
+    r = _report(results, "matmul_swiglu")
+    assert r["local_bytes_per_thread"] == 0 and r["registers_per_thread"] < 255
+    sass = (out / "matmul_swiglu.sass").read_text()
+    assert "HGMMA" in sass and "UTMALDG" in sass
