@@ -31,8 +31,11 @@ def completions(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize("name, kw", [("tiny-llama", {}), ("tiny-qwen3", {"n_kv_heads": 2})])
-def test_two_ranks_generate_what_one_process_does(name, kw):
+@pytest.mark.parametrize("name, kw, async_scheduling", [("tiny-llama", {}, False), ("tiny-qwen3", {"n_kv_heads": 2}, False),
+                                                       ("tiny-llama", {}, True)])
+def test_two_ranks_generate_what_one_process_does(name, kw, async_scheduling):
+    """async_scheduling: each step launched before the one before it is read back; the second rank reads the
+    pending tokens from its copy of the sampled ones, which the first broadcasts after each step."""
     tok = Tokenizer.char_level(TEXT)
     model = make_model(tok, name, **kw)
     ps, params = workload(random.Random(0))
@@ -40,7 +43,7 @@ def test_two_ranks_generate_what_one_process_does(name, kw):
     engine_kw = dict(block_size=4, num_gpu_blocks=36, max_num_batched_tokens=24, preemption_mode="swap",
                      swap_space=1 << 20)
     one = completions(LLM(model, tok, **engine_kw).generate(ps, params))
-    llm = LLM(model, tok, tensor_parallel_size=2, **engine_kw)
+    llm = LLM(model, tok, tensor_parallel_size=2, async_scheduling=async_scheduling, **engine_kw)
     try:
         two = completions(llm.generate(ps, params))
         stats = llm.engine.stats()
@@ -50,6 +53,7 @@ def test_two_ranks_generate_what_one_process_does(name, kw):
     assert stats["preemptions"] > 0 and stats["cached_prompt_tokens"] > 0
     assert one[0][0] == generate(model, ps[0], max_new_tokens=14)  # and both are the reference generator's
     assert llm.engine.model.layers[0].attn.n_heads == model.cfg.n_heads // 2  # the engine ran a shard
+    assert llm.engine.async_scheduling == async_scheduling
 
 
 def test_a_shard_holds_its_heads_and_sums_to_the_whole_layer():

@@ -82,7 +82,7 @@ class EngineConfig:
     # CUDA graph per bucket captured at start; None: model_runner.GRAPH_PREFILL_DEFAULT (on where decode is graphed)
     graph_prefill: bool | None = None
     # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
-    # default off until it has run on a GPU; not with tensor parallelism or a KV pool (they need the tokens first)
+    # None: on a GPU (check_async_scheduling), not when saving to a KV pool (it needs each step's tokens first)
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # processes (one per GPU) the model is split over
     device: str = "auto"
@@ -374,12 +374,14 @@ class LLMEngine:
 def check_async_scheduling(c: EngineConfig, device: torch.device, kv_pool) -> bool:
     """Whether the engine schedules a step ahead: `c.async_scheduling`, by default on a GPU where nothing
     blocks it (on the H200: 2.6x the output tok/s of step-by-step scheduling on nano-vllm's workload; on the
-    CPU torch runs synchronously and there is nothing to overlap). Tensor parallelism (the other ranks do not
-    hold the sampled tokens) and saving to a KV pool (prompt blocks are saved from a step's results) need each
-    step's tokens before the next one is scheduled; an engine that only loads from the pool (a decode instance)
-    can schedule ahead: its loads land in the cache before the step that reads them is launched."""
+    CPU torch runs synchronously and there is nothing to overlap). With tensor parallelism every rank holds the
+    sampled tokens (the first rank broadcasts them on the device after each step), so a step launched ahead
+    reads its pending tokens on every rank. Saving to a KV pool (prompt blocks are saved from a step's results)
+    needs each step's tokens before the next one is scheduled; an engine that only loads from the pool (a
+    decode instance) can schedule ahead: its loads land in the cache before the step that reads them is
+    launched."""
     saving = kv_pool is not None and c.kv_pool_save
-    blocker = "tensor parallelism" if c.tensor_parallel_size != 1 else "saving to a KV pool" if saving else None
+    blocker = "saving to a KV pool" if saving else None
     if c.async_scheduling is None:
         return device.type == "cuda" and blocker is None
     if c.async_scheduling and blocker:

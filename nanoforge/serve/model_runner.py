@@ -413,6 +413,8 @@ class ModelRunner:
             logits = self._sample(v, hidden[v["sample_row"][:n]], n) if n and self.is_driver else None
         if step.needs_filter and self.is_driver:
             self._sample_filtered(v, logits, n)
+        if self.tp is not None and n:  # every rank's copy of the tokens, where a step launched ahead reads them
+            self.tp.broadcast_tokens(self.sampled[:n])
         return hidden, logits
 
     # --- sampling ---------------------------------------------------------------------------------------
