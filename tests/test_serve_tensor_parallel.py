@@ -33,9 +33,12 @@ def completions(outs):
 
 @pytest.mark.parametrize("name, kw, async_scheduling", [("tiny-llama", {}, False), ("tiny-qwen3", {"n_kv_heads": 2}, False),
                                                        ("tiny-llama", {}, True)])
-def test_two_ranks_generate_what_one_process_does(name, kw, async_scheduling):
+@pytest.mark.parametrize("graph_prefill", [False, True])
+def test_two_ranks_generate_what_one_process_does(name, kw, async_scheduling, graph_prefill):
     """async_scheduling: each step launched before the one before it is read back; the second rank reads the
-    pending tokens from its copy of the sampled ones, which the first broadcasts after each step."""
+    pending tokens from its copy of the sampled ones, which the first broadcasts after each step. graph_prefill:
+    prefill and mixed steps padded to a token bucket on both ranks (on a GPU, a CUDA graph each, the all-reduces
+    inside; on the CPU run eagerly)."""
     tok = Tokenizer.char_level(TEXT)
     model = make_model(tok, name, **kw)
     ps, params = workload(random.Random(0))
@@ -43,10 +46,13 @@ def test_two_ranks_generate_what_one_process_does(name, kw, async_scheduling):
     engine_kw = dict(block_size=4, num_gpu_blocks=36, max_num_batched_tokens=24, preemption_mode="swap",
                      swap_space=1 << 20)
     one = completions(LLM(model, tok, **engine_kw).generate(ps, params))
-    llm = LLM(model, tok, tensor_parallel_size=2, async_scheduling=async_scheduling, **engine_kw)
+    llm = LLM(model, tok, tensor_parallel_size=2, async_scheduling=async_scheduling, graph_prefill=graph_prefill,
+              **engine_kw)
     try:
         two = completions(llm.generate(ps, params))
         stats = llm.engine.stats()
+        padded = [t for decode, t in llm.engine.runner.graph_replays if not decode]  # prefill steps at a bucket
+        assert bool(padded) == graph_prefill
     finally:
         llm.engine.close()
     assert two == one

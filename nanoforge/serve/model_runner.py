@@ -177,10 +177,10 @@ class ModelRunner:
         sizes = graph_sizes(max_num_seqs) if use_cuda_graphs and cuda else []
         # prefill and mixed steps padded to token buckets, one graph each (None: GRAPH_PREFILL_DEFAULT where decode
         # steps are graphed; on the CPU, if asked for, the same padded steps run eagerly: what the tests check);
-        # not with tensor parallelism yet
+        # with tensor parallelism every rank captures the same buckets in the same order, all-reduces inside
         if graph_prefill is None:
             graph_prefill = GRAPH_PREFILL_DEFAULT and bool(sizes)
-        buckets = prefill_buckets(max_num_batched_tokens) if graph_prefill and tp is None else []
+        buckets = prefill_buckets(max_num_batched_tokens) if graph_prefill else []
         self.batch = InputBatch(max_num_seqs=max_num_seqs, block_size=block_size,
                                 max_blocks_per_seq=self.max_blocks_per_seq, scratch_block=self.scratch_block,
                                 max_num_tokens=max_num_batched_tokens, graph_sizes=sizes, prefill_buckets=buckets,
