@@ -533,6 +533,11 @@ class Trainer:
         self.amp = autocast(device, cfg.dtype)
         self.seq_len = sequence_length(cfg, model.cfg)
         self.compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        if self.graphed and not self.compiled and cfg.ac != "none":
+            # eager torch.utils.checkpoint saves the CUDA RNG state at each block, which a graph capture forbids;
+            # compiled, the recomputation is part of the graph torch.compile builds
+            raise NanoforgeError("--ac in a CUDA-graphed step needs --compile (or drop the graph: --no-cuda-graph)",
+                                 param="ac")
         self.model = layout.parallelize(model, cfg)
         self.optimizer = make_optimizer(self.model, cfg, capturable=self.graphed, device=device)
         # The model folder of a run with a weight average holds the average; the training weights are in its state.
