@@ -262,6 +262,23 @@ def test_activation_checkpointing_keeps_only_block_inputs_and_changes_no_gradien
         assert torch.equal(model(batch.input_ids), plain.eval()(batch.input_ids))
 
 
+def test_checkpointed_blocks_compile_into_one_graph():
+    """torch.compile traces the checkpointed blocks whole (the GPU default: the compiled step, captured in a CUDA
+    graph, where an eager checkpoint's RNG bookkeeping could not run): no graph break, which a block changing
+    anything outside it (the attention backend caching the documents' bounds in its first layer, once) caused."""
+    import torch._dynamo
+
+    from nanoforge.train.parallel.ac import apply_ac
+
+    torch.manual_seed(0)
+    model = Transformer(model_preset("tiny-llama", n_layers=2)).train()
+    apply_ac(model, "full")
+    ids = torch.randint(0, 256, (2, 17))
+    batch = Batch(ids[:, :-1], ids[:, 1:], *doc_ids_and_positions(ids[:, :-1], eot_id=0))
+    explained = torch._dynamo.explain(lambda b: trainer.batch_loss(model, b, trainer.document_attention))(batch)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
 def test_the_ac_flag_trains_the_same_run_and_refuses_unknown_modes(corpus, tmp_path, capsys, monkeypatch):
     assert run_cli(*tiny_args(corpus, tmp_path / "plain", "--max-steps", "2")) == 0
     assert run_cli(*tiny_args(corpus, tmp_path / "ac", "--max-steps", "2", "--ac", "full")) == 0

@@ -59,11 +59,11 @@ class DenseAttention(AttentionBackend):
 
     def __init__(self, doc_ids: torch.Tensor | None = None):
         self.doc_ids = doc_ids
-        self.bounds = None  # the kernels' view of the documents: computed by the first layer, reused by the rest
+        # the kernels' view of the documents, once for every layer; made here, not by the first layer: a layer
+        # under activation checkpointing may not change what is outside it (torch.compile breaks its graph there)
+        self.bounds = doc_bounds(doc_ids) if doc_ids is not None else None
 
     def attend(self, layer, q, k, v):
-        if self.doc_ids is not None and self.bounds is None:
-            self.bounds = doc_bounds(self.doc_ids)
         return flash_attention(q, k, v, doc_ids=self.doc_ids, causal=True, bounds=self.bounds)
 
 
@@ -124,7 +124,10 @@ class ContextParallelAttention(AttentionBackend):
         self.chunks = [(start, end - start, int(q_index[start])) for start, end in
                        zip(starts, [*breaks, len(q_index)])]  # (local start, length, position in the row)
         self.order = torch.argsort(kv_index)  # gathered keys -> row order
-        self.mask = self.bounds = None  # built by the first layer, reused by the rest
+        # the documents' bounds for the kernels, once for every layer (not by the first: see DenseAttention);
+        # with dropout, SDPA's mask, on the device the first layer runs on
+        self.bounds = doc_bounds(doc_ids) if doc_ids is not None and not dropout else None
+        self.mask = None
 
     def attend(self, layer, q, k, v):
         keys, values = _GatherTokens.apply(k, self.group), _GatherTokens.apply(v, self.group)
@@ -136,8 +139,6 @@ class ContextParallelAttention(AttentionBackend):
             return sdpa(q, keys, values, mask=self.mask, dropout_p=self.p)
         order = self.order.to(q.device)
         keys, values = keys[:, order], values[:, order]
-        if self.doc_ids is not None and self.bounds is None:
-            self.bounds = doc_bounds(self.doc_ids)
         return torch.cat([flash_attention(q[:, start : start + n], keys, values, doc_ids=self.doc_ids, causal=True,
                                           bounds=self.bounds, q_offset=offset) for start, n, offset in self.chunks],
                          dim=1)
