@@ -178,17 +178,18 @@ def linear(x, layer: nn.Module, *, swiglu: bool = False):
     row-parallel layers (not nn.Linear) never do. More rows with `swiglu` and NANOFORGE_SWIGLU_EPILOGUE=1 take
     `kernels.matmul` with SwiGLU in its epilogue (the (rows, 2F) product never written); else cuBLAS, then the
     SwiGLU kernel."""
-    if _skinny(x, layer):
-        return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
-    if swiglu and type(layer) is nn.Linear and _bypassable(layer, x, layer.weight.data) and swiglu_epilogue():
-        return matmul.linear(x, layer.weight, layer.bias, activation="swiglu")  # a prefill's rows: one GEMM
+    if _our_linear(x, layer):
+        if gemv.fits(x, layer.weight):  # a decode's few rows
+            return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
+        if swiglu and swiglu_epilogue():  # a prefill's rows: one GEMM
+            return matmul.linear(x, layer.weight, layer.bias, activation="swiglu")
     y = layer(x)
     return silu_mul(y) if swiglu else y
 
 
-def _skinny(x, layer: nn.Module) -> bool:
-    """Whether `linear` may take x through `kernels.gemv`'s per-shape choice (a decode's few rows)."""
-    return type(layer) is nn.Linear and _bypassable(layer, x, layer.weight.data) and gemv.fits(x, layer.weight)
+def _our_linear(x, layer: nn.Module) -> bool:
+    """Whether our kernels may stand in for `layer` on x: a plain nn.Linear, bypassable."""
+    return type(layer) is nn.Linear and _bypassable(layer, x, layer.weight.data)
 
 
 def norm_linear(a, x, norm: RMSNorm, layer: nn.Linear, *, swiglu: bool = False):
@@ -277,7 +278,7 @@ class Transformer(nn.Module):
         """The LM head on final hidden states (rows, d_model), into `out` if given. A decode's few rows take the
         faster way for the shape, as the projections do (`linear`): at one row the head is the largest matrix a
         step reads (Llama-3.2-1B's 525 MB of 2.47 GB, Qwen3-0.6B's 311 MB of 1.19 GB)."""
-        if _skinny(hidden, self.lm_head):
+        if _our_linear(hidden, self.lm_head) and gemv.fits(hidden, self.lm_head.weight):
             y = gemv.skinny_linear(hidden, self.lm_head.weight)
             return y if out is None else out.copy_(y)
         return torch.matmul(hidden, self.lm_head.weight.t(), out=out)

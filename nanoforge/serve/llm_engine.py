@@ -421,10 +421,12 @@ def kv_cache_blocks(model: Transformer, c: EngineConfig, max_model_len: int) -> 
 
 def make_runner(model: Transformer, c: EngineConfig, max_model_len: int, num_gpu_blocks: int, num_cpu_blocks: int,
                 tp: TensorParallel | None) -> ModelRunner:
+    device = model.embed.weight.device  # every rank decides alike: tensor parallelism takes no KV pool
     return ModelRunner(model, block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                        max_num_seqs=c.max_num_seqs, max_model_len=max_model_len,
                        max_num_batched_tokens=c.max_num_batched_tokens, use_cuda_graphs=c.use_cuda_graphs,
-                       graph_prefill=c.graph_prefill, tp=tp)
+                       graph_prefill=c.graph_prefill, tp=tp,
+                       share_tokens=tp is not None and check_async_scheduling(c, device, None))
 
 
 def serve_worker(tp: TensorParallel, model_factory: Callable, c: EngineConfig, max_model_len: int) -> None:

@@ -153,9 +153,13 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: Transformer, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_model_len: int, max_num_batched_tokens: int = 8192,
-                 use_cuda_graphs: bool = True, graph_prefill: bool | None = None, tp: TensorParallel | None = None):
+                 use_cuda_graphs: bool = True, graph_prefill: bool | None = None, tp: TensorParallel | None = None,
+                 share_tokens: bool = False):
         self.model = model
         self.tp = tp
+        # tensor parallelism a step ahead: every rank holds each step's sampled tokens (the first broadcasts them),
+        # where the step launched after it reads its pending ones; step by step the packed ids carry them
+        self.share_tokens = share_tokens and tp is not None
         self.is_driver = tp is None or tp.is_driver  # the rank that samples and reads tokens back
         self.cfg = model.cfg
         self.device = model.embed.weight.device
@@ -413,7 +417,7 @@ class ModelRunner:
             logits = self._sample(v, hidden[v["sample_row"][:n]], n) if n and self.is_driver else None
         if step.needs_filter and self.is_driver:
             self._sample_filtered(v, logits, n)
-        if self.tp is not None and n:  # every rank's copy of the tokens, where a step launched ahead reads them
+        if self.share_tokens and n:
             self.tp.broadcast_tokens(self.sampled[:n])
         return hidden, logits
 

@@ -54,7 +54,7 @@ from nanoforge.train.checkpoint import canonical, load_shards, restore_rng, rng_
 from nanoforge.train.config import DTYPES, TrainConfig, sequence_length
 from nanoforge.train.loss import linear_cross_entropy
 from nanoforge.train.optim import init_optimizer_state, lr_at, make_optimizer
-from nanoforge.train.parallel.ac import apply_ac, checkpointed
+from nanoforge.train.parallel.ac import ac_every, apply_ac, checkpointed
 from nanoforge.train.progress import Throughput, format_mfu, peak_flops, plot_losses, write_json
 
 AttentionFor = Callable[[Batch], AttentionBackend]  # which attention a batch gets
@@ -533,7 +533,7 @@ class Trainer:
         self.amp = autocast(device, cfg.dtype)
         self.seq_len = sequence_length(cfg, model.cfg)
         self.compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
-        if self.graphed and not self.compiled and cfg.ac != "none":
+        if self.graphed and not self.compiled and ac_every(cfg.ac):
             # eager torch.utils.checkpoint saves the CUDA RNG state at each block, which a graph capture forbids;
             # compiled, the recomputation is part of the graph torch.compile builds
             raise NanoforgeError("--ac in a CUDA-graphed step needs --compile (or drop the graph: --no-cuda-graph)",
