@@ -458,8 +458,10 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
     warm = [[rng.randrange(vocab) for _ in range(length)] for _ in range(c["hf_batch"])]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    def prefill(graphed, deadline: float) -> tuple[float, dict, list, bool]:
-        """The prompts through a fresh engine (after a warm-up batch): seconds, outputs, request ids, graphed?"""
+    def prefill(graphed, seconds: float) -> tuple[float, dict, list, bool]:
+        """The prompts through a fresh engine (after a warm-up batch), timed for up to `seconds` from the warm-up's
+        end (a cold machine's compiles and graph captures must not eat the window): seconds, outputs, request
+        ids, graphed?"""
         engine = make_engine(model, max_num_seqs=n, max_len=length + 8, prefix_caching=False, graph_prefill=graphed)
         try:
             for p in warm:
@@ -468,8 +470,10 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
             rids = [engine.add_request(p, one) for p in prompts]
             sync(device)
             t0 = time.perf_counter()
-            done = drain(engine, deadline)
+            done = drain(engine, t0 + seconds)
             sync(device)
+            if not done:
+                raise RuntimeError(f"no prompt of {name}'s prefill finished in its {seconds:.0f} s")
             return time.perf_counter() - t0, done, rids, bool(engine.runner.batch.prefill_buckets)
         finally:
             engine.close()
@@ -478,9 +482,9 @@ def prefill_one(name: str, c: dict, device, dtype, deadline: float) -> dict:
     runs = [(None, None), (OTHER, None)] + [(None, v) for v in c.get("prefill_variants", ())]
     timed = {}
     for i, (graphed, variant) in enumerate(runs):
-        share = (deadline - time.perf_counter()) / (len(runs) - i + 1)
+        share = max(5.0, (deadline - time.perf_counter()) / (len(runs) - i + 1))  # a few steps at least
         timed[(graphed, variant)] = with_env(prefill_env(variant) if variant else {},
-                                             lambda: prefill(graphed, time.perf_counter() + share))
+                                             lambda: prefill(graphed, share))
     ours_s, ours_done, ours_rids, ours_graphed = timed[(None, None)]
     other_s, other_done = timed[(OTHER, None)][:2]
     ours_n, other_n = len(ours_done), len(other_done)
