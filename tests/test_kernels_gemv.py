@@ -426,3 +426,109 @@ def test_chain_tuning_picks_the_candidate_fastest_in_a_chain_once_per_key(monkey
 
     with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_TUNE must be triton or chain, not 'fast'"):
         gv.tune_mode()
+
+
+# --- the autotuner's candidates compiled in threads (dispatch.compile_in_parallel) -------------------------------
+
+class _Recording:
+    """A stand-in @triton.jit function: each warmup hands a compile to Triton's active AsyncCompileMode, as the
+    JIT does, and records the call and the thread the compile ran on."""
+
+    __name__ = "recording"
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.threads, self.fail_at = [], [], fail_at
+
+    def warmup(self, *args, grid, **kwargs):
+        import threading
+
+        from triton.runtime import _async_compile
+
+        mode = _async_compile.active_mode.get()
+        assert mode is not None, "warmup outside Triton's AsyncCompileMode: nothing would compile in parallel"
+        if self.fail_at == len(self.calls):
+            raise RuntimeError("a compile error")
+        self.calls.append((args, grid, kwargs))
+        mode.executor.submit(lambda: self.threads.append(threading.current_thread().name)).result()
+
+
+def test_compile_in_parallel_warms_up_each_candidate_as_the_autotuner_launches_it(monkeypatch):
+    """Each candidate configuration is warmed up once, with the launch's arguments, its meta-parameters and the
+    configuration's own (what the autotuner's timing launch passes), inside Triton's AsyncCompileMode, whose
+    compiles run on the pool's threads."""
+    import triton
+
+    if not hasattr(triton, "AsyncCompileMode"):
+        pytest.skip("this Triton has no AsyncCompileMode (the autotuner compiles one by one)")
+    monkeypatch.setenv("NANOFORGE_COMPILE_THREADS", "3")
+    fn, configs = _Recording(), gv._TUNED["default"].configs
+    args, meta = (torch.zeros(2), 7, 3.0), {"NORM": True, "launch_pdl": True}
+    assert dispatch.compile_in_parallel(fn, configs, args, meta)
+    assert [c[0] for c in fn.calls] == [args] * len(configs)
+    assert all(grid == (1,) for _, grid, _ in fn.calls)
+    assert [kw for _, _, kw in fn.calls] == [{**meta, **c.all_kwargs()} for c in configs]
+    assert fn.threads and all(t.startswith("nanoforge-compile") for t in fn.threads)
+
+
+def test_compile_in_parallel_steps_aside_with_one_thread_or_on_an_error(monkeypatch, recwarn):
+    """With one thread, or without AsyncCompileMode, nothing is warmed up; a failing warmup is warned about
+    once and nothing is raised: the autotuner then compiles (and reports) as it always did."""
+    import triton
+
+    configs = gv._TUNED["default"].configs
+    monkeypatch.setenv("NANOFORGE_COMPILE_THREADS", "1")
+    fn = _Recording()
+    assert not dispatch.compile_in_parallel(fn, configs, (), {}) and not fn.calls
+    monkeypatch.setenv("NANOFORGE_COMPILE_THREADS", "4")
+    assert not dispatch.compile_in_parallel(fn, configs[:1], (), {}) and not fn.calls  # one candidate: nothing to gain
+    if hasattr(triton, "AsyncCompileMode"):
+        monkeypatch.setattr(dispatch, "_COMPILE_FAILED", [])
+        for _ in range(2):
+            assert not dispatch.compile_in_parallel(_Recording(fail_at=1), configs, (), {})
+        assert len(dispatch._COMPILE_FAILED) == 2
+        assert sum("compiling recording's candidates in parallel failed" in str(w.message) for w in recwarn) == 1
+    monkeypatch.delattr(triton, "AsyncCompileMode", raising=False)
+    assert not dispatch.compile_in_parallel(fn, configs, (), {}) and not fn.calls
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_compile_threads_setting_is_checked(monkeypatch, value):
+    from nanoforge.errors import NanoforgeError
+
+    monkeypatch.setenv("NANOFORGE_COMPILE_THREADS", value)
+    with pytest.raises(NanoforgeError, match="NANOFORGE_COMPILE_THREADS must be a positive number"):
+        dispatch.compile_threads()
+    monkeypatch.delenv("NANOFORGE_COMPILE_THREADS")
+    assert 1 <= dispatch.compile_threads() <= 16
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_shape_compiles_its_candidates_in_parallel_and_the_autotuner_reuses_them(monkeypatch):
+    """On the GPU, a shape the autotuner has not seen compiles its candidates in threads first; the autotuner then
+    compiles nothing more (the JIT's cache holds one kernel per candidate, no more after its timing), and the
+    result is right against float64."""
+    import triton
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
+    if not hasattr(triton, "AsyncCompileMode"):
+        pytest.skip("this Triton has no AsyncCompileMode (the autotuner compiles one by one)")
+    monkeypatch.setenv("NANOFORGE_COMPILE_THREADS", "8")
+    monkeypatch.delenv("NANOFORGE_GEMV_CONFIGS", raising=False)
+    ran = []
+    real = dispatch.compile_in_parallel
+    monkeypatch.setattr(gv, "compile_in_parallel", lambda *a: ran.append(real(*a)) or ran[-1])
+    k, n = 1344, 2112  # a shape no other test uses
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).bfloat16()
+    x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
+    cache = gv._gemv_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    got = gv.gemv(x, w, swiglu=True).double()
+    assert ran == [True]
+    compiled = len(cache) - before  # the candidates' kernels: had the autotuner's launches missed them, twice that
+    assert compiled == len(gv._prune(gv._TUNED["default"].configs, {"N": n // 2, "K": k, "X": x}))
+    gv.gemv(x, w, swiglu=True)
+    assert ran == [True] and len(cache) - before == compiled  # the tuned shape again: nothing compiled, no tuning
+    want = reference(x, w, None, True)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2

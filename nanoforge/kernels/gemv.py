@@ -47,7 +47,9 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import arrival_counters, env_choice, env_mib, interpreting, sm_count, use_fast
+from nanoforge.kernels.dispatch import (
+    arrival_counters, compile_in_parallel, env_choice, env_mib, interpreting, sm_count, use_fast,
+)
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
@@ -143,6 +145,11 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
     else:
         kernel = _TUNED[configs()]
         tuned, started = len(kernel.cache), time.perf_counter()
+        key = (rows.dtype, configs(), n, k, meta["BLOCK_M"], swiglu, meta["NORM"], meta["HAS_RES"])  # the tuner's
+        if key not in _COMPILED:  # a shape the autotuner has not timed: its candidates compiled at once first
+            _COMPILED.add(key)
+            compile_in_parallel(_gemv_kernel, _prune(kernel.configs, {"N": n, "K": k, "X": rows}), args,
+                                {**meta, "launch_pdl": bool(on)})
         kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, launch_pdl=bool(on))
         if len(kernel.cache) != tuned and not _TUNING["choosing"]:  # this call compiled and timed configurations
             _TUNING["s"] += time.perf_counter() - started
@@ -230,6 +237,7 @@ def norm_linear(a: torch.Tensor | None, x: torch.Tensor, norm_weight: torch.Tens
 
 _CHOICES: dict[tuple, str] = {}  # (device, dtype, rows, K, N, bias, swiglu, norm, residual, configs) -> the faster way
 _TUNING = {"s": 0.0, "choosing": False}
+_COMPILED: set[tuple] = set()  # the autotuner's keys whose candidates were compiled in parallel
 
 
 def tuning_s() -> float:
