@@ -431,25 +431,37 @@ def test_chain_tuning_picks_the_candidate_fastest_in_a_chain_once_per_key(monkey
 # --- the autotuner's candidates compiled in threads (dispatch.compile_in_parallel) -------------------------------
 
 class _Recording:
-    """A stand-in @triton.jit function: each warmup hands a compile to Triton's active AsyncCompileMode, as the
-    JIT does, and records the call and the thread the compile ran on."""
+    """A stand-in @triton.jit function: each warmup hands a compile to Triton's active AsyncCompileMode as the JIT
+    does (`submit(key, compile, finalize[, cleanup])`), and records the call, the thread each compile ran on and
+    the compiles finalized. `fail_at`: that warmup raises; `bad_compile`: that compile raises in its thread."""
 
     __name__ = "recording"
 
-    def __init__(self, fail_at: int | None = None):
-        self.calls, self.threads, self.fail_at = [], [], fail_at
+    def __init__(self, fail_at: int | None = None, bad_compile: int | None = None):
+        self.calls, self.threads, self.finalized = [], [], []
+        self.fail_at, self.bad_compile = fail_at, bad_compile
 
     def warmup(self, *args, grid, **kwargs):
+        import inspect
         import threading
 
         from triton.runtime import _async_compile
 
         mode = _async_compile.active_mode.get()
         assert mode is not None, "warmup outside Triton's AsyncCompileMode: nothing would compile in parallel"
-        if self.fail_at == len(self.calls):
-            raise RuntimeError("a compile error")
+        i = len(self.calls)
+        if self.fail_at == i:
+            raise RuntimeError("a warmup error")
         self.calls.append((args, grid, kwargs))
-        mode.executor.submit(lambda: self.threads.append(threading.current_thread().name)).result()
+
+        def compile_it():
+            self.threads.append(threading.current_thread().name)
+            if self.bad_compile == i:
+                raise RuntimeError("a compile error")
+            return i
+
+        hooks = [self.finalized.append, lambda _: None][:len(inspect.signature(mode.submit).parameters) - 2]
+        return mode.submit(("recording", i), compile_it, *hooks)
 
 
 def test_compile_in_parallel_warms_up_each_candidate_as_the_autotuner_launches_it(monkeypatch):
@@ -467,7 +479,24 @@ def test_compile_in_parallel_warms_up_each_candidate_as_the_autotuner_launches_i
     assert [c[0] for c in fn.calls] == [args] * len(configs)
     assert all(grid == (1,) for _, grid, _ in fn.calls)
     assert [kw for _, _, kw in fn.calls] == [{**meta, **c.all_kwargs()} for c in configs]
-    assert fn.threads and all(t.startswith("nanoforge-compile") for t in fn.threads)
+    assert len(fn.threads) == len(configs) and all(t.startswith("nanoforge-compile") for t in fn.threads)
+    assert sorted(fn.finalized) == list(range(len(configs)))  # every compile finished before it returned
+
+
+def test_a_candidate_that_fails_to_compile_is_left_to_the_autotuner(monkeypatch):
+    """A compile that raises in its thread is ignored here (the autotuner compiles that candidate again and
+    handles the error as it always has), the others are kept, and Triton's AsyncCompileMode is not left active:
+    Triton 3.6's stays active after raising, which would send every later compile of the process to a closed pool."""
+    import triton
+    from triton.runtime import _async_compile
+
+    if not hasattr(triton, "AsyncCompileMode"):
+        pytest.skip("this Triton has no AsyncCompileMode (the autotuner compiles one by one)")
+    monkeypatch.setenv("NANOFORGE_COMPILE_THREADS", "2")
+    fn, configs = _Recording(bad_compile=2), gv._TUNED["default"].configs
+    assert dispatch.compile_in_parallel(fn, configs, (), {})
+    assert sorted(fn.finalized) == [i for i in range(len(configs)) if i != 2]
+    assert _async_compile.active_mode.get() is None
 
 
 def test_compile_in_parallel_steps_aside_with_one_thread_or_on_an_error(monkeypatch, recwarn):

@@ -124,7 +124,9 @@ def compile_in_parallel(fn, configs: list, args: tuple, meta: dict) -> bool:
     for sm_90, 4.2 s in one thread and 2.45 s in two on a 2-core CPU), so a cold start's autotuning waits for
     about its slowest compile rather than for their sum. Compiles go through Triton's own AsyncCompileMode with
     `fn.warmup`, the path a launch compiles by. Where this Triton has no AsyncCompileMode, with one thread, or on
-    an error (warned once), the autotuner compiles as it always did. Whether the compiles ran."""
+    an error (warned once), the autotuner compiles as it always did; a candidate that fails to compile is left to
+    the autotuner, which meets the error again in its own pass and handles it as it always has (errors ignored
+    here: Triton 3.6's AsyncCompileMode would otherwise stay active after raising one). Whether the compiles ran."""
     import triton
 
     async_mode = getattr(triton, "AsyncCompileMode", None)
@@ -134,7 +136,8 @@ def compile_in_parallel(fn, configs: list, args: tuple, meta: dict) -> bool:
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="nanoforge-compile") as pool, async_mode(pool):
+        with (ThreadPoolExecutor(threads, thread_name_prefix="nanoforge-compile") as pool,
+              async_mode(pool, ignore_errors=True)):
             for config in configs:
                 fn.warmup(*args, grid=(1,), **meta, **config.all_kwargs())
     except Exception as e:  # a compile the autotuner will meet again, and report, in its own serial pass
