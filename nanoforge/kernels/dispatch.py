@@ -121,7 +121,7 @@ def compile_in_parallel(fn, configs: list, args: tuple, meta: dict) -> bool:
     """Compile the @triton.jit `fn` at each of an autotuner's `configs` for these arguments, in threads, before the
     autotuner times them one after another: it then finds each compiled in `fn`'s cache. Triton's compiler
     releases the GIL for most of its work (`benchmarks/compile_threads.py`: the skinny matmul's five candidates
-    for sm_90, 4.2 s in one thread and 2.45 s in two on a 2-core CPU), so a cold start's autotuning waits for
+    for sm_90, 4.19 s in one thread and 2.48 s in two on a 2-core CPU), so a cold start's autotuning waits for
     about its slowest compile rather than for their sum. Compiles go through Triton's own AsyncCompileMode with
     `fn.warmup`, the path a launch compiles by. Where this Triton has no AsyncCompileMode, with one thread, or on
     an error (warned once), the autotuner compiles as it always did; a candidate that fails to compile is left to
