@@ -143,9 +143,11 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu) -> tuple[torch.Tensor,
         key = (str(rows.device), rows.dtype, n, k, swiglu, bias is not None, configs(), *meta.values())
         launch(_chain_pick(key, launch, weight, {"N": n, "K": k, "X": rows}), weight)
     else:
-        kernel = _TUNED[configs()]
+        candidates = configs()
+        kernel = _TUNED[candidates]
         tuned, started = len(kernel.cache), time.perf_counter()
-        key = (rows.dtype, configs(), n, k, meta["BLOCK_M"], swiglu, meta["NORM"], meta["HAS_RES"])  # the tuner's
+        # the autotuner's key, kept here: its own cache's key format differs between Triton versions
+        key = (rows.dtype, candidates, n, k, meta["BLOCK_M"], swiglu, meta["NORM"], meta["HAS_RES"])
         if key not in _COMPILED:  # a shape the autotuner has not timed: its candidates compiled at once first
             _COMPILED.add(key)
             compile_in_parallel(_gemv_kernel, _prune(kernel.configs, {"N": n, "K": k, "X": rows}), args,
