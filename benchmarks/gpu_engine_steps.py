@@ -14,8 +14,9 @@ host    The host time of a small prefill step (Qwen3-0.6B's shape, 8 prompts of 
         entry point's calls and microseconds per call
         (every `nanoforge.kernels` function the engine calls wrapped in a profiler range named after it, in
         every module that imported it) beside the aten ops'.
-decode  torch.profiler's kernels over 100 graphed batch-1 decode steps of Llama-3.2-1B's shape, and the step's
-        ms unprofiled.
+decode  torch.profiler's kernels over 100 graphed batch-1 decode steps of Llama-3.2-1B's shape (`--decode-preset`
+        picks another), the step's ms unprofiled, and one step's kernels in order (NANOFORGE_PDL=0 for durations
+        that add up: under PDL a kernel launched early counts its wait).
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def kernel_intervals(prof) -> list[tuple[float, float]]:
     """(start, end) in microseconds of every device kernel and memcpy the profiler saw."""
     cuda = torch.autograd.DeviceType.CUDA
     return [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
+
+
+def one_step_kernels(prof, steps: int) -> list[tuple[str, float, float]]:
+    """The kernels of one step in the middle of a profiled run of `steps` graphed steps, in launch order:
+    (name, microseconds from the step's first kernel's start, duration). With PDL on, a kernel launched early
+    counts its wait in its duration; run with NANOFORGE_PDL=0 for durations that add up."""
+    cuda = torch.autograd.DeviceType.CUDA
+    evs = sorted((e for e in prof.events() if e.device_type == cuda), key=lambda e: e.time_range.start)
+    per = len(evs) // steps if steps else 0
+    if not per:
+        return []
+    step = evs[(steps // 2) * per:(steps // 2 + 1) * per]
+    t0 = step[0].time_range.start
+    return [(e.name[:60], round(e.time_range.start - t0, 2), round(e.time_range.end - e.time_range.start, 2))
+            for e in step]
 
 
 def sync(device) -> None:
@@ -219,6 +235,8 @@ def section_decode(c: dict, device, dtype, res: dict) -> None:
         sync(device)
     res["decode_kernels"] = device_table(prof, 20)
     res["decode_timeline"] = timeline(kernel_intervals(prof), c["steps"])
+    res["decode_one_step"] = one_step_kernels(prof, c["steps"])
+    res["decode_preset"], res["pdl"] = c["preset"], os.environ.get("NANOFORGE_PDL", "auto")
     t0 = time.perf_counter()
     for _ in range(c["steps"]):
         eng.step()
@@ -232,6 +250,9 @@ def section_decode(c: dict, device, dtype, res: dict) -> None:
         print(f"device timeline a step (profiled): {t['kernels_per_step']:.0f} kernels, span {t['span_us_per_step']:.0f} "
               f"us = busy {t['busy_us_per_step']:.0f} + gaps under {t['step_gap_us']:.0f} us "
               f"{t['short_gaps_us_per_step']:.0f} + longer gaps {t['long_gaps_us_per_step']:.0f}")
+    first = res["decode_one_step"][:24]
+    if first:
+        print("one step's first kernels (name, start us, duration us):", *first, sep="\n  ")
 
 
 GPU = {"steps": dict(preset="llama3-1b", prompts=64, length=2000), "host": dict(preset="qwen3-0.6b", prompts=8,
@@ -244,13 +265,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="steps,host,decode")
     p.add_argument("--smoke", action="store_true", help="tiny presets on the CPU in fp32 (a dry run)")
+    p.add_argument("--decode-preset", default=None, help="the decode section's model shape (default llama3-1b)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     args = p.parse_args(argv)
     picked = run_on(args.smoke)
     if picked is None:
         return 2
     device, dtype = picked
-    conf = SMOKE if args.smoke else GPU
+    conf = {k: dict(v) for k, v in (SMOKE if args.smoke else GPU).items()}
+    if args.decode_preset:
+        conf["decode"]["preset"] = args.decode_preset
     res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     sections = {"steps": section_steps, "host": section_host, "decode": section_decode}
     for name in args.only.split(","):
