@@ -119,6 +119,39 @@ def test_add_rms_norm_forward_backward(force_triton, dtype, shape):
 
 
 @interpreter
+def test_under_torch_compile_the_norms_take_the_reference_that_inductor_fuses(force_triton, monkeypatch):
+    """Traced by torch.compile (training's default on a GPU), rms_norm and add_rms_norm leave the Triton kernels
+    to Inductor's own fused norm: it cannot inline them (on the H200 the compiled Llama loop died with
+    "NameError: pdl is not defined"). Compiled here with the kernels forced on, neither autograd Function is
+    reached, and values and gradients match float64; eager, the kernel still runs."""
+    def refuse(*args):
+        raise AssertionError("the Triton norm was traced by torch.compile")
+
+    x, residual, w, _ = _inputs((3, 5, 70), torch.float32)
+    eager = rn.rms_norm(x, w, EPS)  # the kernel, under the interpreter
+    monkeypatch.setattr(rn._RMSNorm, "apply", refuse)
+    monkeypatch.setattr(rn._AddRMSNorm, "apply", refuse)
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, residual, w))
+
+    def both(x, r, w):
+        y, h = rn.add_rms_norm(x, r, w, EPS)
+        return rn.rms_norm(y + h, w, EPS)
+
+    out = torch.compile(both, backend="aot_eager", fullgraph=True)(xs, rs, ws)
+    out.sum().backward()
+    x64, r64, w64 = (t.double().requires_grad_() for t in (x, residual, w))
+    y64, h64 = rn.add_rms_norm_ref(x64, r64, w64, EPS)
+    ref = rn.rms_norm_ref(y64 + h64, w64, EPS)
+    ref.sum().backward()
+    _close(out, ref, torch.float32)
+    for got, want in ((xs, x64), (rs, r64), (ws, w64)):
+        _close(got.grad, want.grad, torch.float32)
+    _close(eager, rn.rms_norm_ref(x.double(), w.double(), EPS), torch.float32)
+    with pytest.raises(AssertionError, match="traced"):
+        rn.rms_norm(x, w, EPS)  # eager: the Function is still the way
+
+
+@interpreter
 def test_non_contiguous_input(force_triton):
     x = torch.randn(40, 6).t()  # (6, 40), hidden dim strided
     w = torch.randn(40)

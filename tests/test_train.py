@@ -290,10 +290,29 @@ def test_the_ac_flag_trains_the_same_run_and_refuses_unknown_modes(corpus, tmp_p
     assert run_cli(*tiny_args(corpus, tmp_path / "bad", "--ac", "some")) == 2
     err = capsys.readouterr().err.strip()
     assert "ac must be none, full or a number N (every N-th block), not 'some'" in err and "\n" not in err
-    # a graphed step (a GPU's; here a stand-in) that is not compiled: checkpoint's RNG bookkeeping cannot be captured
-    monkeypatch.setattr(trainer, "use_cuda_graph", lambda *a: True)
+    # a CUDA graph asked for (a GPU's; here the device stands in) with checkpointing it cannot hold: one line
+    real = trainer.use_cuda_graph
+    monkeypatch.setattr(trainer, "use_cuda_graph", lambda dev, graph, layout, blocker: real(
+        torch.device("cuda"), True, layout, blocker))
     assert run_cli(*tiny_args(corpus, tmp_path / "graphed", "--ac", "full", "--no-compile")) == 2
-    assert "--ac in a CUDA-graphed step needs --compile" in capsys.readouterr().err
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the tokenizer's progress
+    assert last.startswith("nanoforge train: error: --cuda-graph: eager activation checkpointing saves the CUDA RNG state"), last
+
+
+def test_a_step_with_checkpointing_is_graphed_only_where_a_capture_can_hold_it():
+    """graph_blocker: eager checkpointing, or compiled with dropout (torch.compile's recomputed dropout draws from
+    generator states a captured step does not register: the H200 failed so), keeps the step out of a CUDA
+    graph; compiled without dropout, or no checkpointing, does not. use_cuda_graph then leaves the graph out by
+    default, and refuses it in one line when asked for."""
+    blocker, use = trainer.graph_blocker, trainer.use_cuda_graph
+    assert blocker(True, "none", 0.1) is None and blocker(False, "none", 0.0) is None
+    assert blocker(True, "full", 0.0) is None and blocker(True, "2", 0.0) is None
+    assert "eager" in blocker(False, "full", 0.0) and "dropout" in blocker(True, "2", 0.1)
+    gpu = torch.device("cuda")  # only its type is read
+    assert use(gpu, None) and not use(gpu, None, None, blocker(True, "full", 0.1))
+    assert not use(gpu, False, None, blocker(False, "full", 0.0)) and use(gpu, True, None, None)
+    with pytest.raises(NanoforgeError, match="^--cuda-graph: torch.compile recomputes .* drop --cuda-graph"):
+        use(gpu, True, None, blocker(True, "full", 0.1))
 
 
 def test_the_final_val_loss_covers_the_whole_split(corpus, tmp_path):
@@ -629,11 +648,12 @@ def test_cuda_graphed_training_resumes_exactly(corpus, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FAMILIES)
-def test_gpu_activation_checkpointing_trains_the_same_run_in_less_memory(name, corpus, tmp_path):
+def test_gpu_activation_checkpointing_trains_the_same_run_in_less_memory(name, corpus, tmp_path, capsys):
     """--ac full on the H200, each family: a forward and backward of 8 blocks over 32 x 128 tokens under bf16
-    autocast peaks lower than without, with the same gradients to bf16 rounding; and the GPU's default loop
-    (compiled, its step a CUDA graph) and an eager one, dropout on, train the family's run without
-    checkpointing; an eager step in a CUDA graph is refused in one line."""
+    autocast peaks lower than without, with the same gradients to bf16 rounding; the GPU's default loop (compiled;
+    with dropout and checkpointing its step runs outside a CUDA graph, and says so), the same without dropout
+    (graphed, checkpointed) and an eager one train the family's run without checkpointing; a CUDA graph asked
+    for where checkpointing stops the capture is refused in one line."""
     from nanoforge.train.parallel.ac import apply_ac
 
     dev = torch.device("cuda")
@@ -656,17 +676,23 @@ def test_gpu_activation_checkpointing_trains_the_same_run_in_less_memory(name, c
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert peaks["full"] < 0.6 * peaks["none"], peaks
     assert ((grads["full"] - grads["none"]).norm() / grads["none"].norm()).item() < 1e-2
-    for flags in (["--compile"], ["--no-compile", "--no-cuda-graph"]):  # the default loop; an eager one
+    # the default loop (compiled; its step a CUDA graph, but with dropout and checkpointing, not), the same without
+    # dropout (checkpointed and graphed), and an eager one
+    for flags in (["--compile"], ["--compile", "--dropout", "0"], ["--no-compile", "--no-cuda-graph"]):
         runs = {}
         for ac in ("none", "full"):
-            out = tmp_path / f"{flags[-1]}-{ac}"
+            out = tmp_path / f"{flags[-1]}-{len(flags)}-{ac}"
             args = tiny_args(corpus, out, "--max-steps", "6", "--device", "cuda", *flags, "--ac", ac)
+            capsys.readouterr()
             assert run_cli(*[name if a == "shakespeare-char-cpu" else a for a in args]) == 0
+            ungraphed = "the step runs without a CUDA graph" in capsys.readouterr().out
+            assert ungraphed == (flags == ["--compile"] and ac == "full"), (flags, ac)
             runs[ac] = [r["loss"] for r in history(out)["train"]]
         assert runs["full"] == pytest.approx(runs["none"], rel=2e-2), flags
-    # an eager step in a CUDA graph: checkpoint's RNG bookkeeping cannot be captured, so one line says so
-    assert run_cli(*tiny_args(corpus, tmp_path / "eager-graph", "--device", "cuda", "--no-compile", "--ac",
-                              "full")) == 2
+    # a CUDA graph asked for where the capture cannot hold checkpointing: one line says so
+    for flags in (["--no-compile"], ["--compile"]):
+        assert run_cli(*tiny_args(corpus, tmp_path / f"graph{len(flags)}", "--device", "cuda", *flags, "--cuda-graph",
+                                  "--ac", "full")) == 2
 
 
 def test_loss_chunk_flag_trains_the_same_run(corpus, tmp_path, capsys):

@@ -8,7 +8,7 @@ of three (vLLM's fused_add_rms_norm).
 Both are differentiable. The Triton forward keeps 1/rms per row (fp32) for a
 Triton backward: one program per group of rows computes dx row by row and
 accumulates its rows' share of dweight, and the per-program shares are summed
-by torch. Statistics are in fp32 whatever the input dtype (float64 inputs take
+by torch. Under torch.compile both take the reference, which Inductor fuses. Statistics are in fp32 whatever the input dtype (float64 inputs take
 the reference path, which then computes in float64); the result has x's dtype.
 """
 
@@ -75,6 +75,11 @@ def _check(x, residual, weight, eps) -> None:
 
 
 def _fast(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton kernels on a GPU, outside torch.compile: compiled (training's default on a GPU), Inductor
+    generates the norm from the reference and fuses it with its neighbours, and it cannot inline these kernels
+    (it copies a kernel's source but not the `pdl` module its helpers live in: a NameError on the H200)."""
+    if torch.compiler.is_compiling():
+        return False
     return use_fast(x, weight) and x.dtype in _TRITON_DTYPES and x.numel() > 0
 
 

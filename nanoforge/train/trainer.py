@@ -95,15 +95,35 @@ def autocast(device: torch.device, dtype: str, cache: bool = True):
     return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
 
-def use_cuda_graph(device: torch.device, cuda_graph: bool | None, layout: str | None = None) -> bool:
-    """Whether the optimizer step runs as a CUDA graph: on a GPU unless asked not to; never elsewhere, and
-    never in a parallel `layout` (named, when there is one: its collectives run outside a graph)."""
+def use_cuda_graph(device: torch.device, cuda_graph: bool | None, layout: str | None = None,
+                   blocker: str | None = None) -> bool:
+    """Whether the optimizer step runs as a CUDA graph: on a GPU unless asked not to; never elsewhere, never in
+    a parallel `layout` (named, when there is one: its collectives run outside a graph), and never where
+    `graph_blocker` names a reason (`blocker`): asked for then (`cuda_graph` True), one line says why not."""
     if cuda_graph and device.type != "cuda":
         raise NanoforgeError(f"--cuda-graph needs a CUDA GPU; this run is on {device}", param="cuda_graph")
     if cuda_graph and layout:
         raise NanoforgeError(f"--cuda-graph runs on one GPU; this run is parallel ({layout}): drop --cuda-graph",
                              param="cuda_graph")
-    return device.type == "cuda" and not layout if cuda_graph is None else cuda_graph
+    if cuda_graph and blocker:
+        raise NanoforgeError(f"--cuda-graph: {blocker}; drop --cuda-graph (or --ac)", param="cuda_graph")
+    return device.type == "cuda" and not layout and not blocker if cuda_graph is None else cuda_graph
+
+
+def graph_blocker(compiled: bool, ac: str, dropout: float) -> str | None:
+    """Why a step with activation checkpointing (`ac`) cannot be captured in one CUDA graph, or None where it can.
+    Eager, torch.utils.checkpoint saves the CUDA RNG state at every block, which a capture forbids. Compiled with
+    dropout on, torch.compile replays a checkpointed block's dropout masks from generator states that only its
+    own CUDA graphs register (cudagraph trees); captured here, the first draw fails (seen on the H200, torch
+    2.11). Compiled without dropout, no RNG is recomputed, and the step is captured."""
+    if not ac_every(ac):
+        return None
+    if not compiled:
+        return "eager activation checkpointing saves the CUDA RNG state at each block, which a graph capture forbids"
+    if dropout > 0:
+        return ("torch.compile recomputes a checkpointed block's dropout from generator states that only its own "
+                "CUDA graphs can register, not a captured training step")
+    return None
 
 
 # --- the loss -----------------------------------------------------------------------------------
@@ -529,15 +549,13 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.model_cfg = model.cfg
         self.device = device = layout.device
-        self.graphed = use_cuda_graph(device, cfg.cuda_graph, layout.name)
+        self.compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        blocker = graph_blocker(self.compiled, cfg.ac, model.cfg.dropout)
+        self.graphed = use_cuda_graph(device, cfg.cuda_graph, layout.name, blocker)
+        if blocker and cfg.cuda_graph is None and device.type == "cuda" and not layout.name:
+            print(f"{title}: the step runs without a CUDA graph: {blocker}")
         self.amp = autocast(device, cfg.dtype)
         self.seq_len = sequence_length(cfg, model.cfg)
-        self.compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
-        if self.graphed and not self.compiled and ac_every(cfg.ac):
-            # eager torch.utils.checkpoint saves the CUDA RNG state at each block, which a graph capture forbids;
-            # compiled, the recomputation is part of the graph torch.compile builds
-            raise NanoforgeError("--ac in a CUDA-graphed step needs --compile (or drop the graph: --no-cuda-graph)",
-                                 param="ac")
         self.model = layout.parallelize(model, cfg)
         self.optimizer = make_optimizer(self.model, cfg, capturable=self.graphed, device=device)
         # The model folder of a run with a weight average holds the average; the training weights are in its state.
