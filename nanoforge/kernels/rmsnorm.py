@@ -8,8 +8,9 @@ of three (vLLM's fused_add_rms_norm).
 Both are differentiable. The Triton forward keeps 1/rms per row (fp32) for a
 Triton backward: one program per group of rows computes dx row by row and
 accumulates its rows' share of dweight, and the per-program shares are summed
-by torch. Under torch.compile both take the reference, which Inductor fuses. Statistics are in fp32 whatever the input dtype (float64 inputs take
+by torch. Statistics are in fp32 whatever the input dtype (float64 inputs take
 the reference path, which then computes in float64); the result has x's dtype.
+Under torch.compile both take the reference, which Inductor fuses.
 """
 
 from __future__ import annotations
