@@ -292,11 +292,16 @@ def test_the_ac_flag_trains_the_same_run_and_refuses_unknown_modes(corpus, tmp_p
     assert "ac must be none, full or a number N (every N-th block), not 'some'" in err and "\n" not in err
     # a CUDA graph asked for (a GPU's; here the device stands in) with checkpointing it cannot hold: one line
     real = trainer.use_cuda_graph
-    monkeypatch.setattr(trainer, "use_cuda_graph", lambda dev, graph, layout, blocker: real(
+    monkeypatch.setattr(trainer, "use_cuda_graph", lambda dev, graph, layout=None, blocker=None: real(
         torch.device("cuda"), True, layout, blocker))
     assert run_cli(*tiny_args(corpus, tmp_path / "graphed", "--ac", "full", "--no-compile")) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the tokenizer's progress
     assert last.startswith("nanoforge train: error: --cuda-graph: eager activation checkpointing saves the CUDA RNG state"), last
+    # left to its default there, the step runs ungraphed and says why
+    monkeypatch.setattr(trainer, "use_cuda_graph", lambda dev, graph, layout=None, blocker=None: real(
+        torch.device("cuda"), graph, layout, blocker))
+    assert run_cli(*tiny_args(corpus, tmp_path / "default", "--max-steps", "2", "--ac", "full", "--no-compile")) == 0
+    assert "train: the step runs without a CUDA graph: eager activation checkpointing" in capsys.readouterr().out
 
 
 def test_a_step_with_checkpointing_is_graphed_only_where_a_capture_can_hold_it():

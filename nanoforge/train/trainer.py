@@ -552,7 +552,7 @@ class Trainer:
         self.compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
         blocker = graph_blocker(self.compiled, cfg.ac, model.cfg.dropout)
         self.graphed = use_cuda_graph(device, cfg.cuda_graph, layout.name, blocker)
-        if blocker and cfg.cuda_graph is None and device.type == "cuda" and not layout.name:
+        if blocker and use_cuda_graph(device, cfg.cuda_graph, layout.name):  # graphed, but for the blocker
             print(f"{title}: the step runs without a CUDA graph: {blocker}")
         self.amp = autocast(device, cfg.dtype)
         self.seq_len = sequence_length(cfg, model.cfg)
