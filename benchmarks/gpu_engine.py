@@ -354,6 +354,7 @@ DECODE_VARIANTS = {
     "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},
+    "persistent": {"NANOFORGE_DECODE_LAYERS": "persistent"},  # every layer in one kernel (serve/layer_kernel.py)
 }
 
 

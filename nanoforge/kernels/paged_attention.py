@@ -439,22 +439,10 @@ def _paged_attn_kernel(
                                      HEAD_D == BLOCK_D, True)
     if ROPE:
         if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
-            ones = tl.full([1], 1, dtype=tl.int1)
-            k_new = _norm_rope_rows(KN + t * stride_knt + hk * stride_knh + tl.zeros([1, 1], dtype=tl.int64), offs_d,
-                                    ones, COS + t * stride_ct, SIN + t * stride_ct, KW, eps, HEAD_D, HAS_NORM)
-            v_new = tl.load(VN + t * stride_vnt + hk * stride_vnh + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-            slot = tl.load(SLOTS + t).to(tl.int64)
-            at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + offs_d[None, :]
-            tl.store(K + at, k_new, mask=d_ok[None, :])
-            tl.store(V + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + offs_d[None, :], v_new,
-                     mask=d_ok[None, :])
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
-            m_new = tl.maximum(m_i, s_new)
-            p_new = tl.exp2(s_new - m_new)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-            m_i = m_new
+            acc, l_i, m_i = attend_new_key(
+                acc, l_i, m_i, q, KN + t * stride_knt + hk * stride_knh, VN + t * stride_vnt + hk * stride_vnh, K, V,
+                tl.load(SLOTS + t).to(tl.int64), COS + t * stride_ct, SIN + t * stride_ct, KW, eps, offs_d, d_ok,
+                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_D, BLOCK_SIZE, HAS_NORM)
 
     pdl.leave(PDL)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
@@ -472,26 +460,55 @@ def _paged_attn_kernel(
             tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
             count = C + pid * tl.num_programs(1) + hk
             if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-                first = part - split
-                offs_s = tl.arange(0, SPLITS_P2)
-                lses = tl.load(LSE_PART + first[:, None] + offs_s[None, :],  # .cg: from L2, as the others wrote
-                               mask=row_ok[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
-                               cache_modifier=".cg")  # fmt: skip
-                top = tl.max(lses, 1)
-                top = tl.where(top > float("-inf"), top, 0.0)  # a row no split saw (masked below)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                total = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for s in range(0, num_splits):
-                    w = tl.exp2(tl.load(LSE_PART + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                                - top)
-                    o_s = tl.load(O_PART + (first + s)[:, None] * HEAD_D + offs_d[None, :], mask=io_mask, other=0.0,
-                                  cache_modifier=".cg")
-                    acc += w[:, None] * o_s
-                    total += w
                 tl.atomic_xchg(count, 0)
-                o = acc / tl.where(total > 0, total, 1.0)[:, None]
+                o = combine_parts(O_PART, LSE_PART, part - split, num_splits, row_ok, io_mask, offs_d, HEAD_D,
+                                  BLOCK_M, BLOCK_D, SPLITS_P2)
                 tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                          o.to(O.dtype.element_ty), mask=io_mask)  # fmt: skip
+
+
+@triton.jit
+def attend_new_key(acc, l_i, m_i, q, KN, VN, K, V, slot, COS, SIN, KW, eps, offs_d, d_ok, qk_scale,
+                   stride_kb, stride_ks, stride_vb, stride_vs, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   HAS_NORM: tl.constexpr):
+    """A decode token's own key and value, from the projection (KN, VN: its kv head's rows): the key normalised
+    (Qwen3) and rotated as `_norm_rope_rows` does, both written to the cache slot `slot`, and taken into the
+    rows' online softmax from registers (no program reads the slot this one writes)."""
+    ones = tl.full([1], 1, dtype=tl.int1)
+    k_new = _norm_rope_rows(KN + tl.zeros([1, 1], dtype=tl.int64), offs_d, ones, COS, SIN, KW, eps, HEAD_D, HAS_NORM)
+    v_new = tl.load(VN + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    tl.store(K + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + offs_d[None, :], k_new,
+             mask=d_ok[None, :])
+    tl.store(V + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + offs_d[None, :], v_new,
+             mask=d_ok[None, :])
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
+    m_new = tl.maximum(m_i, s_new)
+    p_new = tl.exp2(s_new - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + p_new
+    acc = acc * alpha[:, None] + p_new.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def combine_parts(O_PART, LSE_PART, first, num_splits, row_ok, io_mask, offs_d, HEAD_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """The rows' outputs over the whole context from their splits' partials (row r's are at part first[r] + s,
+    s < num_splits), read from L2 (.cg: other programs of this launch wrote them): sum_s w_s o_s / sum_s w_s
+    with w_s = 2^(lse_s - max lse), as `_combine_splits` adds them up."""
+    offs_s = tl.arange(0, SPLITS_P2)
+    lses = tl.load(LSE_PART + first[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s[None, :] < num_splits),
+                   other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lses, 1)
+    top = tl.where(top > float("-inf"), top, 0.0)  # a row no split saw (masked below)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(LSE_PART + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
+        acc += w[:, None] * tl.load(O_PART + (first + s)[:, None] * HEAD_D + offs_d[None, :], mask=io_mask, other=0.0,
+                                    cache_modifier=".cg")
+        total += w
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @triton.jit

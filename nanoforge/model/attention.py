@@ -53,6 +53,12 @@ class AttentionBackend:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.attend(layer, q, k, v)
 
+    def run_layers(self, x: torch.Tensor, rope):
+        """Every layer of the model on the residual stream x at once, where the backend has a kernel that runs
+        them (the engine's one-token decode steps, `serve/layer_kernel.py`): (x, the last MLP's output, which the
+        final norm adds); None (the default) to have the model run them one by one."""
+        return None
+
 
 class DenseAttention(AttentionBackend):
     """Causal attention over whole sequences; `doc_ids` (B, T) keeps packed documents apart."""

@@ -43,6 +43,7 @@ from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.sampling import SEED_MOD, sample
 from nanoforge.model.transformer import Transformer
+from nanoforge.serve import layer_kernel
 from nanoforge.serve.input_batch import (
     PARAM_UPDATE_WORDS,
     InputBatch,
@@ -69,8 +70,10 @@ _UNSET = object()  # not computed yet (None is a value: decode needs no tile sta
 class PagedAttention(AttentionBackend):
     """The engine's attention backend: one flattened ragged batch, K/V in paged blocks."""
 
-    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_q_len: int):
+    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_q_len: int,
+                 layer_kernel: layer_kernel.LayerKernel | None = None):
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.layer_kernel = layer_kernel  # every layer of a one-token decode step in one launch (None: not here)
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.seq_lens, self.cu_seqlens_q, self.max_q_len = seq_lens, cu_seqlens_q, max_q_len
         self.tile_starts = _UNSET  # the kernel's ragged query tiles: computed at the first layer, shared by all
@@ -91,6 +94,12 @@ class PagedAttention(AttentionBackend):
         # q/k norms (Qwen3), RoPE and the KV write: one launch on a GPU
         q = rope_qkv_and_write_kv(q[0], k[0], v[0], cos[0], sin[0], kc, vc, self.slot_mapping, qk_norm)
         return self._attend_cached(q[None], kc, vc)
+
+    def run_layers(self, x, rope):
+        if self.layer_kernel is None or self.max_q_len != 1 or x.shape[1] != 1 or rope is None:
+            return None
+        return self.layer_kernel(x, rope, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                                 self.slot_mapping)
 
     def _attend_cached(self, q, kc, vc):
         if self.tile_starts is _UNSET:
@@ -169,6 +178,10 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         shape = (self.cfg.n_layers, num_gpu_blocks + 1, block_size, local_kv_heads(model), self.cfg.head_dim)
         self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
+        # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent): the weights stacked
+        # before the cache takes the memory that is left
+        self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode() == "persistent" and tp is None
+                             and layer_kernel.supported(model) else None)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         # the KV connector's copies: on a side stream, made at the first use (_copy_stream), or on the compute stream
@@ -341,7 +354,7 @@ class ModelRunner:
         """Hidden states of the step's n tokens of s sequences (width: block-table columns to read)."""
         tables = self.table[:, :width].index_select(0, v["row_slot"][:s])
         attn = PagedAttention(self.k_cache, self.v_cache, v["slots"][:n], tables, v["seq_lens"][:s],
-                              v["cu_seqlens"][:s + 1], max_q_len=max_q_len)
+                              v["cu_seqlens"][:s + 1], max_q_len=max_q_len, layer_kernel=self.layer_kernel)
         positions = v["positions"][:n]
         rope = None
         if self.rope_table is not None:

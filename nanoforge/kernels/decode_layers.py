@@ -1,0 +1,341 @@
+"""Batch-1 decode's layers in one persistent kernel: every layer of a Llama / Qwen model, one launch a step.
+
+A batch-1 decode step reads each weight once, so it should take as long as HBM takes to stream the weights.
+Launched kernel by kernel it does not: Llama-3.2-1B's layer is seven kernels of 1.5-21 us (61.6 us where its
+121.6 MB stream in ~30 at 4 TB/s), Qwen3-0.6B's seven of 2.1-8 us (40.8 where 31.5 MB take ~8). Each kernel
+ramps up, drains, and leaves SMs idle while its few programs finish. Here one grid of one program per SM runs
+the whole stack, each piece of a layer a phase that every program takes a share of, the phases separated by
+grid-wide barriers (an arrival count in global memory; all programs are resident at once, as there are no more
+of them than SMs):
+
+    A  x = x + pending; h = rms_norm(x); qkv = h W_qkv^T (+ bias)          tiles of W_qkv's rows
+    B  q/k norms (Qwen3), RoPE, the token's K/V into the paged cache,      (kv head, context split) pairs; each
+       attention over the context                                           kv head's last split combines them
+    C  o = attn W_o^T                                                       tiles of W_o's rows
+    D  x = x + o; h = rms_norm(x); a = silu(h W_gate^T) * (h W_up^T)        tiles of gate rows with their up rows
+    E  pending = a W_down^T                                                 tiles of W_down's rows
+
+A program's tile is a few rows of W across all of K (~32 KB of bf16), loaded while the one before it is
+reduced; before a barrier each program asks L2 for its first tile of the next phase's weights (no phase writes
+them), so the wait overlaps the stream. Every program computes the norm's statistics itself from the vector
+(a few KB from L2) and program 0 stores the residual sum. Roundings are those of the kernels the layer-by-layer
+path runs (`rmsnorm.add_rms_norm`, `gemv`'s epilogue, `paged_attention`'s fused RoPE and split combine), so
+the two differ only in the order fp32 sums are added.
+
+Under the Triton interpreter (which runs programs one after another, so no program could wait for another) and
+with `persistent=False`, the host launches one phase of one layer at a time instead: the same code, the kernel
+boundaries standing in for the barriers. That is what the CPU tests check against the model's own forward.
+
+The caller (`serve/layer_kernel.py`) stacks the layers' weights and decides when this applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoforge.kernels import pdl
+from nanoforge.kernels.dispatch import arrival_counters, interpreting, sm_count
+from nanoforge.kernels.flash_attention import LOG2E
+from nanoforge.kernels.gemv import _finish
+from nanoforge.kernels.paged_attention import (
+    _NEG_BIG, _attend_keys, _norm_rope_rows, attend_new_key, combine_parts,
+)
+
+PHASES = 5
+TILE_ELEMENTS = 16384  # of W a program loads at once (32 KB of bf16): rows x K
+CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 programs busy on 132 SMs)
+ATTN_BLOCK_N = 64  # keys a step of attention's loop
+INTERPRET_PROGRAMS = 3  # programs under the interpreter: each takes more than one tile, as on a GPU
+INTERPRET_SPLITS = 4
+SPIN_LIMIT = tl.constexpr(1 << 26)  # a barrier's polls before it gives up (a bug, not a state: no wait should come near)
+
+
+@dataclass
+class Layers:
+    """Every layer's weights, stacked (L first): what the kernel indexes by layer."""
+
+    attn_norm: torch.Tensor  # (L, D)
+    wqkv: torch.Tensor  # (L, Hq*Dh + 2*Hkv*Dh, D)
+    bqkv: torch.Tensor | None  # (L, Hq*Dh + 2*Hkv*Dh)
+    q_norm: torch.Tensor | None  # (L, Dh)
+    k_norm: torch.Tensor | None  # (L, Dh)
+    wo: torch.Tensor  # (L, D, Hq*Dh)
+    mlp_norm: torch.Tensor  # (L, D)
+    w_in: torch.Tensor  # (L, 2F, D): gate rows, then up rows
+    w_out: torch.Tensor  # (L, D, F)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def _rows_per_tile(k: int) -> int:
+    return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
+
+
+def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  table: torch.Tensor, seq_len: torch.Tensor, slot: torch.Tensor, *,
+                  persistent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token (x: (1, D), after the embedding) through every layer: (the residual stream, the last MLP's
+    output), to be added inside the final norm as the layer-by-layer path leaves them. cos_sin: (2, Dh) of the
+    token's position; caches (L, blocks, block_size, Hkv, Dh); table: the sequence's block table row; seq_len
+    (1,) int32 with the token counted; slot (1,) the token's cache slot. `persistent`: one launch (default on a
+    GPU) or a launch per phase and layer (the interpreter's way)."""
+    n_layers, n_qkv, d = w.wqkv.shape
+    hq, hkv, dh = w.n_heads, w.n_kv_heads, w.head_dim
+    f = w.w_out.shape[2]
+    dev, ty = x.device, x.dtype
+    interp = interpreting()
+    persistent = (not interp) if persistent is None else persistent
+    if persistent and interp:
+        raise ValueError("decode_layers: the interpreter runs programs one at a time; it cannot wait at a barrier")
+    programs = INTERPRET_PROGRAMS if interp else sm_count(dev)
+    splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, ATTN_BLOCK_N)  # small: tests reach
+    # every branch (full and masked key tiles, empty splits) with short contexts
+    xs = torch.empty(2, d, device=dev, dtype=ty)  # the residual stream: [0] between layers, [1] inside one
+    xs[0].copy_(x.reshape(d))
+    pending = torch.zeros(d, device=dev, dtype=ty)  # layer 0 adds nothing
+    qkv = torch.empty(n_layers, n_qkv, device=dev, dtype=ty)  # a layer's own: read back by plain loads
+    attn = torch.empty(hq * dh, device=dev, dtype=ty)
+    o = torch.empty(d, device=dev, dtype=ty)
+    act = torch.empty(f, device=dev, dtype=ty)
+    o_part = torch.empty(hq * splits * dh, device=dev, dtype=torch.float32)
+    lse_part = torch.empty(hq * splits, device=dev, dtype=torch.float32)
+    counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
+    group = hq // hkv
+    meta = dict(
+        D=d, DP=triton.next_power_of_2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group, DH=dh,
+        BLOCK_D=triton.next_power_of_2(dh), BLOCK_M=max(16, triton.next_power_of_2(group)), F=f,
+        FP=triton.next_power_of_2(f), AP=triton.next_power_of_2(hq * dh), BN_QKV=_rows_per_tile(d),
+        BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
+        SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_N=block_n,
+        BLOCK_SIZE=k_cache.shape[2], HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None,
+        PERSISTENT=persistent, PREFETCH=not interp and pdl.hopper(dev),
+    )
+    none = w.attn_norm  # any tensor, for the pointers a model does not have
+    args = (xs, pending, qkv, attn, o, act, o_part, lse_part, counts,
+            w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
+            w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
+            w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
+            *k_cache.stride()[:4], *v_cache.stride()[:4], float(w.eps), dh ** -0.5 * LOG2E)
+    warps = 1 if interp else 8
+    if persistent:
+        _decode_layers_kernel[(programs,)](*args, 0, n_layers, -1, **meta, num_warps=warps)
+    else:
+        for layer in range(n_layers):
+            for phase in range(PHASES):
+                _decode_layers_kernel[(programs,)](*args, layer, 1, phase, **meta, num_warps=warps)
+    return xs[0].view_as(x), pending.view_as(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grid_barrier(BAR, target):
+    """Wait until `target` arrivals have been counted at BAR (this program's included): every program's stores
+    before its arrival are visible after the wait."""
+    tl.debug_barrier()  # every thread's stores made before the count (the atomic releases them)
+    tl.atomic_add(BAR, 1, sem="release")
+    seen = tl.load(BAR, volatile=True)
+    spins = 0
+    while (seen < target) & (spins < SPIN_LIMIT):
+        seen = tl.load(BAR, volatile=True)
+        spins += 1
+    tl.atomic_add(BAR, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _sync(BAR, step, PERSISTENT: tl.constexpr):
+    """The grid barrier after phase `step` of this launch (a no-op when each phase is its own launch)."""
+    if PERSISTENT:
+        _grid_barrier(BAR, (step + 1) * tl.num_programs(0))
+
+
+@triton.jit
+def _prefetch_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, PREFETCH: tl.constexpr):
+    """Ask L2 for this program's first tile of W (N x K rows), one address a 128-byte line."""
+    if PREFETCH:
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        lines = tl.arange(0, KP // 64) * 64
+        at = tl.where((n < N)[:, None] & (lines < K)[None, :], W + n[:, None].to(tl.int64) * K + lines[None, :], W)
+        pdl.prefetch_l2(at)
+
+
+@triton.jit
+def _vector(X, K, KP: tl.constexpr):
+    """A length-K vector another program of this launch wrote (.cg: from L2), in fp32, padded to KP."""
+    k = tl.arange(0, KP)
+    return tl.load(X + k, mask=k < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr):
+    """rms_norm(x + a) with weight G, as `rmsnorm.add_rms_norm` rounds it; the sum x + a stored to S by
+    program 0 (every program computes the same one)."""
+    k = tl.arange(0, KP)
+    ty = S.dtype.element_ty
+    s = (_vector(X, K, KP) + _vector(A, K, KP)).to(ty)
+    if tl.program_id(0) == 0:
+        tl.store(S + k, s, mask=k < K)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, 0) / K + eps)
+    g = tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
+    return (sf * rstd * g).to(ty).to(tl.float32)
+
+
+@triton.jit
+def _project(h, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Y = h W^T (+ B) for this program's tiles of BN rows (SWIGLU: silu of rows n times rows n + N, W being
+    2N rows), rounded as `gemv` rounds it; each tile's loads issued before the tile before it is reduced."""
+    k = tl.arange(0, KP)
+    k_ok = k < K
+    rows = tl.arange(0, BN)
+    one = tl.arange(0, 1)
+    ty = Y.dtype.element_ty
+    step = tl.num_programs(0)
+    tiles = tl.cdiv(N, BN)
+    t = tl.program_id(0)
+    n = t * BN + rows
+    mask = (n < N)[:, None] & k_ok[None, :]
+    ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
+    w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = w
+    if SWIGLU:
+        u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
+    while t < tiles:
+        nxt = t + step
+        n_next = nxt * BN + rows
+        mask_next = (n_next < N)[:, None] & k_ok[None, :]  # (a tile past the last has rows past N)
+        ptrs_next = W + n_next[:, None].to(tl.int64) * K + k[None, :]
+        w_next = tl.load(ptrs_next, mask=mask_next, other=0.0, eviction_policy="evict_first")
+        u_next = w_next
+        if SWIGLU:
+            u_next = tl.load(ptrs_next + N * K, mask=mask_next, other=0.0, eviction_policy="evict_first")
+        acc = tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :]
+        up = acc
+        if SWIGLU:
+            up = tl.sum(u.to(tl.float32) * h[None, :], 1)[None, :]
+        _finish(acc, up, B, Y, one, n, one < 1, n < N, N, 0, SWIGLU, HAS_BIAS, ty)
+        t = nxt
+        n = n_next
+        w = w_next
+        u = u_next
+
+
+@triton.jit
+def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
+    """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
+    context's last position writes the token's K and V; each kv head's last split to finish combines them."""
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DH
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    seq_len = tl.load(SEQ_LEN)
+    pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
+    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
+    for item in range(tl.program_id(0), HKV * SPLITS, tl.num_programs(0)):
+        hk = item // SPLITS
+        split = item % SPLITS
+        head = hk * GROUP + rows
+        q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
+        lo = split * share
+        hi = tl.minimum(lo + share, seq_len)
+        new_here = (lo < hi) & (hi == seq_len)
+        hi = tl.where(new_here, hi - 1, hi)
+        K = KC + hk * stride_kh
+        V = VC + hk * stride_vh
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+        full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, full_hi, BLOCK_N):
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
+                                         DH == BLOCK_D, False)
+        for n0 in range(full_hi, hi, BLOCK_N):
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
+                                         DH == BLOCK_D, True)
+        if new_here:
+            acc, l_i, m_i = attend_new_key(
+                acc, l_i, m_i, q, QKV + (HQ + hk) * DH, QKV + (HQ + HKV + hk) * DH, K, V, tl.load(SLOT).to(tl.int64),
+                CS, CS + DH, KW, eps, offs_d, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, DH,
+                BLOCK_SIZE, QK_NORM)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
+        part = head * SPLITS + split
+        tl.store(O_PART + part[:, None] * DH + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
+        tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+        tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
+        if tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1:
+            tl.atomic_xchg(COUNTS + hk, 0)
+            o = combine_parts(O_PART, LSE_PART, part - split, SPLITS, row_ok, io_mask, offs_d, DH, BLOCK_M, BLOCK_D,
+                              SPLITS_P2)
+            tl.store(ATT + head[:, None] * DH + offs_d[None, :], o.to(ATT.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_layers_kernel(
+    XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS,
+    G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
+    stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale,
+    first_layer, n_layers, only_phase,
+    D: tl.constexpr, DP: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    GROUP: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, F: tl.constexpr,
+    FP: tl.constexpr, AP: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_IN: tl.constexpr,
+    BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PERSISTENT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """Layers first_layer .. first_layer + n_layers, every phase (only_phase < 0: PERSISTENT, barriers between
+    them) or phase `only_phase` alone. XS: the residual stream ([0] between layers, [1] inside one); PEND: the
+    MLP output the next layer adds."""
+    BAR = COUNTS + HKV
+    X_MID = XS + D
+    AQ = HQ * DH
+    for i in range(0, n_layers):
+        layer = first_layer + i
+        lw = layer.to(tl.int64)
+        step = i * 5
+        qkv = QKV + lw * NQKV
+        if (only_phase < 0) | (only_phase == 0):  # A: x += pending; Q/K/V of the normalised x
+            h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
+            _project(h, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS)
+            _sync(BAR, step, PERSISTENT)
+        if (only_phase < 0) | (only_phase == 1):  # B: attention
+            _prefetch_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, PREFETCH)
+            _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
+                       VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
+                       stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, DH, BLOCK_D, BLOCK_M, SPLITS,
+                       SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
+            _sync(BAR, step + 1, PERSISTENT)
+        if (only_phase < 0) | (only_phase == 2):  # C: attention-out
+            _prefetch_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, PREFETCH)
+            _project(_vector(ATT, AQ, AP), WO + lw * D * AQ, WO, O, D, AQ, AP, BN_O, False, False)
+            _sync(BAR, step + 2, PERSISTENT)
+        if (only_phase < 0) | (only_phase == 3):  # D: x += o; gate-and-up of the normalised x, SwiGLU
+            _prefetch_tile(WOUT + lw * D * F, D, F, FP, BN_OUT, PREFETCH)
+            h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
+            _project(h, WIN + lw * 2 * F * D, WIN, ACT, F, D, DP, BN_IN, True, False)
+            _sync(BAR, step + 3, PERSISTENT)
+        if (only_phase < 0) | (only_phase == 4):  # E: MLP-down
+            following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
+            _prefetch_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH)
+            _project(_vector(ACT, F, FP), WOUT + lw * D * F, WOUT, PEND, D, F, FP, BN_OUT, False, False)
+            _sync(BAR, step + 4, PERSISTENT)
+    if PERSISTENT:  # the last program out resets the barrier's count for the next launch
+        if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(BAR, 0)
+            tl.atomic_xchg(BAR + 1, 0)
