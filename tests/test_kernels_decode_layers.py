@@ -154,3 +154,27 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     err = (got_h.float() - want_h.float()).abs().max().item()
     assert err < 0.05 * want_h.float().abs().max().item(), err
     assert (got_k.float() - want_k.float()).abs().max().item() < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, monkeypatch, name):
+    """NANOFORGE_DECODE_LAYERS=persistent on the GPU: one sequence at a time (its decode steps the one-launch
+    kernel, replayed from the batch-1 CUDA graph), fp32, greedy and seeded: the reference generator's tokens;
+    then several at once (steps of more rows take the layers one by one) with preemption and prefix hits."""
+    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "persistent")
+    model = make_model(tok, name).cuda()
+    rng = random.Random(7)
+    shared = prompts(1, rng, 40, 40)[0]
+    ps = [shared + p if i % 2 else p for i, p in enumerate(prompts(8, rng, 3, 50))]
+    want = [generate(model, p, max_new_tokens=24) for p in ps]
+    seeded = SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True)
+    want_seeded = generate(model, ps[0], max_new_tokens=24, temperature=0.8, seed=5)
+    llm = LLM(model, tok, num_gpu_blocks=48, max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.layer_kernel is not None
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps[:3]] == want[:3]
+    assert llm.generate([ps[0]], seeded)[0].outputs[0].token_ids == want_seeded
+    assert runner.graph_replays.get((True, 1), 0) > 60  # the batch-1 decode graph ran the kernel
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy)] == want

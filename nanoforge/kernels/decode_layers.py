@@ -42,7 +42,7 @@ from nanoforge.kernels.dispatch import arrival_counters, interpreting, sm_count
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _attend_keys, _norm_rope_rows, attend_new_key, combine_parts,
+    _NEG_BIG, _norm_rope_rows, attend_new_key, attend_span, combine_parts,
 )
 
 PHASES = 5
@@ -261,14 +261,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(lo, full_hi, BLOCK_N):
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
-                                         DH == BLOCK_D, False)
-        for n0 in range(full_hi, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
-                                         DH == BLOCK_D, True)
+        acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
+                                    stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D)
         if new_here:
             acc, l_i, m_i = attend_new_key(
                 acc, l_i, m_i, q, QKV + (HQ + hk) * DH, QKV + (HQ + HKV + hk) * DH, K, V, tl.load(SLOT).to(tl.int64),

@@ -429,14 +429,8 @@ def _paged_attn_kernel(
     # Keys before the tile's first position + 1 are seen by every row: whole blocks of them need no causal or
     # bounds mask (most of a long prompt's blocks); the rest (the diagonal, the split's ragged end) are masked.
     full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
-                                     HEAD_D == BLOCK_D, False)
-    for n0 in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
-                                     HEAD_D == BLOCK_D, True)
+    acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
+                                stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D)
     if ROPE:
         if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
             acc, l_i, m_i = attend_new_key(
@@ -533,6 +527,21 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
     sn = tl.load(SIN + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     turned = (xp * sn).to(ty).to(tl.float32)
     return ((x * c).to(ty).to(tl.float32) + tl.where(offs_d < half, -turned, turned)).to(ty)
+
+
+@triton.jit
+def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
+                stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                EVEN_D: tl.constexpr):
+    """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
+    without a mask, the rest masked (`_attend_keys`)."""
+    for n0 in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D, False)
+    for n0 in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D, True)
+    return acc, l_i, m_i
 
 
 @triton.jit
