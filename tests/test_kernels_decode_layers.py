@@ -178,3 +178,19 @@ def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, 
     assert llm.generate([ps[0]], seeded)[0].outputs[0].token_ids == want_seeded
     assert runner.graph_replays.get((True, 1), 0) > 60  # the batch-1 decode graph ran the kernel
     assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy)] == want
+
+
+@interpreter
+def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path):
+    """`benchmarks/decode_layers.py --smoke`: the CPU dry run of the benchmark, both ways on tiny presets, the
+    JSON written with the two ways' final hidden states equal."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, capture_output=True)
+    rows = json.loads((tmp_path / "decode_layers.json").read_text())
+    assert set(rows) == {"tiny-llama", "tiny-qwen3"}
+    assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 for r in rows.values())

@@ -16,11 +16,11 @@ of them than SMs):
     E  pending = a W_down^T                                                 tiles of W_down's rows
 
 A program's tile is a few rows of W across all of K (~32 KB of bf16), loaded while the one before it is
-reduced; before a barrier each program asks L2 for its first tile of the next phase's weights (no phase writes
-them), so the wait overlaps the stream. Every program computes the norm's statistics itself from the vector
-(a few KB from L2) and program 0 stores the residual sum. Roundings are those of the kernels the layer-by-layer
-path runs (`rmsnorm.add_rms_norm`, `gemv`'s epilogue, `paged_attention`'s fused RoPE and split combine), so
-the two differ only in the order fp32 sums are added.
+reduced; before a barrier each program asks L2 for its first tiles of the next phase's weights (no phase writes
+them; NANOFORGE_DECODE_PREFETCH_TILES), so the wait overlaps the stream. Every program computes the norm's
+statistics itself from the vector (a few KB from L2) and program 0 stores the residual sum. Roundings are
+those of the kernels the layer-by-layer path runs (`rmsnorm.add_rms_norm`, `gemv`'s epilogue, `paged_attention`'s
+fused RoPE and split combine), so the two differ only in the order fp32 sums are added.
 
 Under the Triton interpreter (which runs programs one after another, so no program could wait for another) and
 with `persistent=False`, the host launches one phase of one layer at a time instead: the same code, the kernel
@@ -31,12 +31,14 @@ The caller (`serve/layer_kernel.py`) stacks the layers' weights and decides when
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import arrival_counters, interpreting, sm_count
 from nanoforge.kernels.flash_attention import LOG2E
@@ -51,7 +53,7 @@ CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 pro
 ATTN_BLOCK_N = 64  # keys a step of attention's loop
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: each takes more than one tile, as on a GPU
 INTERPRET_SPLITS = 4
-SPIN_LIMIT = tl.constexpr(1 << 26)  # a barrier's polls before it gives up (a bug, not a state: no wait should come near)
+SPIN_LIMIT = tl.constexpr(1 << 26)  # a barrier's polls before it gives up (a bug, not a state: no wait comes near)
 
 
 @dataclass
@@ -73,18 +75,31 @@ class Layers:
     eps: float
 
 
+def prefetch_tiles() -> int:
+    """NANOFORGE_DECODE_PREFETCH_TILES (default 2): how many of its tiles of the next phase's weights each program
+    asks L2 for before a barrier (0: none), ~32 KB each, 4.2 MB a tile over 132 SMs."""
+    value = os.environ.get("NANOFORGE_DECODE_PREFETCH_TILES", "2")
+    if not value.isdigit() or int(value) > 16:
+        raise NanoforgeError(f"NANOFORGE_DECODE_PREFETCH_TILES must be a whole number from 0 to 16, not {value!r}",
+                             param="NANOFORGE_DECODE_PREFETCH_TILES")
+    return int(value)
+
+
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
 
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   table: torch.Tensor, seq_len: torch.Tensor, slot: torch.Tensor, *,
-                  persistent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  persistent: bool | None = None,
+                  trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (x: (1, D), after the embedding) through every layer: (the residual stream, the last MLP's
     output), to be added inside the final norm as the layer-by-layer path leaves them. cos_sin: (2, Dh) of the
     token's position; caches (L, blocks, block_size, Hkv, Dh); table: the sequence's block table row; seq_len
     (1,) int32 with the token counted; slot (1,) the token's cache slot. `persistent`: one launch (default on a
-    GPU) or a launch per phase and layer (the interpreter's way)."""
+    GPU) or a launch per phase and layer (the interpreter's way). `trace`: int64 (1 + 2 * PHASES * L, programs)
+    of the GPU's nanosecond clock, each program's start and, per phase, its arrival at the barrier and its
+    departure (`phase_times` reads it; a diagnostic, persistent launches only)."""
     n_layers, n_qkv, d = w.wqkv.shape
     hq, hkv, dh = w.n_heads, w.n_kv_heads, w.head_dim
     f = w.w_out.shape[2]
@@ -114,14 +129,19 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
         BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
         SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[2], HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None,
-        PERSISTENT=persistent, PREFETCH=not interp and pdl.hopper(dev),
+        PERSISTENT=persistent, PREFETCH=not interp and pdl.hopper(dev), PREFETCH_TILES=prefetch_tiles(),
+        TRACE=trace is not None,
     )
+    if trace is not None and (not persistent or trace.shape != (1 + 2 * PHASES * n_layers, programs)):
+        raise ValueError(f"decode_layers: a trace is ({1 + 2 * PHASES * n_layers}, {programs}) int64, of a "
+                         f"persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
     args = (xs, pending, qkv, attn, o, act, o_part, lse_part, counts,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
-            *k_cache.stride()[:4], *v_cache.stride()[:4], float(w.eps), dh ** -0.5 * LOG2E)
+            *k_cache.stride()[:4], *v_cache.stride()[:4], float(w.eps), dh ** -0.5 * LOG2E,
+            trace if trace is not None else counts)
     warps = 1 if interp else 8
     if persistent:
         _decode_layers_kernel[(programs,)](*args, 0, n_layers, -1, **meta, num_warps=warps)
@@ -130,6 +150,25 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
             for phase in range(PHASES):
                 _decode_layers_kernel[(programs,)](*args, layer, 1, phase, **meta, num_warps=warps)
     return xs[0].view_as(x), pending.view_as(x)
+
+
+def phase_times(trace: torch.Tensor) -> dict:
+    """Microseconds per phase from a `decode_layers` trace, summed over the layers: "work" from the last program
+    to leave the barrier before (or to start) to the last to arrive at the one after it (the phase as the grid
+    sees it: its slowest program), "wait" from that arrival to the last program's departure (the barrier's own
+    cost), and the launch's "total" from the first program's start to the last departure."""
+    t = trace.double().cpu() / 1e3
+    start, steps = t[0], (t.shape[0] - 1) // 2
+    arrive, leave = t[1::2], t[2::2]
+    before = torch.cat([start.max()[None], leave.max(1).values[:-1]])
+    work = arrive.max(1).values - before
+    wait = leave.max(1).values - arrive.max(1).values
+    names = "ABCDE"
+    out = {f"{names[p]} work": float(work[p::PHASES].sum()) for p in range(PHASES)}
+    out |= {f"{names[p]} wait": float(wait[p::PHASES].sum()) for p in range(PHASES)}
+    out["total"] = float(leave.max() - start.min())
+    out["layers"] = steps // PHASES
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,20 +192,32 @@ def _grid_barrier(BAR, target):
 
 
 @triton.jit
-def _sync(BAR, step, PERSISTENT: tl.constexpr):
-    """The grid barrier after phase `step` of this launch (a no-op when each phase is its own launch)."""
+def _sync(BAR, step, TRACE_AT, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
+    """The grid barrier after phase `step` of this launch (a no-op when each phase is its own launch); TRACE:
+    this program's clock at its arrival and at its departure stored at rows 1 + 2 step and 2 + 2 step."""
     if PERSISTENT:
-        _grid_barrier(BAR, (step + 1) * tl.num_programs(0))
+        programs = tl.num_programs(0)
+        if TRACE:
+            tl.store(TRACE_AT + (1 + 2 * step) * programs, tl.extra.cuda.globaltimer())
+        _grid_barrier(BAR, (step + 1) * programs)
+        if TRACE:
+            tl.store(TRACE_AT + (2 + 2 * step) * programs, tl.extra.cuda.globaltimer())
 
 
 @triton.jit
-def _prefetch_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, PREFETCH: tl.constexpr):
-    """Ask L2 for this program's first tile of W (N x K rows), one address a 128-byte line."""
+def _prefetch_tiles(W, N, K, KP: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, SWIGLU: tl.constexpr,
+                    PREFETCH: tl.constexpr):
+    """Ask L2 for this program's first TILES tiles of W (N x K rows, as `_project` takes them: with SWIGLU, rows
+    n + N too), one address a 128-byte line."""
     if PREFETCH:
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
         lines = tl.arange(0, KP // 64) * 64
-        at = tl.where((n < N)[:, None] & (lines < K)[None, :], W + n[:, None].to(tl.int64) * K + lines[None, :], W)
-        pdl.prefetch_l2(at)
+        for j in tl.static_range(TILES):
+            n = (tl.program_id(0) + j * tl.num_programs(0)) * BN + tl.arange(0, BN)
+            at = tl.where((n < N)[:, None] & (lines < K)[None, :], W + n[:, None].to(tl.int64) * K + lines[None, :],
+                          W)
+            pdl.prefetch_l2(at)
+            if SWIGLU:
+                pdl.prefetch_l2(at + N * K)
 
 
 @triton.jit
@@ -284,14 +335,14 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
 def _decode_layers_kernel(
     XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
-    stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale,
+    stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
     first_layer, n_layers, only_phase,
     D: tl.constexpr, DP: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, F: tl.constexpr,
     FP: tl.constexpr, AP: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_IN: tl.constexpr,
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (only_phase < 0: PERSISTENT, barriers between
     them) or phase `only_phase` alone. XS: the residual stream ([0] between layers, [1] inside one); PEND: the
@@ -299,6 +350,9 @@ def _decode_layers_kernel(
     BAR = COUNTS + HKV
     X_MID = XS + D
     AQ = HQ * DH
+    trace_at = TRACE_T + tl.program_id(0)
+    if TRACE:
+        tl.store(trace_at, tl.extra.cuda.globaltimer())
     for i in range(0, n_layers):
         layer = first_layer + i
         lw = layer.to(tl.int64)
@@ -307,28 +361,29 @@ def _decode_layers_kernel(
         if (only_phase < 0) | (only_phase == 0):  # A: x += pending; Q/K/V of the normalised x
             h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
             _project(h, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS)
-            _sync(BAR, step, PERSISTENT)
+            _sync(BAR, step, trace_at, PERSISTENT, TRACE)
         if (only_phase < 0) | (only_phase == 1):  # B: attention
-            _prefetch_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, PREFETCH)
+            _prefetch_tiles(WO + lw * D * AQ, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, DH, BLOCK_D, BLOCK_M, SPLITS,
                        SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
-            _sync(BAR, step + 1, PERSISTENT)
+            _sync(BAR, step + 1, trace_at, PERSISTENT, TRACE)
         if (only_phase < 0) | (only_phase == 2):  # C: attention-out
-            _prefetch_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, PREFETCH)
+            _prefetch_tiles(WIN + lw * 2 * F * D, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             _project(_vector(ATT, AQ, AP), WO + lw * D * AQ, WO, O, D, AQ, AP, BN_O, False, False)
-            _sync(BAR, step + 2, PERSISTENT)
+            _sync(BAR, step + 2, trace_at, PERSISTENT, TRACE)
         if (only_phase < 0) | (only_phase == 3):  # D: x += o; gate-and-up of the normalised x, SwiGLU
-            _prefetch_tile(WOUT + lw * D * F, D, F, FP, BN_OUT, PREFETCH)
+            _prefetch_tiles(WOUT + lw * D * F, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
             _project(h, WIN + lw * 2 * F * D, WIN, ACT, F, D, DP, BN_IN, True, False)
-            _sync(BAR, step + 3, PERSISTENT)
+            _sync(BAR, step + 3, trace_at, PERSISTENT, TRACE)
         if (only_phase < 0) | (only_phase == 4):  # E: MLP-down
             following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
-            _prefetch_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH)
+            _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
+                            PREFETCH)
             _project(_vector(ACT, F, FP), WOUT + lw * D * F, WOUT, PEND, D, F, FP, BN_OUT, False, False)
-            _sync(BAR, step + 4, PERSISTENT)
+            _sync(BAR, step + 4, trace_at, PERSISTENT, TRACE)
     if PERSISTENT:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(BAR, 0)

@@ -1,0 +1,154 @@
+"""A batch-1 decode step's layers: the persistent kernel against the layer-by-layer path, in one process.
+
+    python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
+    python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
+
+For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
+the model's forward to its final hidden state, layer by layer (the default: each projection the faster of cuBLAS
+and the skinny matmul, paged attention, PDL between the kernels) and with `NANOFORGE_DECODE_LAYERS=persistent`'s
+kernel (serve/layer_kernel.py), each replayed from a CUDA graph; microseconds a step, the ratio, and the share of
+HBM bandwidth that reading the layers' weights and KV in that time comes to. Then one traced launch of the kernel:
+where its time goes, phase by phase, summed over the layers (`decode_layers.phase_times`). The LM head and
+sampling are left out (the same in both ways). --smoke runs the tiny presets interpreted, a phase at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--smoke" in sys.argv:  # before Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("NANOFORGE_KERNELS", "triton")
+
+import torch  # noqa: E402
+
+from nanoforge.kernels import decode_layers as dl  # noqa: E402
+from nanoforge.model.config import preset  # noqa: E402
+from nanoforge.model.transformer import Transformer  # noqa: E402
+from nanoforge.serve.layer_kernel import LayerKernel  # noqa: E402
+from nanoforge.serve.model_runner import PagedAttention  # noqa: E402
+
+BLOCK = 16
+
+
+def layer_bytes(model: Transformer, ctx: int) -> int:
+    """What one token's pass over the layers reads at least: every layer's weights and the context's K and V."""
+    cfg = model.cfg
+    weights = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    return weights + 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * model.embed.weight.element_size()
+
+
+def decode_inputs(model: Transformer, ctx: int) -> dict:
+    """One token at position ctx - 1 over a paged cache of random K and V (the token's slot rewritten each run)."""
+    cfg, dev, dtype = model.cfg, model.embed.weight.device, model.embed.weight.dtype
+    blocks = -(-ctx // BLOCK)
+    shape = (cfg.n_layers, blocks + 1, BLOCK, cfg.n_kv_heads, cfg.head_dim)
+    pos = ctx - 1
+    cs = model.rope_table(ctx, dtype)[pos:pos + 1]
+    return dict(k=torch.randn(shape, device=dev).to(dtype), v=torch.randn(shape, device=dev).to(dtype),
+                table=torch.arange(blocks, device=dev, dtype=torch.int32)[None], slot=torch.tensor([pos], device=dev),
+                seq_lens=torch.tensor([ctx], device=dev, dtype=torch.int32),
+                cu=torch.tensor([0, 1], device=dev, dtype=torch.int32), cs=cs,
+                rope=(cs[None, :, 0:1], cs[None, :, 1:2]),
+                ids=torch.tensor([[7]], device=dev), positions=torch.tensor([[pos]], device=dev))
+
+
+def step_fn(model: Transformer, c: dict, kernel: LayerKernel | None):
+    """A function running the decode step's forward to the final hidden state, layer by layer or in the kernel."""
+
+    def step():
+        attn = PagedAttention(c["k"], c["v"], c["slot"], c["table"], c["seq_lens"], c["cu"], max_q_len=1,
+                              layer_kernel=kernel)
+        return model(c["ids"], c["positions"], attn, return_hidden=True, rope=c["rope"])
+
+    return step
+
+
+def time_us(fn, device, replays: int) -> float:
+    """Median microseconds of fn replayed from a CUDA graph (eagerly on the CPU)."""
+    fn()  # compile, autotune, choose
+    if device.type != "cuda":
+        return float("nan")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="llama3-1b,qwen3-0.6b")
+    ap.add_argument("--ctx", type=int, default=384, help="the step's context, its token included")
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    if args.smoke:
+        presets, device, dtype, ctx, replays = ["tiny-llama", "tiny-qwen3"], torch.device("cpu"), torch.float32, 40, 1
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("decode_layers.py needs a CUDA GPU (or --smoke)")
+        presets, device, dtype = args.presets.split(","), torch.device("cuda"), torch.bfloat16
+        ctx, replays = args.ctx, args.replays
+    from benchmarks.gpu_engine import peaks
+
+    hbm = peaks(device)[1]
+    rows = {}
+    print(f"{'shape':<12} {'layer by layer us':>18} {'one kernel us':>14} {'ratio':>6} {'HBM (ours)':>11} "
+          f"{'HBM (base)':>11}")
+    for name in presets:
+        torch.manual_seed(0)
+        with torch.no_grad(), torch.device(device):
+            model = Transformer(preset(name, max_seq_len=max(ctx, 64))).to(dtype).eval()
+        c = decode_inputs(model, ctx)
+        base_fn = step_fn(model, c, None)
+        kernel = LayerKernel(model)
+        ours_fn = step_fn(model, c, kernel)
+        with torch.inference_mode():
+            base_us = time_us(base_fn, device, replays)
+            ours_us = time_us(ours_fn, device, replays)
+            same = (base_fn() - ours_fn()).abs().max().item()
+        b = layer_bytes(model, ctx)
+        r = rows[name] = {"ctx": ctx, "layer_by_layer_us": base_us, "one_kernel_us": ours_us,
+                          "ratio": base_us / ours_us, "bytes": b, "hbm_fraction": b / (ours_us * 1e-6) / hbm,
+                          "baseline_hbm_fraction": b / (base_us * 1e-6) / hbm, "max_abs_difference": same,
+                          "prefetch_tiles": dl.prefetch_tiles()}
+        print(f"{name:<12} {base_us:>18.1f} {ours_us:>14.1f} {r['ratio']:>5.2f}x {100 * r['hbm_fraction']:>10.1f}% "
+              f"{100 * r['baseline_hbm_fraction']:>10.1f}%")
+        if device.type == "cuda":  # one traced launch: the phases' time
+            programs = torch.cuda.get_device_properties(device).multi_processor_count
+            trace = torch.zeros(1 + 2 * dl.PHASES * model.cfg.n_layers, programs, dtype=torch.int64, device=device)
+            x = model.embed(torch.tensor([7], device=device))
+            with torch.inference_mode():
+                dl.decode_layers(kernel.layers, x, c["cs"].reshape(2, -1), c["k"], c["v"], c["table"][0], c["seq_lens"],
+                                 c["slot"], trace=trace)
+            torch.cuda.synchronize()
+            r["phases_us"] = dl.phase_times(trace)
+            print("   phases (us over all layers): " + ", ".join(f"{p} {t:.1f}" for p, t in r["phases_us"].items()))
+        del model, kernel
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_layers.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out / 'decode_layers.json'}")
+
+
+if __name__ == "__main__":
+    main()
