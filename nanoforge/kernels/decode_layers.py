@@ -144,11 +144,11 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
             trace if trace is not None else counts)
     warps = 1 if interp else 8
     if persistent:
-        _decode_layers_kernel[(programs,)](*args, 0, n_layers, -1, **meta, num_warps=warps)
+        _decode_layers_kernel[(programs,)](*args, 0, n_layers, PHASE=-1, **meta, num_warps=warps)
     else:
         for layer in range(n_layers):
             for phase in range(PHASES):
-                _decode_layers_kernel[(programs,)](*args, layer, 1, phase, **meta, num_warps=warps)
+                _decode_layers_kernel[(programs,)](*args, layer, 1, PHASE=phase, **meta, num_warps=warps)
     return xs[0].view_as(x), pending.view_as(x)
 
 
@@ -243,9 +243,26 @@ def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _project(h, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Y = h W^T (+ B) for this program's tiles of BN rows (SWIGLU: silu of rows n times rows n + N, W being
-    2N rows), rounded as `gemv` rounds it; each tile's loads issued before the tile before it is reduced."""
+def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
+    """This program's first tile of W for `_project` (its loads issued: a persistent launch issues them before the
+    barrier in front of the phase, as no phase writes W)."""
+    k = tl.arange(0, KP)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
+    w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = w
+    if SWIGLU:
+        u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
+    return w, u
+
+
+@triton.jit
+def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr,
+             HAS_BIAS: tl.constexpr):
+    """Y = h W^T (+ B) for this program's tiles of BN rows, the first (w, and u with SWIGLU) from `_first_tile`
+    (SWIGLU: silu of rows n times rows n + N, W being 2N rows), rounded as `gemv` rounds it; each tile's loads
+    issued before the tile before it is reduced."""
     k = tl.arange(0, KP)
     k_ok = k < K
     rows = tl.arange(0, BN)
@@ -255,12 +272,6 @@ def _project(h, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.co
     tiles = tl.cdiv(N, BN)
     t = tl.program_id(0)
     n = t * BN + rows
-    mask = (n < N)[:, None] & k_ok[None, :]
-    ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
-    w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    u = w
-    if SWIGLU:
-        u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
     while t < tiles:
         nxt = t + step
         n_next = nxt * BN + rows
@@ -331,21 +342,21 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
             tl.store(ATT + head[:, None] * DH + offs_d[None, :], o.to(ATT.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_layer"])
 def _decode_layers_kernel(
     XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
-    first_layer, n_layers, only_phase,
+    first_layer, n_layers,
     D: tl.constexpr, DP: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, F: tl.constexpr,
     FP: tl.constexpr, AP: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_IN: tl.constexpr,
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, TRACE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
-    """Layers first_layer .. first_layer + n_layers, every phase (only_phase < 0: PERSISTENT, barriers between
-    them) or phase `only_phase` alone. XS: the residual stream ([0] between layers, [1] inside one); PEND: the
+    """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
+    PHASE alone. XS: the residual stream ([0] between layers, [1] inside one); PEND: the
     MLP output the next layer adds."""
     BAR = COUNTS + HKV
     X_MID = XS + D
@@ -353,36 +364,54 @@ def _decode_layers_kernel(
     trace_at = TRACE_T + tl.program_id(0)
     if TRACE:
         tl.store(trace_at, tl.extra.cuda.globaltimer())
+    if PERSISTENT:  # each phase's first tile of weights is loaded before the barrier in front of it
+        wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
     for i in range(0, n_layers):
         layer = first_layer + i
         lw = layer.to(tl.int64)
         step = i * 5
         qkv = QKV + lw * NQKV
-        if (only_phase < 0) | (only_phase == 0):  # A: x += pending; Q/K/V of the normalised x
+        if PERSISTENT or PHASE == 0:  # A: x += pending; Q/K/V of the normalised x
+            if not PERSISTENT:
+                wq, uq = _first_tile(WQKV + lw * NQKV * D, NQKV, D, DP, BN_QKV, False)
             h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
-            _project(h, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS)
+            _project(h, wq, uq, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS)
             _sync(BAR, step, trace_at, PERSISTENT, TRACE)
-        if (only_phase < 0) | (only_phase == 1):  # B: attention
+        if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(WO + lw * D * AQ, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, DH, BLOCK_D, BLOCK_M, SPLITS,
                        SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
+            if PERSISTENT:
+                wo, uo = _first_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, False)
             _sync(BAR, step + 1, trace_at, PERSISTENT, TRACE)
-        if (only_phase < 0) | (only_phase == 2):  # C: attention-out
+        if PERSISTENT or PHASE == 2:  # C: attention-out
+            if not PERSISTENT:
+                wo, uo = _first_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, False)
             _prefetch_tiles(WIN + lw * 2 * F * D, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            _project(_vector(ATT, AQ, AP), WO + lw * D * AQ, WO, O, D, AQ, AP, BN_O, False, False)
+            _project(_vector(ATT, AQ, AP), wo, uo, WO + lw * D * AQ, WO, O, D, AQ, AP, BN_O, False, False)
+            if PERSISTENT:
+                wi, ui = _first_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, True)
             _sync(BAR, step + 2, trace_at, PERSISTENT, TRACE)
-        if (only_phase < 0) | (only_phase == 3):  # D: x += o; gate-and-up of the normalised x, SwiGLU
+        if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
+            if not PERSISTENT:
+                wi, ui = _first_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, True)
             _prefetch_tiles(WOUT + lw * D * F, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
-            _project(h, WIN + lw * 2 * F * D, WIN, ACT, F, D, DP, BN_IN, True, False)
+            _project(h, wi, ui, WIN + lw * 2 * F * D, WIN, ACT, F, D, DP, BN_IN, True, False)
+            if PERSISTENT:
+                wd, ud = _first_tile(WOUT + lw * D * F, D, F, FP, BN_OUT, False)
             _sync(BAR, step + 3, trace_at, PERSISTENT, TRACE)
-        if (only_phase < 0) | (only_phase == 4):  # E: MLP-down
+        if PERSISTENT or PHASE == 4:  # E: MLP-down
+            if not PERSISTENT:
+                wd, ud = _first_tile(WOUT + lw * D * F, D, F, FP, BN_OUT, False)
             following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
-            _project(_vector(ACT, F, FP), WOUT + lw * D * F, WOUT, PEND, D, F, FP, BN_OUT, False, False)
+            _project(_vector(ACT, F, FP), wd, ud, WOUT + lw * D * F, WOUT, PEND, D, F, FP, BN_OUT, False, False)
+            if PERSISTENT:
+                wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
             _sync(BAR, step + 4, trace_at, PERSISTENT, TRACE)
     if PERSISTENT:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:

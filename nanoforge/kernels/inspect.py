@@ -261,6 +261,32 @@ def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
     )  # fmt: skip
 
 
+_DECODE_LAYERS_SIGNATURE = {
+    **{p: "*bf16" for p in ("XS", "PEND", "QKV", "ATT", "O", "ACT")}, "O_PART": "*fp32", "LSE_PART": "*fp32",
+    "COUNTS": "*i32", **{p: "*bf16" for p in ("G1", "WQKV", "BQKV", "QW", "KW", "WO", "G2", "WIN", "WOUT", "KC", "VC")},
+    "TABLE": "*i32", "SEQ_LEN": "*i32", "SLOT": "*i64", "CS": "*bf16",
+    **{f"stride_{c}{d}": "i64" if d == "l" else "i32" for c in "kv" for d in "lbsh"}, "eps": "fp32",
+    "qk_scale": "fp32", "TRACE_T": "*i64", **_i32("first_layer", "n_layers")}
+
+
+def _decode_layers(**shape) -> TritonKernel:
+    """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
+    one launch, barriers between the phases, the L2 prefetch on, no trace."""
+    from nanoforge.kernels import decode_layers as dl
+
+    d, f, dh, group = shape["D"], shape["F"], shape["DH"], shape["HQ"] // shape["HKV"]
+    p2 = 1 << (max(d, 1) - 1).bit_length()
+    constexprs = dict(
+        DP=p2, GROUP=group, BLOCK_D=dh, BLOCK_M=max(16, group), FP=1 << (f - 1).bit_length(),
+        AP=1 << (shape["HQ"] * dh - 1).bit_length(), BN_QKV=dl._rows_per_tile(d),
+        BN_O=dl._rows_per_tile(shape["HQ"] * dh),
+        BN_IN=max(1, dl._rows_per_tile(d) // 2), BN_OUT=dl._rows_per_tile(f), SPLITS=dl.CONTEXT_SPLITS,
+        SPLITS_P2=dl.CONTEXT_SPLITS, BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, PHASE=-1, PERSISTENT=True,
+        PREFETCH=True, PREFETCH_TILES=2, TRACE=False, **shape)
+    aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
+    return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
+
+
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
 
 _GEMV_SIGNATURE = {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")}, "P": "*fp32", "C": "*i32",
@@ -349,6 +375,10 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
          "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 2, "STATS_ROWS": 1, "STATS_K": 4096},
         num_warps=4, num_stages=3, aligned=_GEMV_ALIGNED,
     ),
+    "decode_layers_llama": _decode_layers(  # every layer of Llama-3.2-1B's batch-1 decode step in one launch
+        D=2048, NQKV=3072, HQ=32, HKV=8, DH=64, F=8192, HAS_BIAS=False, QK_NORM=False),
+    "decode_layers_qwen3": _decode_layers(D=1024, NQKV=4096, HQ=16, HKV=8, DH=128, F=3072, HAS_BIAS=False,
+                                          QK_NORM=True),  # Qwen3-0.6B's
     "rmsnorm_fwd": TritonKernel(
         "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",
         {"x": "*bf16", "res": "*bf16", "w": "*bf16", "y": "*bf16", "h": "*bf16", "rstd": "*fp32",
