@@ -112,8 +112,10 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, ATTN_BLOCK_N)  # small: tests reach
     # every branch (full and masked key tiles, empty splits) with short contexts
     xs = torch.empty(2, d, device=dev, dtype=ty)  # the residual stream: [0] between layers, [1] inside one
-    xs[0].copy_(x.reshape(d))
-    pending = torch.zeros(d, device=dev, dtype=ty)  # layer 0 adds nothing
+    pending = torch.empty(d, device=dev, dtype=ty)  # (layer 0 reads x and adds nothing)
+    x_in = x.reshape(d)
+    if x_in.stride(0) != 1:
+        x_in = x_in.contiguous()
     qkv = torch.empty(n_layers, n_qkv, device=dev, dtype=ty)  # a layer's own: read back by plain loads
     attn = torch.empty(hq * dh, device=dev, dtype=ty)
     o = torch.empty(d, device=dev, dtype=ty)
@@ -136,7 +138,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
         raise ValueError(f"decode_layers: a trace is ({1 + 2 * PHASES * n_layers}, {programs}) int64, of a "
                          f"persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
-    args = (xs, pending, qkv, attn, o, act, o_part, lse_part, counts,
+    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
@@ -228,12 +230,15 @@ def _vector(X, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr):
-    """rms_norm(x + a) with weight G, as `rmsnorm.add_rms_norm` rounds it; the sum x + a stored to S by
-    program 0 (every program computes the same one)."""
+def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr, HAS_A=True):
+    """rms_norm(x + a) with weight G, as `rmsnorm.add_rms_norm` rounds it (x alone where not HAS_A); the sum
+    stored to S by program 0 (every program computes the same one)."""
     k = tl.arange(0, KP)
     ty = S.dtype.element_ty
-    s = (_vector(X, K, KP) + _vector(A, K, KP)).to(ty)
+    s = _vector(X, K, KP)
+    if HAS_A:
+        s += _vector(A, K, KP)
+    s = s.to(ty)
     if tl.program_id(0) == 0:
         tl.store(S + k, s, mask=k < K)
     sf = s.to(tl.float32)
@@ -344,7 +349,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
 
 @triton.jit(do_not_specialize=["first_layer"])
 def _decode_layers_kernel(
-    XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS,
+    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
     first_layer, n_layers,
@@ -374,7 +379,10 @@ def _decode_layers_kernel(
         if PERSISTENT or PHASE == 0:  # A: x += pending; Q/K/V of the normalised x
             if not PERSISTENT:
                 wq, uq = _first_tile(WQKV + lw * NQKV * D, NQKV, D, DP, BN_QKV, False)
-            h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
+            if layer == 0:  # the embedding's output, nothing pending
+                h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
+            else:
+                h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
             _project(h, wq, uq, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS)
             _sync(BAR, step, trace_at, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 1:  # B: attention
