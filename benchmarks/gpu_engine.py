@@ -355,6 +355,7 @@ DECODE_VARIANTS = {
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},
     "persistent": {"NANOFORGE_DECODE_LAYERS": "persistent"},  # every layer in one kernel (serve/layer_kernel.py)
+    "layer_by_layer": {"NANOFORGE_DECODE_LAYERS": "kernels"},  # the layers one by one, kernel after kernel
     # its L2 prefetch of the next phase's weights before each barrier, none or 6 tiles a program (default 2)
     "persistent_pf0": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "0"},
     "persistent_pf6": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "6"},

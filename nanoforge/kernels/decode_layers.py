@@ -230,7 +230,7 @@ def _vector(X, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr, HAS_A=True):
+def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr, HAS_A: tl.constexpr = True):
     """rms_norm(x + a) with weight G, as `rmsnorm.add_rms_norm` rounds it (x alone where not HAS_A); the sum
     stored to S by program 0 (every program computes the same one)."""
     k = tl.arange(0, KP)
