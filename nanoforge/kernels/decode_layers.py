@@ -77,7 +77,8 @@ class Layers:
 
 def prefetch_tiles() -> int:
     """NANOFORGE_DECODE_PREFETCH_TILES (default 2): how many of its tiles of the next phase's weights each program
-    asks L2 for before a barrier (0: none), ~32 KB each, 4.2 MB a tile over 132 SMs."""
+    asks L2 for before a barrier, ~32 KB each, 4.2 MB a tile over 132 SMs; inside a phase each program also asks
+    for the tile after the two its registers hold. 0: neither."""
     value = os.environ.get("NANOFORGE_DECODE_PREFETCH_TILES", "2")
     if not value.isdigit() or int(value) > 16:
         raise NanoforgeError(f"NANOFORGE_DECODE_PREFETCH_TILES must be a whole number from 0 to 16, not {value!r}",
@@ -109,6 +110,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     if persistent and interp:
         raise ValueError("decode_layers: the interpreter runs programs one at a time; it cannot wait at a barrier")
     programs = INTERPRET_PROGRAMS if interp else sm_count(dev)
+    prefetch, ahead = not interp and pdl.hopper(dev), prefetch_tiles()
     splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, ATTN_BLOCK_N)  # small: tests reach
     # every branch (full and masked key tiles, empty splits) with short contexts
     xs = torch.empty(2, d, device=dev, dtype=ty)  # the residual stream: [0] between layers, [1] inside one
@@ -131,7 +133,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
         BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
         SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[2], HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None,
-        PERSISTENT=persistent, PREFETCH=not interp and pdl.hopper(dev), PREFETCH_TILES=prefetch_tiles(),
+        PERSISTENT=persistent, PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0,
         TRACE=trace is not None,
     )
     if trace is not None and (not persistent or trace.shape != (1 + 2 * PHASES * n_layers, programs)):
@@ -207,19 +209,24 @@ def _sync(BAR, step, TRACE_AT, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(W, t, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
+    """Ask L2 for tile t of W (rows t * BN .. + BN of N x K; with SWIGLU rows n + N too), one address a 128-byte
+    line; nothing past the last row."""
+    lines = tl.arange(0, KP // 64) * 64
+    n = t * BN + tl.arange(0, BN)
+    at = tl.where((n < N)[:, None] & (lines < K)[None, :], W + n[:, None].to(tl.int64) * K + lines[None, :], W)
+    pdl.prefetch_l2(at)
+    if SWIGLU:
+        pdl.prefetch_l2(at + N * K)
+
+
+@triton.jit
 def _prefetch_tiles(W, N, K, KP: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, SWIGLU: tl.constexpr,
                     PREFETCH: tl.constexpr):
-    """Ask L2 for this program's first TILES tiles of W (N x K rows, as `_project` takes them: with SWIGLU, rows
-    n + N too), one address a 128-byte line."""
+    """Ask L2 for this program's first TILES tiles of W (as `_project` takes them)."""
     if PREFETCH:
-        lines = tl.arange(0, KP // 64) * 64
         for j in tl.static_range(TILES):
-            n = (tl.program_id(0) + j * tl.num_programs(0)) * BN + tl.arange(0, BN)
-            at = tl.where((n < N)[:, None] & (lines < K)[None, :], W + n[:, None].to(tl.int64) * K + lines[None, :],
-                          W)
-            pdl.prefetch_l2(at)
-            if SWIGLU:
-                pdl.prefetch_l2(at + N * K)
+            _prefetch_rows(W, tl.program_id(0) + j * tl.num_programs(0), N, K, KP, BN, SWIGLU)
 
 
 @triton.jit
@@ -264,10 +271,11 @@ def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexp
 
 @triton.jit
 def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr,
-             HAS_BIAS: tl.constexpr):
+             HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr):
     """Y = h W^T (+ B) for this program's tiles of BN rows, the first (w, and u with SWIGLU) from `_first_tile`
     (SWIGLU: silu of rows n times rows n + N, W being 2N rows), rounded as `gemv` rounds it; each tile's loads
-    issued before the tile before it is reduced."""
+    issued before the tile before it is reduced, and with AHEAD, the tile after that asked of L2 (registers
+    hold two tiles; L2 a third, so that HBM has more in flight)."""
     k = tl.arange(0, KP)
     k_ok = k < K
     rows = tl.arange(0, BN)
@@ -286,6 +294,8 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
         u_next = w_next
         if SWIGLU:
             u_next = tl.load(ptrs_next + N * K, mask=mask_next, other=0.0, eviction_policy="evict_first")
+        if AHEAD:
+            _prefetch_rows(W, nxt + step, N, K, KP, BN, SWIGLU)
         acc = tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :]
         up = acc
         if SWIGLU:
@@ -358,7 +368,8 @@ def _decode_layers_kernel(
     FP: tl.constexpr, AP: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_IN: tl.constexpr,
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
-    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, TRACE: tl.constexpr,
+    PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. XS: the residual stream ([0] between layers, [1] inside one); PEND: the
@@ -383,7 +394,8 @@ def _decode_layers_kernel(
                 h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
             else:
                 h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
-            _project(h, wq, uq, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS)
+            _project(h, wq, uq, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS,
+                     AHEAD)
             _sync(BAR, step, trace_at, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(WO + lw * D * AQ, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
@@ -398,7 +410,7 @@ def _decode_layers_kernel(
             if not PERSISTENT:
                 wo, uo = _first_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, False)
             _prefetch_tiles(WIN + lw * 2 * F * D, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            _project(_vector(ATT, AQ, AP), wo, uo, WO + lw * D * AQ, WO, O, D, AQ, AP, BN_O, False, False)
+            _project(_vector(ATT, AQ, AP), wo, uo, WO + lw * D * AQ, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
             if PERSISTENT:
                 wi, ui = _first_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, True)
             _sync(BAR, step + 2, trace_at, PERSISTENT, TRACE)
@@ -407,7 +419,7 @@ def _decode_layers_kernel(
                 wi, ui = _first_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, True)
             _prefetch_tiles(WOUT + lw * D * F, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
-            _project(h, wi, ui, WIN + lw * 2 * F * D, WIN, ACT, F, D, DP, BN_IN, True, False)
+            _project(h, wi, ui, WIN + lw * 2 * F * D, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
             if PERSISTENT:
                 wd, ud = _first_tile(WOUT + lw * D * F, D, F, FP, BN_OUT, False)
             _sync(BAR, step + 3, trace_at, PERSISTENT, TRACE)
@@ -417,7 +429,8 @@ def _decode_layers_kernel(
             following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
-            _project(_vector(ACT, F, FP), wd, ud, WOUT + lw * D * F, WOUT, PEND, D, F, FP, BN_OUT, False, False)
+            _project(_vector(ACT, F, FP), wd, ud, WOUT + lw * D * F, WOUT, PEND, D, F, FP, BN_OUT, False, False,
+                     AHEAD)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
             _sync(BAR, step + 4, trace_at, PERSISTENT, TRACE)

@@ -282,7 +282,7 @@ def _decode_layers(**shape) -> TritonKernel:
         BN_O=dl._rows_per_tile(shape["HQ"] * dh),
         BN_IN=max(1, dl._rows_per_tile(d) // 2), BN_OUT=dl._rows_per_tile(f), SPLITS=dl.CONTEXT_SPLITS,
         SPLITS_P2=dl.CONTEXT_SPLITS, BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, PHASE=-1, PERSISTENT=True,
-        PREFETCH=True, PREFETCH_TILES=2, TRACE=False, **shape)
+        PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False, **shape)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
