@@ -105,7 +105,8 @@ def main() -> None:
         presets, device, dtype, ctx, replays = ["tiny-llama", "tiny-qwen3"], torch.device("cpu"), torch.float32, 40, 1
     else:
         if not torch.cuda.is_available():
-            sys.exit("decode_layers.py needs a CUDA GPU (or --smoke)")
+            print("needs a CUDA GPU (or --smoke for the CPU dry run)", file=sys.stderr)
+            sys.exit(2)
         presets, device, dtype = args.presets.split(","), torch.device("cuda"), torch.bfloat16
         ctx, replays = args.ctx, args.replays
     from benchmarks.gpu_engine import peaks

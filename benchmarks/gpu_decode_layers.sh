@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The persistent decode kernel (NANOFORGE_DECODE_LAYERS=persistent, kernels/decode_layers.py) on one GPU, in one
+# call of under ten minutes: its GPU tests (one launch equals a launch per phase bit for bit, i.e. the barriers
+# hold, at Llama-3.2-1B's, Qwen3-0.6B's and Qwen2-0.5B's widths; the engine with it decodes the reference tokens
+# on the three families), then the layers alone against the layer-by-layer path with the phase trace
+# (benchmarks/decode_layers.py), then issue 14's batch-1 decode (b) with it and its prefetch levers against the
+# default in the same process (benchmarks/gpu_engine.py).
+#
+#   bash benchmarks/gpu_decode_layers.sh      # logs and JSON under $OUT (default ./out)
+#
+# A part that fails stops the ones after it that need it (the benchmarks do not run on a kernel that failed
+# its tests).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SECONDS=0
+timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -x -k one_launch \
+    > "$OUT/pytest_kernel.log" 2>&1
+echo "== the kernel's GPU tests: rc $? at ${SECONDS} s"; grep -E "PASSED|FAILED|ERROR| passed| failed" "$OUT/pytest_kernel.log" | tail -12
+grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_kernel.log" || { tail -60 "$OUT/pytest_kernel.log"; exit 1; }
+OUT="$OUT/layers" timeout 120 python3 benchmarks/decode_layers.py > "$OUT/decode_layers.log" 2>&1
+echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -8 "$OUT/decode_layers.log"
+OUT="$OUT/engine" timeout 260 python3 benchmarks/gpu_engine.py --only decode --total 230 \
+    --decode-variants persistent,again,persistent_pf0,persistent_pf6 > "$OUT/engine.log" 2>&1
+echo "== gpu_engine.py (b): rc $? at ${SECONDS} s"; grep -E "^\(b\)|Traceback|Error" "$OUT/engine.log" | tail -6
+left=$(( 570 - SECONDS ))
+if (( left > 30 )); then
+    timeout "$left" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -k engine \
+        > "$OUT/pytest_engine.log" 2>&1
+    echo "== the engine's GPU tests with it: rc $? at ${SECONDS} s"
+    grep -E "PASSED|FAILED|ERROR| passed| failed" "$OUT/pytest_engine.log" | tail -6
+fi
