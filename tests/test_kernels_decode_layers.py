@@ -194,3 +194,28 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 for r in rows.values())
+
+
+def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):
+    """`phase_times` on a made-up trace of 2 programs and one layer (clock in ns): each phase's work runs from
+    the last departure before it to the last arrival after it, its barrier from that arrival to the last
+    departure; and the prefetch switch takes 0-16 only, in one line."""
+    from nanoforge.kernels import decode_layers as dl
+
+    start = [0, 1000]
+    rows = [start]
+    t = 1000
+    for p in range(dl.PHASES):  # phase p: program 0 arrives after p + 1 us, program 1 1 us later, both leave by 0.5
+        arrive = [t + 1000 * (p + 1), t + 1000 * (p + 2)]
+        leave = [arrive[1] + 500, arrive[1] + 400]
+        rows += [arrive, leave]
+        t = max(leave)
+    got = dl.phase_times(torch.tensor(rows, dtype=torch.int64))
+    assert [got[f"{n} work"] for n in "ABCDE"] == [2.0, 3.0, 4.0, 5.0, 6.0]
+    assert all(got[f"{n} wait"] == 0.5 for n in "ABCDE")
+    assert got["total"] == (t - 0) / 1e3 and got["layers"] == 1
+    monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_TILES", "0")
+    assert dl.prefetch_tiles() == 0
+    monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_TILES", "lots")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_TILES must be a whole number from 0 to 16"):
+        dl.prefetch_tiles()

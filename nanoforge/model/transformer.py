@@ -269,10 +269,11 @@ class Transformer(nn.Module):
         ran = attn.run_layers(x, rope) if defer else None  # a backend that runs every layer at once, where it can
         if ran is not None:
             x, pending = ran
-        for layer in self.layers if ran is None else ():
-            if defer:
+        elif defer:
+            for layer in self.layers:
                 x, pending = layer(x, rope, attn, pending, defer=True)
-            else:
+        else:
+            for layer in self.layers:
                 x = layer(x, rope, attn)
         x = add_norm(pending, x, self.norm)[0]
         return x if return_hidden else self.lm_head(x)
