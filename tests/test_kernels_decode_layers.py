@@ -93,14 +93,22 @@ def test_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, monk
     ps = prompts(2, random.Random(3), 5, 20)
     want = [generate(model, p, max_new_tokens=6) for p in ps] + \
         [generate(model, ps[0], max_new_tokens=6, temperature=0.8, seed=5)]
+    shared = ps[1][:12] + prompts(1, random.Random(4), 5, 5)[0]  # a prefix hit on ps[1]'s cached blocks
+    want_shared = generate(model, shared, max_new_tokens=6)
     monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
-    llm = LLM(model, tok, num_gpu_blocks=40)
+    calls = []
+    real = layer_kernel.decode_layers
+    monkeypatch.setattr(layer_kernel, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(model, tok, num_gpu_blocks=40, block_size=4)
     assert llm.engine.runner.layer_kernel is not None
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]  # one sequence: the kernel's steps
     seeded = SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True)
     got.append(llm.generate([ps[0]], seeded)[0].outputs[0].token_ids)
     assert got == want
+    assert len(calls) == 3 * 5  # every decode step of the three requests (the first token is the prefill's)
+    assert llm.generate([shared], greedy)[0].outputs[0].token_ids == want_shared
+    assert llm.engine.stats()["prefix_cache_hit_rate"] > 0
 
 
 def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):
