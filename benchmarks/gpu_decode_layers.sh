@@ -23,7 +23,7 @@ grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_k
 OUT="$OUT/layers" timeout 120 python3 benchmarks/decode_layers.py > "$OUT/decode_layers.log" 2>&1
 echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -8 "$OUT/decode_layers.log"
 OUT="$OUT/engine" timeout 260 python3 benchmarks/gpu_engine.py --only decode --total 230 \
-    --decode-variants persistent,again,persistent_pf0,persistent_pf6 > "$OUT/engine.log" 2>&1
+    --decode-variants persistent,again,persistent_pf0,persistent_pf6,persistent_plain > "$OUT/engine.log" 2>&1
 echo "== gpu_engine.py (b): rc $? at ${SECONDS} s"; grep -E "^\(b\)|Traceback|Error" "$OUT/engine.log" | tail -6
 left=$(( 570 - SECONDS ))
 if (( left > 30 )); then

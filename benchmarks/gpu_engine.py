@@ -359,6 +359,8 @@ DECODE_VARIANTS = {
     # its L2 prefetch of the next phase's weights before each barrier, none or 6 tiles a program (default 2)
     "persistent_pf0": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "0"},
     "persistent_pf6": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "6"},
+    # launched as a plain kernel, not a cooperative one
+    "persistent_plain": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_COOPERATIVE": "0"},
 }
 
 

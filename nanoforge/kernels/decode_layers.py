@@ -40,12 +40,20 @@ import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import arrival_counters, interpreting, sm_count
+from nanoforge.kernels.dispatch import arrival_counters, env_choice, interpreting, sm_count
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
     _NEG_BIG, _norm_rope_rows, attend_new_key, attend_span, combine_parts,
 )
+
+def _cuda_options():
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # a Triton without the NVIDIA backend
+        return None
+    return CUDAOptions
+
 
 PHASES = 5
 TILE_ELEMENTS = 16384  # of W a program loads at once (32 KB of bf16): rows x K
@@ -53,6 +61,18 @@ CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 pro
 ATTN_BLOCK_N = 64  # keys a step of attention's loop
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: each takes more than one tile, as on a GPU
 INTERPRET_SPLITS = 4
+# A persistent launch is cooperative where Triton can ask for it (NANOFORGE_DECODE_COOPERATIVE=1, the default):
+# the driver then starts every program at once or fails the launch, so that two such kernels on one GPU (two
+# engines' streams) cannot each hold SMs that the other's waiting programs need. Without it (=0, or an older
+# Triton), one program an SM is what keeps them all resident, which holds while one engine uses the GPU.
+_CAN_COOPERATE = "launch_cooperative_grid" in getattr(_cuda_options(), "__dataclass_fields__", {})
+
+
+def _cooperative() -> dict:
+    on = env_choice("NANOFORGE_DECODE_COOPERATIVE", ("1", "0")) == "1"
+    return {"launch_cooperative_grid": True} if on and _CAN_COOPERATE else {}
+
+
 SPIN_LIMIT = tl.constexpr(1 << 26)  # a barrier's polls before it gives up (a bug, not a state: no wait comes near)
 
 
@@ -148,7 +168,8 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
             trace if trace is not None else counts)
     warps = 1 if interp else 8
     if persistent:
-        _decode_layers_kernel[(programs,)](*args, 0, n_layers, PHASE=-1, **meta, num_warps=warps)
+        _decode_layers_kernel[(programs,)](*args, 0, n_layers, PHASE=-1, **meta, num_warps=warps,
+                                           **_cooperative())
     else:
         for layer in range(n_layers):
             for phase in range(PHASES):
