@@ -138,10 +138,11 @@ GPU_SHAPES = {  # two layers at the real widths of the models issue 14 measures,
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctx", [1, 300, 3000])
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
-def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx):
-    """bf16 at full width: the persistent launch (barriers between phases) gives exactly the phase-at-a-time
-    launches' result (the same code and order of sums: any difference is a barrier that did not hold), and both
-    stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul, paged attention)."""
+def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx, monkeypatch):
+    """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain) gives exactly
+    the phase-at-a-time launches' result (the same code and order of sums: any difference is a barrier that did
+    not hold), and both stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul,
+    paged attention)."""
     from nanoforge.kernels.decode_layers import decode_layers
 
     torch.manual_seed(0)
@@ -153,7 +154,8 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     x = model.embed(case["ids"])[0]
     cs = case["rope"][0].reshape(-1), case["rope"][1].reshape(-1)
     outs = []
-    for persistent in (True, False, True):  # twice in one launch: the barrier's count starts again at zero
+    for persistent, cooperative in ((True, "1"), (False, "1"), (True, "0")):  # the count starts again at zero
+        monkeypatch.setenv("NANOFORGE_DECODE_COOPERATIVE", cooperative)
         k, v = case["k"].clone(), case["v"].clone()
         outs.append(decode_layers(kernel.layers, x, torch.stack(cs), k, v, case["table"][0], case["seq_lens"],
                                   case["slot"], persistent=persistent) + (k,))
