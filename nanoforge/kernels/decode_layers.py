@@ -393,8 +393,8 @@ def _decode_layers_kernel(
     TRACE: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
-    PHASE alone. XS: the residual stream ([0] between layers, [1] inside one); PEND: the
-    MLP output the next layer adds."""
+    PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
+    [1] inside one); PEND: the MLP output the next layer adds."""
     BAR = COUNTS + HKV
     X_MID = XS + D
     AQ = HQ * DH
