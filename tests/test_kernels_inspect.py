@@ -222,6 +222,21 @@ def test_project_triton_kernels_compile_at_their_inspect_configuration(compiled,
     assert (out / f"{name}.sass").stat().st_size > 0
 
 
+@pytest.mark.parametrize("name", ["decode_layers_llama", "decode_layers_qwen3"])
+def test_the_persistent_decode_kernel_fits_one_program_an_sm_and_its_barriers_release_and_acquire(compiled, name):
+    """kernels/decode_layers.py as a GPU launch compiles it for sm_90: what its grid-wide barriers rely on. One
+    program of 8 warps fits an SM without spilling (its grid is one program an SM, all resident at once), and
+    each of its five barriers a layer counts arrivals with a release and leaves after an acquire."""
+    results, out = compiled
+    r = _report(results, name)
+    assert r["threads_per_block"] == 256 and r["local_bytes_per_thread"] == 0
+    occ = ki.theoretical_occupancy(r["threads_per_block"], r["registers_per_thread"], r["shared_bytes_per_block"])
+    assert occ.blocks_per_sm >= 1
+    ptx = (out / f"{name}.ptx").read_text()
+    assert ptx.count("red.global.gpu.release.add") == 5 and ptx.count("ld.global.gpu.acquire") >= 5
+    assert "prefetch.global.L2" in ptx
+
+
 def test_the_prefetch_ahead_kernel_waits_for_its_predecessor_before_it_asks_l2(compiled):
     """kernels/prefetch.py: with PDL the kernel lets its successor launch, waits for its predecessor (so the
     chain keeps its order and the Q/K/V projection keeps the bandwidth), and only then issues Hopper's bulk L2
