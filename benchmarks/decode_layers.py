@@ -93,6 +93,36 @@ def time_us(fn, device, replays: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def plot(rows: dict, path: Path) -> None:
+    """Each shape's step both ways, the kernel's bar split into its phases' work and barrier waits (from the
+    trace); nothing without a trace (the CPU smoke run) or without matplotlib."""
+    traced = {name: r for name, r in rows.items() if "phases_us" in r}
+    if not traced:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for i, (name, r) in enumerate(traced.items()):
+        ax.bar(i - 0.2, r["layer_by_layer_us"], 0.4, color="0.6", label="layer by layer" if i == 0 else None)
+        bottom = 0.0
+        for j, part in enumerate(p for p in r["phases_us"] if p.endswith(("work", "wait"))):
+            t = r["phases_us"][part]
+            ax.bar(i + 0.2, t, 0.4, bottom=bottom, color=plt.cm.tab10(j % 10), label=part if i == 0 else None)
+            bottom += t
+    ax.set_xticks(range(len(traced)), list(traced))
+    ax.set_ylabel("us a step (layers only)")
+    ax.set_title("batch-1 decode layers: one persistent kernel, phase by phase")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="llama3-1b,qwen3-0.6b")
@@ -148,7 +178,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_layers.json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {out / 'decode_layers.json'}")
+    plot(rows, out / "decode_layers.png")
+    png = " and decode_layers.png" if (out / "decode_layers.png").exists() else ""
+    print(f"wrote {out / 'decode_layers.json'}{png}")
 
 
 if __name__ == "__main__":
