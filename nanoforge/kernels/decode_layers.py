@@ -44,7 +44,7 @@ from nanoforge.kernels.dispatch import arrival_counters, env_choice, interpretin
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _norm_rope_rows, attend_new_key, attend_span, combine_parts,
+    _NEG_BIG, _norm_rope_rows, attend_new_key, attend_span, combine_heads,
 )
 
 def _cuda_options():
@@ -147,7 +147,8 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     group = hq // hkv
     meta = dict(
-        D=d, DP=triton.next_power_of_2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group, DH=dh,
+        D=d, DP=triton.next_power_of_2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group,
+        GROUP_P2=triton.next_power_of_2(group), DH=dh,
         BLOCK_D=triton.next_power_of_2(dh), BLOCK_M=max(16, triton.next_power_of_2(group)), F=f,
         FP=triton.next_power_of_2(f), AP=triton.next_power_of_2(hq * dh), BN_QKV=_rows_per_tile(d),
         BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
@@ -331,11 +332,12 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
 @triton.jit
 def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale,
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-               HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
+               HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
-    context's last position writes the token's K and V; each kv head's last split to finish combines them."""
+    context's last position writes the token's K and V; each kv head's last split to finish combines them, every
+    split's partials loaded at once (`combine_heads`)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -373,9 +375,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
         if tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1:
             tl.atomic_xchg(COUNTS + hk, 0)
-            o = combine_parts(O_PART, LSE_PART, part - split, SPLITS, row_ok, io_mask, offs_d, DH, BLOCK_M, BLOCK_D,
-                              SPLITS_P2)
-            tl.store(ATT + head[:, None] * DH + offs_d[None, :], o.to(ATT.dtype.element_ty), mask=io_mask)
+            combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH, BLOCK_D,
+                          GROUP_P2, SPLITS_P2)
 
 
 @triton.jit(do_not_specialize=["first_layer"])
@@ -385,7 +386,8 @@ def _decode_layers_kernel(
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
     first_layer, n_layers,
     D: tl.constexpr, DP: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-    GROUP: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, F: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    F: tl.constexpr,
     FP: tl.constexpr, AP: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_IN: tl.constexpr,
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
@@ -422,8 +424,8 @@ def _decode_layers_kernel(
             _prefetch_tiles(WO + lw * D * AQ, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
-                       stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, DH, BLOCK_D, BLOCK_M, SPLITS,
-                       SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
+                       stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
+                       SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
             if PERSISTENT:
                 wo, uo = _first_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, False)
             _sync(BAR, step + 1, trace_at, PERSISTENT, TRACE)

@@ -277,7 +277,8 @@ def _decode_layers(**shape) -> TritonKernel:
     d, f, dh, group = shape["D"], shape["F"], shape["DH"], shape["HQ"] // shape["HKV"]
     p2 = 1 << (max(d, 1) - 1).bit_length()
     constexprs = dict(
-        DP=p2, GROUP=group, BLOCK_D=dh, BLOCK_M=max(16, group), FP=1 << (f - 1).bit_length(),
+        DP=p2, GROUP=group, GROUP_P2=1 << (group - 1).bit_length(), BLOCK_D=dh, BLOCK_M=max(16, group),
+        FP=1 << (f - 1).bit_length(),
         AP=1 << (shape["HQ"] * dh - 1).bit_length(), BN_QKV=dl._rows_per_tile(d),
         BN_O=dl._rows_per_tile(shape["HQ"] * dh),
         BN_IN=max(1, dl._rows_per_tile(d) // 2), BN_OUT=dl._rows_per_tile(f), SPLITS=dl.CONTEXT_SPLITS,
