@@ -110,6 +110,17 @@ def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
 
+def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, splits: int) -> dict:
+    """The kernel's constexprs that follow from a model's shape (and the context's split count): widths, their
+    powers of two, and the rows of each projection's tiles."""
+    p2 = triton.next_power_of_2
+    group = hq // hkv
+    return dict(D=d, DP=p2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group, GROUP_P2=p2(group), DH=dh, BLOCK_D=p2(dh),
+                BLOCK_M=max(16, p2(group)), F=f, FP=p2(f), AP=p2(hq * dh), BN_QKV=_rows_per_tile(d),
+                BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
+                SPLITS=splits, SPLITS_P2=p2(splits))
+
+
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   table: torch.Tensor, seq_len: torch.Tensor, slot: torch.Tensor, *,
                   persistent: bool | None = None,
@@ -145,18 +156,9 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     o_part = torch.empty(hq * splits * dh, device=dev, dtype=torch.float32)
     lse_part = torch.empty(hq * splits, device=dev, dtype=torch.float32)
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
-    group = hq // hkv
-    meta = dict(
-        D=d, DP=triton.next_power_of_2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group,
-        GROUP_P2=triton.next_power_of_2(group), DH=dh,
-        BLOCK_D=triton.next_power_of_2(dh), BLOCK_M=max(16, triton.next_power_of_2(group)), F=f,
-        FP=triton.next_power_of_2(f), AP=triton.next_power_of_2(hq * dh), BN_QKV=_rows_per_tile(d),
-        BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
-        SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_N=block_n,
-        BLOCK_SIZE=k_cache.shape[2], HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None,
-        PERSISTENT=persistent, PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0,
-        TRACE=trace is not None,
-    )
+    meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
+                HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
+                PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None)
     if trace is not None and (not persistent or trace.shape != (1 + 2 * PHASES * n_layers, programs)):
         raise ValueError(f"decode_layers: a trace is ({1 + 2 * PHASES * n_layers}, {programs}) int64, of a "
                          f"persistent launch")
@@ -410,49 +412,52 @@ def _decode_layers_kernel(
         lw = layer.to(tl.int64)
         step = i * 5
         qkv = QKV + lw * NQKV
+        w_qkv = WQKV + lw * NQKV * D  # this layer's weights
+        w_o = WO + lw * D * AQ
+        w_in = WIN + lw * 2 * F * D
+        w_out = WOUT + lw * D * F
         if PERSISTENT or PHASE == 0:  # A: x += pending; Q/K/V of the normalised x
             if not PERSISTENT:
-                wq, uq = _first_tile(WQKV + lw * NQKV * D, NQKV, D, DP, BN_QKV, False)
+                wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
             if layer == 0:  # the embedding's output, nothing pending
                 h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
             else:
                 h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
-            _project(h, wq, uq, WQKV + lw * NQKV * D, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS,
-                     AHEAD)
+            _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD)
             _sync(BAR, step, trace_at, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 1:  # B: attention
-            _prefetch_tiles(WO + lw * D * AQ, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
+            _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
             if PERSISTENT:
-                wo, uo = _first_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, False)
+                wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _sync(BAR, step + 1, trace_at, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
-                wo, uo = _first_tile(WO + lw * D * AQ, D, AQ, AP, BN_O, False)
-            _prefetch_tiles(WIN + lw * 2 * F * D, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            _project(_vector(ATT, AQ, AP), wo, uo, WO + lw * D * AQ, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
+                wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
+            _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
+            _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
             if PERSISTENT:
-                wi, ui = _first_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, True)
+                wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _sync(BAR, step + 2, trace_at, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
-                wi, ui = _first_tile(WIN + lw * 2 * F * D, F, D, DP, BN_IN, True)
-            _prefetch_tiles(WOUT + lw * D * F, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
+                wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
+            _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
-            _project(h, wi, ui, WIN + lw * 2 * F * D, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
+            _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
             if PERSISTENT:
-                wd, ud = _first_tile(WOUT + lw * D * F, D, F, FP, BN_OUT, False)
+                wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
             _sync(BAR, step + 3, trace_at, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
             if not PERSISTENT:
-                wd, ud = _first_tile(WOUT + lw * D * F, D, F, FP, BN_OUT, False)
+                wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
             following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
-            _project(_vector(ACT, F, FP), wd, ud, WOUT + lw * D * F, WOUT, PEND, D, F, FP, BN_OUT, False, False,
+            _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                      AHEAD)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)

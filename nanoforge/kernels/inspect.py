@@ -274,16 +274,11 @@ def _decode_layers(**shape) -> TritonKernel:
     one launch, barriers between the phases, the L2 prefetch on, no trace."""
     from nanoforge.kernels import decode_layers as dl
 
-    d, f, dh, group = shape["D"], shape["F"], shape["DH"], shape["HQ"] // shape["HKV"]
-    p2 = 1 << (max(d, 1) - 1).bit_length()
     constexprs = dict(
-        DP=p2, GROUP=group, GROUP_P2=1 << (group - 1).bit_length(), BLOCK_D=dh, BLOCK_M=max(16, group),
-        FP=1 << (f - 1).bit_length(),
-        AP=1 << (shape["HQ"] * dh - 1).bit_length(), BN_QKV=dl._rows_per_tile(d),
-        BN_O=dl._rows_per_tile(shape["HQ"] * dh),
-        BN_IN=max(1, dl._rows_per_tile(d) // 2), BN_OUT=dl._rows_per_tile(f), SPLITS=dl.CONTEXT_SPLITS,
-        SPLITS_P2=dl.CONTEXT_SPLITS, BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, PHASE=-1, PERSISTENT=True,
-        PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False, **shape)
+        **dl.shape_constants(shape["D"], shape["NQKV"], shape["HQ"], shape["HKV"], shape["DH"], shape["F"],
+                             dl.CONTEXT_SPLITS),
+        BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
+        PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
