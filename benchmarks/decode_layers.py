@@ -174,6 +174,9 @@ def main() -> None:
             torch.cuda.synchronize()
             r["phases_us"] = dl.phase_times(trace)
             print("   phases (us over all layers): " + ", ".join(f"{p} {t:.1f}" for p, t in r["phases_us"].items()))
+        r["barrier_timeouts"] = dl.barrier_timeouts(device)  # not 0: its numbers are wrong (a barrier gave up)
+        if r["barrier_timeouts"]:
+            print(f"   {r['barrier_timeouts']} barrier wait(s) gave up: the one-kernel numbers are wrong")
         del model, kernel
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,68 @@ def test_layers_in_one_kernel_equal_the_layer_by_layer_forward(monkeypatch, name
     assert not torch.equal(got_k, case["k"])  # the token's key was written
 
 
+def kernel_inputs(model: Transformer, case: dict):
+    """`decode_layers`' arguments for a case, the caches copied (each launch writes the token's K and V)."""
+    cs = torch.stack((case["rope"][0].reshape(-1), case["rope"][1].reshape(-1)))
+    return (model.embed(case["ids"])[0], cs, case["k"].clone(), case["v"].clone(), case["table"][0], case["seq_lens"],
+            case["slot"])
+
+
+@interpreter
+@pytest.mark.parametrize("name", FAMILIES)
+def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name):
+    """The persistent launch's own code (each phase's first weight tile loaded before the barrier in front of it,
+    the next layer's before the last one, every barrier, the count reset at the end), interpreted with one
+    program, which passes each barrier at its own arrival: bit for bit the launches per phase of three programs,
+    the barrier's counts back at zero after it and none given up, twice (the second launch counts from zero)."""
+    from nanoforge.kernels import decode_layers as dl
+    from nanoforge.kernels.dispatch import arrival_counters
+
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    torch.manual_seed(0)
+    model = Transformer(preset(name, max_seq_len=256)).eval()
+    case = decode_case(model, 70)
+    kernel = layer_kernel.LayerKernel(model)
+    with torch.inference_mode():
+        args = kernel_inputs(model, case)
+        want = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
+        for _ in range(2):
+            args = kernel_inputs(model, case)
+            got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            hkv = model.cfg.n_kv_heads
+            assert arrival_counters(torch.device("cpu"), hkv + 2)[:hkv + 2].eq(0).all()
+    assert dl.barrier_timeouts(torch.device("cpu")) == 0
+    kernel.check(torch.device("cpu"))
+
+
+@interpreter
+def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(monkeypatch):
+    """A persistent launch whose programs cannot all run at once (two programs under the interpreter, which runs
+    them one after the other: the first waits at its first barrier for a second that has not started) ends: the
+    first gives up after the spin limit, lifting every later barrier of the launch, the second finds them open.
+    The give-up is counted once, the engine's check raises on it in one line, the counts are back at zero, and
+    the next launch computes the right numbers."""
+    from nanoforge.kernels import decode_layers as dl
+
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    monkeypatch.setattr(dl, "SPIN_LIMIT", 20)
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-llama", max_seq_len=256)).eval()
+    case = decode_case(model, 37)
+    kernel = layer_kernel.LayerKernel(model)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        want = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=False)
+        dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True, programs=2)
+        with pytest.raises(RuntimeError, match="gave up waiting at a grid barrier 1 time"):
+            kernel.check(cpu)
+        assert dl.barrier_timeouts(cpu) == 0  # the check read and reset the count
+        got = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert dl.barrier_timeouts(cpu) == 0
+
+
 @interpreter
 @pytest.mark.parametrize("name", FAMILIES)
 def test_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, monkeypatch, name):
@@ -143,7 +205,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     the phase-at-a-time launches' result (the same code and order of sums: any difference is a barrier that did
     not hold), and both stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul,
     paged attention)."""
-    from nanoforge.kernels.decode_layers import decode_layers
+    from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
     model = Transformer(preset(name, **GPU_SHAPES[name], max_seq_len=4096)).cuda().bfloat16().eval()
@@ -157,10 +219,11 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     for persistent, cooperative in ((True, "1"), (False, "1"), (True, "0")):  # the count starts again at zero
         monkeypatch.setenv("NANOFORGE_DECODE_COOPERATIVE", cooperative)
         k, v = case["k"].clone(), case["v"].clone()
-        outs.append(decode_layers(kernel.layers, x, torch.stack(cs), k, v, case["table"][0], case["seq_lens"],
-                                  case["slot"], persistent=persistent) + (k,))
+        outs.append(dl.decode_layers(kernel.layers, x, torch.stack(cs), k, v, case["table"][0], case["seq_lens"],
+                                     case["slot"], persistent=persistent) + (k,))
     for got in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
+    assert dl.barrier_timeouts(x.device) == 0
     err = (got_h.float() - want_h.float()).abs().max().item()
     assert err < 0.05 * want_h.float().abs().max().item(), err
     assert (got_k.float() - want_k.float()).abs().max().item() < 0.1
@@ -203,7 +266,7 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
-    assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 for r in rows.values())
+    assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
 
 
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):

@@ -24,7 +24,12 @@ fused RoPE and split combine), so the two differ only in the order fp32 sums are
 
 Under the Triton interpreter (which runs programs one after another, so no program could wait for another) and
 with `persistent=False`, the host launches one phase of one layer at a time instead: the same code, the kernel
-boundaries standing in for the barriers. That is what the CPU tests check against the model's own forward.
+boundaries standing in for the barriers. That is what the CPU tests check against the model's own forward, with
+a persistent launch of one program too (every barrier passed at its own arrival).
+
+A barrier that waits too long (SPIN_LIMIT polls, seconds: a program that never arrives, which is a bug) gives
+up instead of hanging the GPU: it counts the failure (`barrier_timeouts`) and lets every later barrier of the
+launch pass at once, so the launch ends, with wrong numbers. The engine checks the count after its warm-up.
 
 The caller (`serve/layer_kernel.py`) stacks the layers' weights and decides when this applies.
 """
@@ -73,7 +78,28 @@ def _cooperative() -> dict:
     return {"launch_cooperative_grid": True} if on and _CAN_COOPERATE else {}
 
 
-SPIN_LIMIT = tl.constexpr(1 << 26)  # a barrier's polls before it gives up (a bug, not a state: no wait comes near)
+SPIN_LIMIT = 1 << 22  # a barrier's polls (~0.5 us each) before it gives up: a bug, not a state (waits take us)
+_GAVE_UP = tl.constexpr(1 << 30)  # a barrier's count after a program gave up: past every target of the launch
+_TIMEOUTS: dict[str, torch.Tensor] = {}  # per device: programs that gave up waiting at a barrier, since last read
+
+
+def _timeouts(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    if key not in _TIMEOUTS:  # made at a device's first launch, which is eager (the engine warms up first), as a
+        with torch.inference_mode(False):  # normal tensor: `barrier_timeouts` resets it in any mode
+            _TIMEOUTS[key] = torch.zeros(1, device=device, dtype=torch.int32)
+    return _TIMEOUTS[key]
+
+
+def barrier_timeouts(device: torch.device) -> int:
+    """How many times a persistent launch's program gave up waiting at a barrier on this device since the last
+    call (reset here; it syncs): anything but 0 means those launches computed wrong numbers."""
+    have = _TIMEOUTS.get(str(device))
+    if have is None:
+        return 0
+    n = int(have.item())
+    have.zero_()
+    return n
 
 
 @dataclass
@@ -123,13 +149,15 @@ def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, spli
 
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   table: torch.Tensor, seq_len: torch.Tensor, slot: torch.Tensor, *,
-                  persistent: bool | None = None,
+                  persistent: bool | None = None, programs: int | None = None,
                   trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (x: (1, D), after the embedding) through every layer: (the residual stream, the last MLP's
     output), to be added inside the final norm as the layer-by-layer path leaves them. cos_sin: (2, Dh) of the
     token's position; caches (L, blocks, block_size, Hkv, Dh); table: the sequence's block table row; seq_len
     (1,) int32 with the token counted; slot (1,) the token's cache slot. `persistent`: one launch (default on a
-    GPU) or a launch per phase and layer (the interpreter's way). `trace`: int64 (1 + 2 * PHASES * L, programs)
+    GPU) or a launch per phase and layer (the interpreter's way). `programs`: the grid (default one an SM; under
+    the interpreter a persistent launch of more than one program cannot get past its first barrier until it
+    gives up: what the tests of the give-up use). `trace`: int64 (1 + 2 * PHASES * L, programs)
     of the GPU's nanosecond clock, each program's start and, per phase, its arrival at the barrier and its
     departure (`phase_times` reads it; a diagnostic, persistent launches only)."""
     n_layers, n_qkv, d = w.wqkv.shape
@@ -138,9 +166,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     dev, ty = x.device, x.dtype
     interp = interpreting()
     persistent = (not interp) if persistent is None else persistent
-    if persistent and interp:
-        raise ValueError("decode_layers: the interpreter runs programs one at a time; it cannot wait at a barrier")
-    programs = INTERPRET_PROGRAMS if interp else sm_count(dev)
+    programs = programs or (INTERPRET_PROGRAMS if interp and not persistent else 1 if interp else sm_count(dev))
     prefetch, ahead = not interp and pdl.hopper(dev), prefetch_tiles()
     splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, ATTN_BLOCK_N)  # small: tests reach
     # every branch (full and masked key tiles, empty splits) with short contexts
@@ -156,6 +182,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     o_part = torch.empty(hq * splits * dh, device=dev, dtype=torch.float32)
     lse_part = torch.empty(hq * splits, device=dev, dtype=torch.float32)
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
+    timeouts = _timeouts(dev)
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None)
@@ -163,12 +190,12 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
         raise ValueError(f"decode_layers: a trace is ({1 + 2 * PHASES * n_layers}, {programs}) int64, of a "
                          f"persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
-    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts,
+    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
             *k_cache.stride()[:4], *v_cache.stride()[:4], float(w.eps), dh ** -0.5 * LOG2E,
-            trace if trace is not None else counts)
+            trace if trace is not None else counts, SPIN_LIMIT)
     warps = 1 if interp else 8
     if persistent:
         _decode_layers_kernel[(programs,)](*args, 0, n_layers, PHASE=-1, **meta, num_warps=warps,
@@ -205,29 +232,33 @@ def phase_times(trace: torch.Tensor) -> dict:
 
 
 @triton.jit
-def _grid_barrier(BAR, target):
+def _grid_barrier(BAR, target, TIMEOUTS, spin_limit):
     """Wait until `target` arrivals have been counted at BAR (this program's included): every program's stores
-    before its arrival are visible after the wait."""
+    before its arrival are visible after the wait. After `spin_limit` polls, give up: count it at TIMEOUTS and
+    lift BAR past every target of the launch, so that no barrier of it waits again."""
     tl.debug_barrier()  # every thread's stores made before the count (the atomic releases them)
     tl.atomic_add(BAR, 1, sem="release")
     seen = tl.load(BAR, volatile=True)
     spins = 0
-    while (seen < target) & (spins < SPIN_LIMIT):
+    while (seen < target) & (spins < spin_limit):
         seen = tl.load(BAR, volatile=True)
         spins += 1
+    gave_up = seen < target  # (masked atomics, not a branch: no thread may skip the CTA barriers around them)
+    tl.atomic_add(TIMEOUTS, 1, mask=gave_up)
+    tl.atomic_max(BAR, _GAVE_UP, mask=gave_up)
     tl.atomic_add(BAR, 0, sem="acquire")
     tl.debug_barrier()
 
 
 @triton.jit
-def _sync(BAR, step, TRACE_AT, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
+def _sync(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
     """The grid barrier after phase `step` of this launch (a no-op when each phase is its own launch); TRACE:
     this program's clock at its arrival and at its departure stored at rows 1 + 2 step and 2 + 2 step."""
     if PERSISTENT:
         programs = tl.num_programs(0)
         if TRACE:
             tl.store(TRACE_AT + (1 + 2 * step) * programs, tl.extra.cuda.globaltimer())
-        _grid_barrier(BAR, (step + 1) * programs)
+        _grid_barrier(BAR, (step + 1) * programs, TIMEOUTS, spin_limit)
         if TRACE:
             tl.store(TRACE_AT + (2 + 2 * step) * programs, tl.extra.cuda.globaltimer())
 
@@ -381,12 +412,12 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                           GROUP_P2, SPLITS_P2)
 
 
-@triton.jit(do_not_specialize=["first_layer"])
+@triton.jit(do_not_specialize=["first_layer", "spin_limit"])
 def _decode_layers_kernel(
-    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS,
+    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
-    first_layer, n_layers,
+    spin_limit, first_layer, n_layers,
     D: tl.constexpr, DP: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     F: tl.constexpr,
@@ -424,7 +455,7 @@ def _decode_layers_kernel(
             else:
                 h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
             _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD)
-            _sync(BAR, step, trace_at, PERSISTENT, TRACE)
+            _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
@@ -433,7 +464,7 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
-            _sync(BAR, step + 1, trace_at, PERSISTENT, TRACE)
+            _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
@@ -441,7 +472,7 @@ def _decode_layers_kernel(
             _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
-            _sync(BAR, step + 2, trace_at, PERSISTENT, TRACE)
+            _sync(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
@@ -450,7 +481,7 @@ def _decode_layers_kernel(
             _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
             if PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
-            _sync(BAR, step + 3, trace_at, PERSISTENT, TRACE)
+            _sync(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
             if not PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
@@ -461,7 +492,7 @@ def _decode_layers_kernel(
                      AHEAD)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
-            _sync(BAR, step + 4, trace_at, PERSISTENT, TRACE)
+            _sync(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
     if PERSISTENT:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(BAR, 0)

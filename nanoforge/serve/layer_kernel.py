@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nanoforge.kernels.decode_layers import Layers, decode_layers
+from nanoforge.kernels.decode_layers import Layers, barrier_timeouts, decode_layers
 from nanoforge.kernels.dispatch import env_choice, use_fast
 from nanoforge.model.transformer import RMSNorm, Transformer
 
@@ -74,3 +74,14 @@ class LayerKernel:
         x, pending = decode_layers(self.layers, x[0], cos_sin, k_cache, v_cache, block_tables[0], seq_lens,
                                    slot_mapping)
         return x[None], pending[None]
+
+    def check(self, device: torch.device) -> None:
+        """Raise if a launch on this device gave up waiting at a barrier since the last check (it syncs): a launch
+        whose programs were not all resident at once, whose numbers are wrong. The engine checks after its
+        warm-up, which runs the kernel."""
+        n = barrier_timeouts(device)
+        if n:
+            raise RuntimeError(
+                f"the persistent decode kernel gave up waiting at a grid barrier {n} time(s) on {device}: its programs "
+                "were not all running at once (a bug, or another kernel holding SMs), so its results are wrong; "
+                "NANOFORGE_DECODE_LAYERS=kernels runs the layers one by one")

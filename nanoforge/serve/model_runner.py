@@ -221,6 +221,8 @@ class ModelRunner:
             self._warm_up_eager_prefill()
         if cuda and (sizes or buckets):
             torch.cuda.synchronize()
+        if self.layer_kernel is not None:
+            self.layer_kernel.check(self.device)  # the warm-up ran it: its barriers held
 
     def _init_device_batch(self, max_num_seqs: int) -> None:
         """The device half of the persistent batch: per slot (plus the scratch slot) a block table and sampling
