@@ -9,7 +9,7 @@ and the skinny matmul, paged attention, PDL between the kernels) and with `NANOF
 kernel (serve/layer_kernel.py), each replayed from a CUDA graph; microseconds a step, the ratio, and the share of
 HBM bandwidth that reading the layers' weights and KV in that time comes to. Then one traced launch of the kernel:
 where its time goes, phase by phase, summed over the layers (`decode_layers.phase_times`). The LM head and
-sampling are left out (the same in both ways). --smoke runs the tiny presets interpreted, a phase at a time.
+sampling are left out (the same in both ways). --smoke runs the tiny presets interpreted (one launch of one program).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The persistent decode kernel (kernels/decode_layers.py, serve/layer_kernel.py) against the model's own
 layer-by-layer forward over the same paged cache, and the engine with it against the reference generator.
 
-On the CPU the kernel runs under the Triton interpreter a phase at a time (the interpreter runs programs one
-after another: none could wait at a barrier); the `gpu` tests run it as one launch and check that it equals
-the phase-at-a-time launches bit for bit, i.e. that the barriers hold.
+On the CPU the kernel runs under the Triton interpreter as one launch of one program (the interpreter runs
+programs one after another: a second could not get past a barrier), checked bit for bit against launches of a
+phase at a time by three programs; the `gpu` tests run it as one launch of a program an SM and check that it
+equals the phase-at-a-time launches bit for bit, i.e. that the barriers hold.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def run_step(model: Transformer, case: dict, kernel) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("ctx", [1, 37, 70])  # the first token; one split; three splits with full key tiles
 @pytest.mark.parametrize("name", FAMILIES)
 def test_layers_in_one_kernel_equal_the_layer_by_layer_forward(monkeypatch, name, ctx):
-    """Every layer of a one-token decode step in the kernel (a phase at a time, interpreted) gives the final
-    hidden state of the model's own forward and writes the same K and V into the same slots, fp32."""
+    """Every layer of a one-token decode step in the kernel (one launch of one program, interpreted) gives the
+    final hidden state of the model's own forward and writes the same K and V into the same slots, fp32."""
     monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
     torch.manual_seed(0)
     model = Transformer(preset(name, max_seq_len=256)).eval()

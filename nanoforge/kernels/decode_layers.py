@@ -22,10 +22,11 @@ statistics itself from the vector (a few KB from L2) and program 0 stores the re
 those of the kernels the layer-by-layer path runs (`rmsnorm.add_rms_norm`, `gemv`'s epilogue, `paged_attention`'s
 fused RoPE and split combine), so the two differ only in the order fp32 sums are added.
 
-Under the Triton interpreter (which runs programs one after another, so no program could wait for another) and
-with `persistent=False`, the host launches one phase of one layer at a time instead: the same code, the kernel
-boundaries standing in for the barriers. That is what the CPU tests check against the model's own forward, with
-a persistent launch of one program too (every barrier passed at its own arrival).
+Under the Triton interpreter, which runs programs one after another (none could wait for another at a barrier),
+the launch has one program, which passes every barrier at its own arrival: the code a GPU runs, one program
+doing every tile. With `persistent=False` the host launches one phase of one layer at a time instead, the
+kernel boundaries standing in for the barriers (three programs under the interpreter, sharing out the tiles as
+on a GPU). The CPU tests check the two against each other bit for bit and against the model's own forward.
 
 A barrier that waits too long (SPIN_LIMIT polls, seconds: a program that never arrives, which is a bug) gives
 up instead of hanging the GPU: it counts the failure (`barrier_timeouts`) and lets every later barrier of the
@@ -154,10 +155,10 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     """One token (x: (1, D), after the embedding) through every layer: (the residual stream, the last MLP's
     output), to be added inside the final norm as the layer-by-layer path leaves them. cos_sin: (2, Dh) of the
     token's position; caches (L, blocks, block_size, Hkv, Dh); table: the sequence's block table row; seq_len
-    (1,) int32 with the token counted; slot (1,) the token's cache slot. `persistent`: one launch (default on a
-    GPU) or a launch per phase and layer (the interpreter's way). `programs`: the grid (default one an SM; under
-    the interpreter a persistent launch of more than one program cannot get past its first barrier until it
-    gives up: what the tests of the give-up use). `trace`: int64 (1 + 2 * PHASES * L, programs)
+    (1,) int32 with the token counted; slot (1,) the token's cache slot. `persistent`: one launch (the default)
+    or a launch per phase and layer. `programs`: the grid (default one an SM; under the interpreter one for a
+    persistent launch, as a second could not get past its first barrier until it gives up, which is what the
+    tests of the give-up use, and three for launches per phase). `trace`: int64 (1 + 2 * PHASES * L, programs)
     of the GPU's nanosecond clock, each program's start and, per phase, its arrival at the barrier and its
     departure (`phase_times` reads it; a diagnostic, persistent launches only)."""
     n_layers, n_qkv, d = w.wqkv.shape
@@ -165,7 +166,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     f = w.w_out.shape[2]
     dev, ty = x.device, x.dtype
     interp = interpreting()
-    persistent = (not interp) if persistent is None else persistent
+    persistent = True if persistent is None else persistent
     programs = programs or (INTERPRET_PROGRAMS if interp and not persistent else 1 if interp else sm_count(dev))
     prefetch, ahead = not interp and pdl.hopper(dev), prefetch_tiles()
     splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, ATTN_BLOCK_N)  # small: tests reach
