@@ -167,7 +167,8 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     dev, ty = x.device, x.dtype
     interp = interpreting()
     persistent = True if persistent is None else persistent
-    programs = programs or (INTERPRET_PROGRAMS if interp and not persistent else 1 if interp else sm_count(dev))
+    if programs is None:  # one an SM; interpreted: one for a persistent launch, more for launches per phase
+        programs = sm_count(dev) if not interp else 1 if persistent else INTERPRET_PROGRAMS
     prefetch, ahead = not interp and pdl.hopper(dev), prefetch_tiles()
     splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, ATTN_BLOCK_N)  # small: tests reach
     # every branch (full and masked key tiles, empty splits) with short contexts
