@@ -21,6 +21,7 @@ Prints a table; writes engine_host.json under $OUT (default ./out). Runs on the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,6 +42,7 @@ def measure(requests: int, seed: int, async_scheduling: bool) -> dict:
 
     from nanoforge.model.config import preset
     from nanoforge.model.transformer import Transformer
+    from nanoforge.serve import llm_engine
     from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
     from nanoforge.serve.sampling_params import SamplingParams
 
@@ -81,13 +83,16 @@ def measure(requests: int, seed: int, async_scheduling: bool) -> dict:
         engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(100, 1024), ignore_eos=True,
                                                   temperature=0.6))
     steps = seq_steps = tokens = 0
+    # the step loop as `LLM.generate` and the server run it (a revision from before `frozen_heap`: as it ran then)
+    loop = getattr(llm_engine, "frozen_heap", contextlib.nullcontext)
     started = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens += len(out.outputs[0].token_ids)
-        steps += 1
-        seq_steps += sum(len(g.seqs) for g in engine.scheduler.running)
+    with loop():
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+            steps += 1
+            seq_steps += sum(len(g.seqs) for g in engine.scheduler.running)
     total = time.perf_counter() - started
     spent["outputs"] = total - sum(spent.values())
     return {"seconds": total, "steps": steps, "seq_steps": seq_steps, "output_tokens": tokens, "phases": spent}

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from nanoforge.errors import InternalError, NanoforgeError
-from nanoforge.serve.llm_engine import LLMEngine, RequestOutput
+from nanoforge.serve.llm_engine import LLMEngine, RequestOutput, frozen_heap
 from nanoforge.serve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoforge.serve")
@@ -181,7 +181,8 @@ class AsyncEngine:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # a new thread starts on GPU 0; Triton launches on the current one
         try:
-            self._loop()
+            with frozen_heap():  # what the server built stays out of the collector's walks while it serves
+                self._loop()
         except BaseException:  # a bug in this file: say so, and do not leave anyone waiting
             log.exception("the engine thread crashed")
         finally:

@@ -117,6 +117,7 @@ def run_engine(model: Transformer, prompts, outputs, *, max_num_seqs: int, tempe
 
 
 def _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile) -> tuple[dict, list[list[int]]]:
+    from nanoforge.serve.llm_engine import frozen_heap
     from nanoforge.serve.model_runner import kv_bytes_per_block
     from nanoforge.serve.sampling_params import SamplingParams
     from nanoforge.serve.step_profile import StepProfiler
@@ -136,19 +137,20 @@ def _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile) ->
         if profile else None
     _sync(device)
     t0 = time.perf_counter()
-    while engine.has_unfinished():
-        if prof is not None:
-            prof.step_begin()
-        outs = engine.step()
-        if prof is not None:
-            prof.step_end()
-        step += 1
-        # utilisation walks every block table: sample it every 8th step to keep it off the clock
-        if step % 8 == 0 and engine.scheduler.block_manager.num_used_blocks:
-            util_sum += engine.scheduler.kv_utilization()
-            samples += 1
-        bar.update(len(outs))  # each request that progressed got one token (n = 1)
-        token_ids.update((o.request_id, o.outputs[0].token_ids) for o in outs if o.finished)
+    with frozen_heap():  # as `LLM.generate` runs its loop
+        while engine.has_unfinished():
+            if prof is not None:
+                prof.step_begin()
+            outs = engine.step()
+            if prof is not None:
+                prof.step_end()
+            step += 1
+            # utilisation walks every block table: sample it every 8th step to keep it off the clock
+            if step % 8 == 0 and engine.scheduler.block_manager.num_used_blocks:
+                util_sum += engine.scheduler.kv_utilization()
+                samples += 1
+            bar.update(len(outs))  # each request that progressed got one token (n = 1)
+            token_ids.update((o.request_id, o.outputs[0].token_ids) for o in outs if o.finished)
     _sync(device)
     dt = time.perf_counter() - t0
     bar.close()

@@ -132,8 +132,7 @@ class InputBatch:
         self._slot_of: dict[int, int] = {}  # seq_id -> slot
         self._seq: list[Sequence | None] = [None] * max_num_seqs
         self._table_obj: list[list[int] | None] = [None] * max_num_seqs  # the block_table list the device mirrors
-        self._mirror = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
-        self._known = np.zeros(max_num_seqs, dtype=np.int64)  # leading table entries the device holds
+        self._mirror: list[list[int]] = [[] for _ in range(max_num_seqs)]  # the leading table entries it holds
         self._seed_source = seed_source or random_seed
         self.max_num_tokens = max(max_num_tokens, self.graph_sizes[-1] if self.graph_sizes else 0)
         self.max_num_seqs = max(max_num_seqs, self.graph_sizes[-1] if self.graph_sizes else 0)
@@ -171,19 +170,17 @@ class InputBatch:
     def _table_updates(self, seq: Sequence, slot: int, first_written: int, updates: list) -> None:
         """Queue the entries of the sequence's block table that the device does not hold yet."""
         table = seq.block_table
+        mirror = self._mirror[slot]
         if table is not self._table_obj[slot]:  # joined, or its table was rebuilt: send it all
             self._table_obj[slot] = table
-            self._known[slot] = 0
-        known = int(self._known[slot])
-        mirror = self._mirror[slot]
+            mirror.clear()
         base = slot * self.width
-        if first_written < known and mirror[first_written] != table[first_written]:  # copy-on-write
+        if first_written < len(mirror) and mirror[first_written] != table[first_written]:  # copy-on-write
             mirror[first_written] = table[first_written]
             updates += (base + first_written, table[first_written])
-        for j in range(known, len(table)):
-            mirror[j] = table[j]
+        for j in range(len(mirror), len(table)):
+            mirror.append(table[j])
             updates += (base + j, table[j])
-        self._known[slot] = len(table)
 
     # --- the step ------------------------------------------------------------------------------------------
 
@@ -200,33 +197,37 @@ class InputBatch:
         score_rows, score_targets, scored = [], [], []
         table_updates, params = [], []
         width, max_q, needs_filter = 1, 1, False
+        slot_of, table_updates_of = self._slot_of, self._table_updates
         for item in out.scheduled:
             seq = item.seq
-            slot = self._slot_of.get(seq.seq_id)
+            slot = slot_of.get(seq.seq_id)
             if slot is None:
                 slot = self._join(seq, params)
-            start, end = item.start, item.end
-            self._table_updates(seq, slot, start // bs, table_updates)
+            start = item.start
+            end = start + item.num_tokens
+            table_updates_of(seq, slot, start // bs, table_updates)
             table = seq.block_table
-            width = max(width, len(table))
-            if item.scored_positions:
+            if len(table) > width:
+                width = len(table)
+            token_ids = seq.token_ids
+            if seq.prompt_logprobs is not None and item.scored_positions:
                 positions = item.scored_positions
                 score_rows += [cu[-1] + p - start for p in positions]
-                score_targets += seq.token_ids[positions.start + 1:positions.stop + 1]
+                score_targets += token_ids[positions.start + 1:positions.stop + 1]
                 scored.append((item, len(positions)))
-            known = min(end, seq.num_tokens)
+            known = min(end, len(token_ids))
             if end - start == 1:
                 pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 if known > start:
-                    ids.append(seq.token_ids[start])
+                    ids.append(token_ids[start])
                     src.append(-1)
                 else:  # the token the step in flight samples: the device fills it in
                     ids.append(0)
                     src.append(pending[seq.seq_id])
             else:
                 max_q = max(max_q, end - start)
-                ids += seq.token_ids[start:known]
+                ids += token_ids[start:known]
                 src += [-1] * (known - start)
                 if known < end:
                     ids.append(0)
@@ -235,17 +236,21 @@ class InputBatch:
                 slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             row_slot.append(slot)
             seq_lens.append(end)
-            cu.append(cu[-1] + end - start)
+            row = cu[-1] + end - start
+            cu.append(row)
+            if not item.num_samples:
+                continue
             p = seq.sampling_params
+            drawn = len(token_ids) - seq.num_prompt_tokens + (known < end)  # the sequence's output tokens so far
+            needs_filter |= (p.top_k > 0 or p.top_p < 1.0) and p.temperature > 0
             for j in range(item.num_samples):
                 if p.logprobs is not None:
                     logprob_rows.append(len(sample_row))
-                sample_row.append(cu[-1] - 1)
+                sample_row.append(row - 1)
                 sample_slot.append(slot)
                 seed_off.append(j)
-                draw.append(seq.num_output_tokens + (known < end))
+                draw.append(drawn)
                 samples.append((seq, j))
-                needs_filter |= (p.top_k > 0 or p.top_p < 1.0) and p.temperature > 0
         n_tok, n_seq = len(ids), len(row_slot)
         graph = None
         if bool(self.graph_sizes) and max_q == 1 and n_tok == n_seq == len(sample_row) \

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.transformer import Transformer
-from nanoforge.serve.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from nanoforge.serve.llm_engine import EngineConfig, LLMEngine, RequestOutput, frozen_heap
 from nanoforge.serve.sampling_params import SamplingParams
 from nanoforge.tokenizer import Tokenizer
 
@@ -58,10 +58,11 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
+        with frozen_heap():
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
         bar.close()
         return [results[rid] for rid in ids]

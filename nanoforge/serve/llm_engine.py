@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import gc
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,6 +122,38 @@ class RequestOutput:
     error: str | None = None
     # with a KV pool, on the finished output: the save of the prompt's blocks (a future of the blocks stored)
     kv_save: concurrent.futures.Future | None = None
+
+
+_frozen_depth = 0
+_frozen_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Run a step loop with the objects alive at entry out of the cyclic garbage collector's walks (`gc.freeze`).
+
+    A step allocates a few containers per sequence; every few hundred steps that sets off a full collection,
+    which walks every object alive: the model, torch's and every imported module's. On nano-vllm's workload
+    those walks were a quarter of the engine's host time (`benchmarks/engine_host.py`). Frozen, a collection
+    walks what the loop made. Objects are still freed when their last reference goes; only cyclic garbage
+    from before entry waits for the exit, where everything is handed back to the collector. Nests (the
+    outermost entry freezes) and may be entered from several threads."""
+    global _frozen_depth
+    with _frozen_lock:
+        _frozen_depth += 1
+        if _frozen_depth == 1:
+            gc.freeze()
+    try:
+        yield
+    finally:
+        with _frozen_lock:
+            _frozen_depth -= 1
+            if _frozen_depth == 0:
+                gc.unfreeze()
+
+
+def _by_index(seq: Sequence) -> int:
+    return seq.index
 
 
 class _Detok:
@@ -293,25 +327,30 @@ class LLMEngine:
         if self.connector is not None:
             self._save_prompts(out)
         finished = {g.request_id: g for g in self.scheduler.update(out, sampled, logprobs, prompt_logprobs)}
-        finished.update({g.request_id: g for g in out.finished})
+        for group in out.finished:
+            finished[group.request_id] = group
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
+        first_token, get_group = self._first_token, self.scheduler.get_group
         for item in out.scheduled:
-            if item.num_samples:
-                group = finished.get(item.seq.request_id) or self.scheduler.get_group(item.seq.request_id)
+            rid = item.seq.request_id
+            if item.num_samples and rid not in touched:
+                group = finished.get(rid) or get_group(rid)
                 if group is not None:
-                    touched[group.request_id] = group
-                    self._first_token.setdefault(group.request_id, now)
+                    touched[rid] = group
+                    if rid not in first_token:
+                        first_token[rid] = now
         touched.update(finished)
         results = []
         for rid, group in touched.items():
-            for seq in group.seqs:
-                if self._update_text(seq) and not seq.is_finished:
-                    done = self.scheduler.finish_seq(seq, "stop")
-                    if done is not None:
-                        finished[rid] = done
+            if self.tokenizer is not None:
+                for seq in group.seqs:
+                    if self._update_text(seq) and not seq.is_finished:
+                        done = self.scheduler.finish_seq(seq, "stop")
+                        if done is not None:
+                            finished[rid] = done
             results.append(self._output(group, rid in finished or group.is_finished, now))
-        for rid, group in finished.items():
+        for group in finished.values():
             self._forget(group)
         return results
 
@@ -348,18 +387,21 @@ class LLMEngine:
         return False
 
     def _output(self, group: SequenceGroup, finished: bool, now: float) -> RequestOutput:
-        rid = group.request_id
-        outs = [CompletionOutput(s.index, self._detok[s.seq_id].text if s.seq_id in self._detok else "",
-                                 s.output_token_ids, s.finish_reason,  # (a fresh slice)
-                                 list(s.output_logprobs) if s.sampling_params.logprobs is not None else None)
-                for s in sorted(group.seqs, key=lambda s: s.index)]
+        rid, detok = group.request_id, self._detok
+        seqs = group.seqs if len(group.seqs) == 1 else sorted(group.seqs, key=_by_index)
+        outs = []
+        for s in seqs:
+            st = detok.get(s.seq_id)
+            outs.append(CompletionOutput(s.index, st.text if st is not None else "", s.output_token_ids,  # (a copy)
+                                         s.finish_reason,
+                                         list(s.output_logprobs) if s.sampling_params.logprobs is not None else None))
         metrics = {"arrival_time": group.arrival_time, "first_token_time": self._first_token.get(rid)}
         if finished:
             metrics["finish_time"] = now
+        first = group.seqs[0]
         return RequestOutput(rid, self._prompts.get(rid), group.prompt_token_ids, outs, finished,
-                             prompt_logprobs=group.seqs[0].prompt_logprobs,
-                             num_cached_tokens=group.seqs[0].num_cached_tokens, metrics=metrics, error=group.error,
-                             kv_save=self._saves.get(rid) if finished else None)
+                             prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
+                             metrics=metrics, error=group.error, kv_save=self._saves.get(rid) if finished else None)
 
     def _forget(self, group: SequenceGroup) -> None:
         for s in group.seqs:

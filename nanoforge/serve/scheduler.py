@@ -309,10 +309,11 @@ class Scheduler:
         once its prompt is computed); their blocks are already free.
         """
         bm = self.block_manager
+        eos, max_len = self.config.eos_token_ids, self.config.max_model_len
         finished = []
         for item in output.scheduled:
             seq = item.seq
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted, or stopped by the engine or by its previous token, after schedule()
             if seq.status is SequenceStatus.RUNNING:  # (not preempted by a later schedule())
                 bm.cache_computed_blocks(seq, item.end)
@@ -337,17 +338,18 @@ class Scheduler:
             if tokens is None or len(tokens) != item.num_samples:
                 raise RuntimeError(f"update(): sequence {seq.seq_id} needs {item.num_samples} sampled token(s), "
                                    f"got {tokens!r}")
-            group = self._groups[seq.request_id]
             seq_logprobs = logprobs.get(seq.seq_id) if logprobs else None
+            ended = False  # (only a sequence that ends here can end its group: the rest ended in earlier updates)
             for i, (target, token) in enumerate(zip(item.targets, tokens)):
-                if target.is_finished:
+                if target.status is SequenceStatus.FINISHED:
                     continue
                 target.num_pending -= 1
                 target.append_token(token, seq_logprobs[i] if seq_logprobs else None)
-                reason = check_stop(target, self.config.eos_token_ids, self.config.max_model_len)
+                reason = check_stop(target, eos, max_len)
                 if reason:
                     self._finish_seq(target, reason)
-            if group.is_finished:
+                    ended = True
+            if ended and (group := self._groups[seq.request_id]).is_finished:
                 finished.append(self._retire(group))
         if output.scheduled:
             self._counters["steps"] += 1
@@ -386,12 +388,14 @@ class Scheduler:
         if new_blocks > bm.num_free_blocks:
             return None
         out = SchedulerOutput()
-        for seq in seqs:
-            if not seq.num_computed_tokens % bs:
+        scheduled = out.scheduled
+        for seq in seqs:  # (`_advance` inlined for a plain decode)
+            start = seq.num_computed_tokens
+            if not start % bs:
                 bm.append_slots(seq, 1)
-            item = ScheduledSeq(seq, seq.num_computed_tokens, 1, 1)
-            out.scheduled.append(item)
-            self._advance(item)
+            scheduled.append(ScheduledSeq(seq, start, 1, 1, [seq]))
+            seq.num_computed_tokens = start + 1
+            seq.num_pending += 1
         return out
 
     # ---- the three queues ------------------------------------------------
@@ -557,6 +561,9 @@ class Scheduler:
         if not item.num_samples:
             return
         item.targets.append(seq)
+        if item.num_samples == 1:
+            seq.num_pending += 1
+            return
         group = self._groups[seq.request_id]
         for _ in range(item.num_samples - 1):  # n > 1: fork at the end of the prefill
             child = seq.fork(index=len(group.seqs))

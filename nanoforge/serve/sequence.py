@@ -174,7 +174,10 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # (a loop, not all() over a generator: the engine asks every step)
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
