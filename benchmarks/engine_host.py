@@ -36,7 +36,14 @@ from pathlib import Path
 PHASES = ("schedule", "prepare", "collect", "update", "outputs")
 
 
-def measure(requests: int, seed: int, async_scheduling: bool) -> dict:
+MODES = {  # name: (async scheduling, outputs every step)
+    "sync": (False, False),  # LLM.generate, step by step
+    "async": (True, False),  # LLM.generate a step ahead (the GPU default)
+    "async, streamed": (True, True),  # the server streaming every request: each step reports every request
+}
+
+
+def measure(requests: int, seed: int, async_scheduling: bool, streamed: bool) -> dict:
     """One run of the workload through an engine with the device's part stubbed out: host seconds per phase."""
     import torch
 
@@ -78,10 +85,13 @@ def measure(requests: int, seed: int, async_scheduling: bool) -> dict:
     timed(runner, "collect", "collect")
     timed(engine.scheduler, "update", "update")
     rng = random.Random(seed)
+    # as `LLM.generate` asks, or a stream (a revision from before output kinds reports every step either way)
+    kind = {"output_kind": "cumulative" if streamed else "final_only"} \
+        if "output_kind" in SamplingParams.__dataclass_fields__ else {}
     for _ in range(requests):
         prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(100, 1024))]
         engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(100, 1024), ignore_eos=True,
-                                                  temperature=0.6))
+                                                  temperature=0.6, **kind))
     steps = seq_steps = tokens = 0
     # the step loop as `LLM.generate` and the server run it (a revision from before `frozen_heap`: as it ran then)
     loop = getattr(llm_engine, "frozen_heap", contextlib.nullcontext)
@@ -110,11 +120,9 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
-def run_at(tree: Path, a: argparse.Namespace, async_scheduling: bool) -> dict:
+def run_at(tree: Path, a: argparse.Namespace, mode: str) -> dict:
     """One measurement in a fresh process that imports nanoforge from `tree`."""
-    cmd = [sys.executable, __file__, "--child", "--requests", str(a.requests), "--seed", str(a.seed)]
-    if async_scheduling:
-        cmd.append("--async")
+    cmd = [sys.executable, __file__, "--child", mode, "--requests", str(a.requests), "--seed", str(a.seed)]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -127,11 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--against", metavar="REV", help="also measure the package at this git revision")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--async", dest="async_", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(measure(a.requests, a.seed, a.async_)))
+        print(json.dumps(measure(a.requests, a.seed, *MODES[a.child])))
         return 0
     if a.requests < 1 or a.rounds < 1:
         print("--requests and --rounds must be positive", file=sys.stderr)
@@ -149,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         trees[a.against] = Path(tmp)
     results: dict = {}
     try:
-        total = a.rounds * len(trees) * 2
+        total = a.rounds * len(trees) * len(MODES)
         done, started = 0, time.perf_counter()
-        for mode in ("sync", "async"):
+        for mode in MODES:
             for _ in range(a.rounds):
                 for name, tree in trees.items():  # alternating: a machine warming up favours neither
-                    results.setdefault(mode, {}).setdefault(name, []).append(run_at(tree, a, mode == "async"))
+                    results.setdefault(mode, {}).setdefault(name, []).append(run_at(tree, a, mode))
                     done += 1
                     rate = (time.perf_counter() - started) / done
                     print(f"  {done}/{total} runs, {rate:.1f} s each, ETA {rate * (total - done):.0f} s",
@@ -178,7 +185,7 @@ def print_table(report: dict, against: str | None) -> None:
     print(f"\nengine host work per step, device stubbed ({report['workload']}; median of {report['rounds']})")
     for mode, by_tree in report["modes"].items():
         ours = by_tree["this tree"]
-        print(f"\n{mode} scheduling: {ours['steps']} steps, {ours['seq_steps'] / ours['steps']:.0f} sequences a "
+        print(f"\n{mode}: {ours['steps']} steps, {ours['seq_steps'] / ours['steps']:.0f} sequences a "
               f"step on average, {ours['seconds']:.2f} s")
         head = f"{'phase':<10}{'us/step':>10}{'us/seq-step':>13}"
         if against:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import preset
 from nanoforge.model.generate import generate
 from nanoforge.model.transformer import Transformer
+from nanoforge.serve.llm_engine import frozen_heap
 from nanoforge.tokenizer import Tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. PACK MY BOX WITH FIVE DOZEN LIQUOR JUGS! 0123456789,;:?'\n"
@@ -139,6 +141,46 @@ def test_parallel_sampling_and_seeds(tok):
     # completion 0 with seed 7 is what the reference generator draws with seed 7
     ref = generate(model, p, max_new_tokens=16, temperature=1.0, seed=7)
     assert list(samples[0]) == ref
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_final_only_requests_report_once_with_what_cumulative_ones_report_last(tok, async_scheduling):
+    """A "final_only" request is in no step's outputs but its last, and that output is a "cumulative" twin's
+    last one (text, tokens, logprobs, stop), whatever else the batch holds; the cumulative twin reports every
+    step that gave it a token."""
+    model = make_model(tok)
+    ps = prompts(4, random.Random(5), 5, 30)
+    llm = LLM(model, tok, num_gpu_blocks=200, async_scheduling=async_scheduling)
+    engine = llm.engine
+    base = dict(n=2, temperature=1.0, seed=3, max_tokens=12, logprobs=2, stop=["o"])
+    for i, p in enumerate(ps):
+        for kind in ("cumulative", "final_only"):
+            engine.add_request(p, SamplingParams(**base, output_kind=kind), request_id=f"{kind}-{i}")
+    seen: dict[str, list] = {}
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0  # the loop's heap is frozen while it runs
+        while engine.has_unfinished():
+            for out in engine.step():
+                seen.setdefault(out.request_id, []).append(out)
+    assert gc.get_freeze_count() == 0  # and handed back to the collector after
+    for i in range(len(ps)):
+        cumulative, final = seen[f"cumulative-{i}"], seen[f"final_only-{i}"]
+        assert len(final) == 1 and final[0].finished and len(cumulative) > 1
+        assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+        for c, f in zip(cumulative[-1].outputs, final[0].outputs):
+            assert (c.text, c.token_ids, c.finish_reason, c.logprobs) == (f.text, f.token_ids, f.finish_reason,
+                                                                          f.logprobs)
+    with pytest.raises(NanoforgeError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+
+
+def test_frozen_heap_nests_and_thaws_only_at_the_outermost_exit():
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == frozen > 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_seeded_request_is_independent_of_batch(tok):

@@ -146,6 +146,35 @@ def run_to_completion(s: Scheduler, arrivals: dict[int, list[SequenceGroup]] | N
     raise AssertionError(f"no progress after {max_steps} steps: {s.stats()}")
 
 
+def run_a_step_ahead(s: Scheduler, arrivals: dict[int, list[SequenceGroup]], aborts: dict[int, list[str]],
+                     on_step, max_steps: int = 5000) -> dict[str, SequenceGroup]:
+    """Drive the scheduler as the engine's asynchronous scheduling does: schedule step n + 1, then update step n
+    (tokens a function of each sequence's history, as FakeRunner's). Returns {request_id: group} finished."""
+    finished: dict[str, SequenceGroup] = {}
+    in_flight: list = []
+    last_arrival = max(arrivals, default=0)
+    for step in range(max_steps):
+        for g in arrivals.get(step, []):
+            s.add(g)
+        for rid in aborts.get(step, []):
+            if (g := s.abort(rid)) is not None:
+                finished[g.request_id] = g
+        if not s.has_unfinished() and not in_flight and step > last_arrival:
+            return finished
+        out = s.schedule()
+        finished.update((g.request_id, g) for g in out.finished)
+        on_step(s, out)
+        if not out.is_empty:
+            in_flight.append(out)
+        if len(in_flight) > 1 or (in_flight and out.is_empty):
+            done = in_flight.pop(0)
+            sampled = {item.seq.seq_id: [FakeRunner.token(item.seq, k) for k in range(item.num_samples)]
+                       for item in done.scheduled if item.num_samples}
+            finished.update((g.request_id, g) for g in s.update(done, sampled))
+        check_invariants(s)
+    raise AssertionError(f"no progress after {max_steps} steps: {s.stats()}")
+
+
 def random_workload(seed: int, num_requests: int, max_model_len: int, with_aborts: bool):
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(8, 30))] for _ in range(3)]
@@ -547,4 +576,39 @@ def test_decode_fast_path_repeats_exactly_what_the_full_pass_builds(seed, monkey
                       s.stats()["preemptions"])
         if fast:
             assert sum(h is not None for h in hits) >= 8
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_fast_path_a_step_ahead_repeats_what_the_full_pass_builds(seed, monkeypatch):
+    """Scheduled a step ahead (asynchronous scheduling), the fast path leaves out a sequence whose token still
+    on the device is its last, as the full pass does, and goes on with the others: the same schedules and
+    tokens as planning every step in full; and it fires on such steps."""
+    runs = {}
+    for fast in (True, False):
+        s = Scheduler(config(block_size=8, num_gpu_blocks=24, num_cpu_blocks=8,
+                             preemption_mode="swap" if seed else "recompute"))
+        hits, ending_hits = [], []
+        if not fast:
+            monkeypatch.setattr(s, "_repeat_decodes", lambda: None)
+        else:
+            fast_path = s._repeat_decodes
+
+            def counted(fast_path=fast_path, s=s, hits=hits, ending_hits=ending_hits):
+                ending = any(q.num_pending and s._ends_by_length(q) for q in s._decoding)
+                out = fast_path()
+                hits.append(out is not None)
+                ending_hits.append(out is not None and ending)
+                return out
+
+            monkeypatch.setattr(s, "_repeat_decodes", counted)
+        schedules = []
+        arrivals, aborts = random_workload(seed, 30, 64, with_aborts=True)
+        finished = run_a_step_ahead(s, arrivals, aborts, on_step=lambda s, out: schedules.append(
+            [(i.seq.request_id, i.seq.index, i.start, i.num_tokens, i.num_samples) for i in out.scheduled]))
+        assert_all_blocks_returned(s)
+        runs[fast] = (schedules, {rid: [q.token_ids for q in g.seqs] for rid, g in finished.items()},
+                      s.stats()["preemptions"])
+        if fast:
+            assert sum(hits) >= 8 and sum(ending_hits) >= 1
     assert runs[True] == runs[False]

@@ -126,7 +126,8 @@ def _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile) ->
     engine.add_request(prompts[0][:64], SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    rids = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True))
+    rids = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True,
+                                                 output_kind="final_only"))  # as `LLM.generate` asks
             for p, o in zip(prompts, outputs)]
     token_ids: dict[str, list[int]] = {}
     util_sum, samples, step = 0.0, 0, 0
@@ -149,8 +150,9 @@ def _run(engine, model, prompts, outputs, temperature, max_num_seqs, profile) ->
             if step % 8 == 0 and engine.scheduler.block_manager.num_used_blocks:
                 util_sum += engine.scheduler.kv_utilization()
                 samples += 1
-            bar.update(len(outs))  # each request that progressed got one token (n = 1)
-            token_ids.update((o.request_id, o.outputs[0].token_ids) for o in outs if o.finished)
+            for o in outs:  # (only finished requests report)
+                token_ids[o.request_id] = o.outputs[0].token_ids
+                bar.update(len(o.outputs[0].token_ids))
     _sync(device)
     dt = time.perf_counter() - t0
     bar.close()

@@ -11,6 +11,7 @@ results come back in the order of the prompts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -51,6 +52,7 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
+                params = dataclasses.replace(params, output_kind="final_only")  # only the end is returned
                 ids.append(self.engine.add_request(prompt if isinstance(prompt, str) else list(prompt), params))
         except NanoforgeError:
             for rid in ids:  # all or nothing: a bad prompt queues none of the batch

@@ -311,7 +311,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then read back a step's tokens: this one's, or with asynchronous
         scheduling the one before (launched last time; this one runs meanwhile). Returns an output for every
-        request that progressed or finished in the step read back."""
+        request that finished in the step read back, and for every other one that progressed in it unless its
+        `output_kind` is "final_only"."""
         if self.connector is not None:  # idle but for loads: wait a little for one instead of spinning
             for group in self.connector.ready_loads(wait=0.0 if self.scheduler.has_unfinished() else 0.01):
                 self.scheduler.enqueue(group)
@@ -349,7 +350,9 @@ class LLMEngine:
                         done = self.scheduler.finish_seq(seq, "stop")
                         if done is not None:
                             finished[rid] = done
-            results.append(self._output(group, rid in finished or group.is_finished, now))
+            done = rid in finished or group.is_finished
+            if done or group.sampling_params.output_kind == "cumulative":
+                results.append(self._output(group, done, now))
         for group in finished.values():
             self._forget(group)
         return results

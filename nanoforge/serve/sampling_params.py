@@ -16,6 +16,11 @@ generates nothing (the request finishes with reason "length" once its prompt
 is computed); with nothing generated the n completions would all be the same,
 so it needs n=1.
 
+`output_kind` says which steps report the request (vLLM's `RequestOutputKind`): "cumulative" (the default)
+returns its output, every token so far, from each step that gave it a token, as a stream needs; "final_only"
+only from the step that finishes it, as `LLM.generate` and a non-streaming HTTP request need (building an
+output every step was the largest part of the engine's host work per step).
+
 Field checks run at construction; `validate(vocab_size)` adds the checks that
 need the vocabulary (token ids). Every failure raises `NanoforgeError` naming
 the field, so the HTTP server can answer 400 with `param` set.
@@ -27,6 +32,9 @@ import math
 from dataclasses import dataclass
 
 from nanoforge.errors import NanoforgeError
+
+
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 def _fail(param: str, message: str) -> None:
@@ -54,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: str = "cumulative"  # or "final_only"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -80,6 +89,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0)
+        if self.output_kind not in OUTPUT_KINDS:
+            _fail("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
                 _fail("stop", f"must be a non-empty string or a list of non-empty strings, got {self.stop!r}")

@@ -370,23 +370,29 @@ class Scheduler:
         """The last step's decodes again, or None: the full pass is needed. Valid, and what the full pass would
         build, when the last step decoded every running sequence, nobody has joined (nothing waits or is
         swapped out) or left since, no write needs a copy-on-write, and the new blocks (one for each sequence
-        whose next token starts a block) are free."""
+        whose next token starts a block) are free. A sequence whose token still on the device is its last one
+        (it ends by length) is left out, here and in the repeats after, as the full pass leaves it out."""
         seqs = self._decoding
         if not seqs or self.waiting or self.swapped:
             return None
         bm, bs = self.block_manager, self.config.block_size
         new_blocks = 0
+        ending = False
         for seq in seqs:
             start = seq.num_computed_tokens
-            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens + seq.num_pending - start != 1 or \
-                    (seq.num_pending and self._ends_by_length(seq)):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens + seq.num_pending - start != 1:
                 return None
+            if seq.num_pending and self._ends_by_length(seq):
+                ending = True
+                continue
             if not start % bs:
                 new_blocks += 1
             elif bm.ref_counts[seq.block_table[start // bs]] != 1:
                 return None
         if new_blocks > bm.num_free_blocks:
             return None
+        if ending:
+            seqs = self._decoding = [seq for seq in seqs if not (seq.num_pending and self._ends_by_length(seq))]
         out = SchedulerOutput()
         scheduled = out.scheduled
         for seq in seqs:  # (`_advance` inlined for a plain decode)

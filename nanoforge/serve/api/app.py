@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -74,7 +75,9 @@ def openai_app(frontend, parser: RequestParser, metrics: Metrics, lifespan: Call
 
     async def run(request: Request, parse) -> Response:
         parsed = await parse(request)
-        stream = await frontend.add(parsed.prompts, parsed.params, request_id=parsed.request_id,
+        # a response sent whole needs each prompt's last output only
+        params = parsed.params if parsed.stream else dataclasses.replace(parsed.params, output_kind="final_only")
+        stream = await frontend.add(parsed.prompts, params, request_id=parsed.request_id,
                                     arrival_time=parsed.arrival)
         return await respond(request, parsed, stream, parser.model_name, parser.tokenizer)
 
