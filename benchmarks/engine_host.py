@@ -88,10 +88,11 @@ def measure(requests: int, seed: int, async_scheduling: bool, streamed: bool) ->
     # as `LLM.generate` asks, or a stream (a revision from before output kinds reports every step either way)
     kind = {"output_kind": "cumulative" if streamed else "final_only"} \
         if "output_kind" in SamplingParams.__dataclass_fields__ else {}
+    requested = 0
     for _ in range(requests):
         prompt = [rng.randrange(cfg.vocab_size) for _ in range(rng.randint(100, 1024))]
-        engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(100, 1024), ignore_eos=True,
-                                                  temperature=0.6, **kind))
+        requested += (max_tokens := rng.randint(100, 1024))
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.6, **kind))
     steps = seq_steps = tokens = 0
     # the step loop as `LLM.generate` and the server run it (a revision from before `frozen_heap`: as it ran then)
     loop = getattr(llm_engine, "frozen_heap", contextlib.nullcontext)
@@ -105,7 +106,8 @@ def measure(requests: int, seed: int, async_scheduling: bool, streamed: bool) ->
             seq_steps += sum(len(g.seqs) for g in engine.scheduler.running)
     total = time.perf_counter() - started
     spent["outputs"] = total - sum(spent.values())
-    return {"seconds": total, "steps": steps, "seq_steps": seq_steps, "output_tokens": tokens, "phases": spent}
+    return {"seconds": total, "steps": steps, "seq_steps": seq_steps, "output_tokens": tokens,
+            "requested_tokens": requested, "phases": spent}
 
 
 def rows(r: dict) -> dict:
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         made = subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", tmp, a.against],
                               capture_output=True, text=True)
         if made.returncode:
+            os.rmdir(tmp)
             print(f"--against {a.against}: {made.stderr.strip().splitlines()[-1]}", file=sys.stderr)
             return 2
         trees[a.against] = Path(tmp)
@@ -177,8 +180,35 @@ def main(argv: list[str] | None = None) -> int:
     print_table(report, a.against)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "engine_host.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {a.out / 'engine_host.json'}")
+    plot(report, a.out / "engine_host.png")
+    print(f"wrote {a.out / 'engine_host.json'} and engine_host.png")
     return 0
+
+
+def plot(report: dict, path: Path) -> None:
+    """Per mode, a stacked bar of microseconds per sequence-step by phase for each tree measured."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    bars = [(f"{mode}\n{name}", r["rows"]) for mode, by_tree in report["modes"].items() for name, r in by_tree.items()]
+    fig, ax = plt.subplots(figsize=(1.2 * len(bars) + 3, 3.8))
+    for i, (_, r) in enumerate(bars):
+        bottom = 0.0
+        for j, phase in enumerate(PHASES):
+            t = r[phase]["us_per_seq_step"]
+            ax.bar(i, t, 0.6, bottom=bottom, color=plt.cm.tab10(j), label=phase if i == 0 else None)
+            bottom += t
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=7)
+    ax.set_ylabel("host us per sequence-step")
+    ax.set_title(f"engine host work, device stubbed ({report['workload']})", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def print_table(report: dict, against: str | None) -> None:
