@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 import random
 
-from nanoforge.serve.disagg.handover import OutputDecoder, OutputEncoder, _common_prefix
+from nanoforge.serve.disagg.handover import (
+    OutputDecoder, OutputEncoder, _common_prefix, handover_body, parse_handover,
+)
 from nanoforge.serve.llm_engine import CompletionOutput, RequestOutput
+from nanoforge.serve.sampling_params import SamplingParams
 
 
 def test_the_common_prefix_is_the_naive_ones():
@@ -31,3 +34,13 @@ def test_events_rebuild_every_output_as_it_grows_and_when_it_is_cut():
         got = dec.apply(event)
         assert got.outputs[0].text == text and got.outputs[0].token_ids == list(range(i + 1))
     assert froms == [0, 2, 3, 3, 5, 10, 12]  # all that was sent, except where the text changed behind it
+
+
+def test_a_hand_over_asks_the_instance_for_every_steps_output_whatever_the_client_asked():
+    """A non-streaming client's request is "final_only" at the conductor's front; the instances it hands the
+    request to must still report every step (the conductor learns decode instances' pace from them)."""
+    params = SamplingParams(max_tokens=5, seed=3, output_kind="final_only")
+    body = handover_body("r", [1, 2, 3], params)
+    rid, prompt, sent, _ = parse_handover(body, resume=False)
+    assert sent.output_kind == "cumulative" and sent.seed == 3 and sent.max_tokens == 5
+    assert params.output_kind == "final_only"  # the caller's params are left alone

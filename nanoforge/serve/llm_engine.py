@@ -347,9 +347,9 @@ class LLMEngine:
             if self.tokenizer is not None:
                 for seq in group.seqs:
                     if self._update_text(seq) and not seq.is_finished:
-                        done = self.scheduler.finish_seq(seq, "stop")
-                        if done is not None:
-                            finished[rid] = done
+                        ended = self.scheduler.finish_seq(seq, "stop")
+                        if ended is not None:
+                            finished[rid] = ended
             done = rid in finished or group.is_finished
             if done or group.sampling_params.output_kind == "cumulative":
                 results.append(self._output(group, done, now))

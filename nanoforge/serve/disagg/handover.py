@@ -47,7 +47,10 @@ def params_from_json(d) -> SamplingParams:
 
 def handover_body(request_id: str, prompt: list[int], params: SamplingParams,
                   outputs: list[CompletionOutput] | None = None) -> dict:
-    """The body of /disagg/prefill (no outputs) or /disagg/decode (the completions to go on with)."""
+    """The body of /disagg/prefill (no outputs) or /disagg/decode (the completions to go on with). An instance
+    reports every step to the conductor, whatever its client asked for (the conductor learns each decode
+    instance's pace from them), so the params go as "cumulative"."""
+    params = dataclasses.replace(params, output_kind="cumulative")
     body = {"request_id": request_id, "prompt": prompt, "params": params_to_json(params)}
     if outputs is not None:
         body["outputs"] = [{"index": c.index, "token_ids": c.token_ids, "logprobs": c.logprobs} for c in outputs]
