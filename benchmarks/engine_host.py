@@ -5,7 +5,9 @@ The real scheduler, block manager, persistent input batch and engine bookkeeping
 forward pass and sampler are stubbed out: the forward returns zeros at once and the sampler draws token ids
 from a seeded generator. Every second measured is then the host's: per step phase (schedule; prepare = pack
 the inputs, upload and block operations; collect = read the tokens back; update = append them, check stops;
-outputs = the rest of `LLMEngine.step()`: the request outputs it returns), per step and per sequence-step.
+outputs = the rest of `LLMEngine.step()`: the request outputs it returns), per step and per sequence-step,
+in three modes: sync (`LLM.generate` step by step), async (a step ahead, the GPU default) and streamed (a step
+ahead, every request streamed as the server does: each step reports every request).
 
 On the H200 a decode step of this workload at ~146 sequences takes the GPU ~6 ms, and the engine keeps up
 only while the host's step is shorter: the host's per-sequence cost bounds tokens/s at any device speed.
@@ -13,7 +15,7 @@ only while the host's step is shorter: the host's per-sequence cost bounds token
 `--against REV` measures the package as it was at git revision REV too (a worktree of REV, the same script,
 a subprocess per round, rounds alternating) and reports this tree's speed-up over it, phase by phase.
 
-    python benchmarks/engine_host.py [--requests N] [--rounds R] [--against REV]
+    python benchmarks/engine_host.py [--requests N] [--rounds R] [--modes sync,async,streamed] [--against REV]
 
 Prints a table; writes engine_host.json under $OUT (default ./out). Runs on the CPU (~10 s a round).
 """
@@ -39,7 +41,7 @@ PHASES = ("schedule", "prepare", "collect", "update", "outputs")
 MODES = {  # name: (async scheduling, outputs every step)
     "sync": (False, False),  # LLM.generate, step by step
     "async": (True, False),  # LLM.generate a step ahead (the GPU default)
-    "async, streamed": (True, True),  # the server streaming every request: each step reports every request
+    "streamed": (True, True),  # the server streaming every request a step ahead: each step reports every one
 }
 
 
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="runs of each tree and mode; the median is kept (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--against", metavar="REV", help="also measure the package at this git revision")
+    p.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} (default: all)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -144,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.requests < 1 or a.rounds < 1:
         print("--requests and --rounds must be positive", file=sys.stderr)
+        return 2
+    modes = a.modes.split(",")
+    if not modes or set(modes) - set(MODES):
+        print(f"--modes takes a comma-separated list of {', '.join(MODES)}, not {a.modes!r}", file=sys.stderr)
         return 2
     here = Path(__file__).resolve().parents[1]
     trees = {"this tree": here}
@@ -159,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         trees[a.against] = Path(tmp)
     results: dict = {}
     try:
-        total = a.rounds * len(trees) * len(MODES)
+        total = a.rounds * len(trees) * len(modes)
         done, started = 0, time.perf_counter()
-        for mode in MODES:
+        for mode in modes:
             for _ in range(a.rounds):
                 for name, tree in trees.items():  # alternating: a machine warming up favours neither
                     results.setdefault(mode, {}).setdefault(name, []).append(run_at(tree, a, mode))
