@@ -3,7 +3,7 @@
 The workload on a GPU is nano-vllm's benchmark: 256 requests, prompts of 100
 to 1,024 random token ids, outputs of 100 to 1,024 tokens with `ignore_eos`,
 on a model of Qwen3-0.6B's shape with random weights. On a CPU, where that
-takes hours, the default is a small workload that finishes in about a minute
+takes hours, the default is a small workload that finishes in seconds
 (`CPU_WORKLOAD`); a workload asked for on a CPU gets a time estimate first.
 
 The engine takes every request at once (continuous batching). The baseline,
@@ -74,7 +74,7 @@ class Workload:
 
 
 GPU_WORKLOAD = Workload("qwen3-0.6b", 256, 100, 1024, 100, 1024)  # nano-vllm's benchmark
-CPU_WORKLOAD = Workload("shakespeare-char", 16, 10, 100, 10, 100)  # nano-vllm's lengths / 10: about a minute
+CPU_WORKLOAD = Workload("shakespeare-char", 16, 10, 100, 10, 100)  # nano-vllm's lengths / 10: ~10 s on 2 cores
 LONG_ON_CPU_S = 180  # beyond this a CPU run says how to shrink itself
 
 
@@ -349,7 +349,7 @@ def bench_throughput(w: Workload, *, hf_batch: int = 64, max_num_seqs: int = 256
               + (f", HF {_duration(est['hf'])}" if baseline else "") + ", from pieces of a step timed just now)")
         if total > LONG_ON_CPU_S:
             print("to shrink it: lower --num-requests, --max-input, --max-output, pick a smaller --model-preset, or "
-                  "add --no-baseline; with no workload flags the CPU default takes about a minute")
+                  "add --no-baseline; with no workload flags the CPU default takes seconds")
     torch.manual_seed(w.seed)
     result["nanoforge"], engine_ids = run_engine(model, prompts, outputs, max_num_seqs=max_num_seqs,
                                                  temperature=temperature, tensor_parallel_size=tensor_parallel_size,
@@ -459,7 +459,7 @@ def resolve_workload(args: argparse.Namespace, device: torch.device) -> tuple[Wo
                              param="model_preset")
     model_config(w)  # the longest request must fit the model's context
     if base is CPU_WORKLOAD and not given:
-        return w, (f"CPU: a small workload that finishes in about a minute ({w.describe()}); nano-vllm's workload, "
+        return w, (f"CPU: a small workload that finishes in seconds ({w.describe()}); nano-vllm's workload, "
                    f"the GPU default, takes hours on a CPU: nanoforge bench throughput {GPU_WORKLOAD.flags()}")
     return w, f"workload: {w.describe()}"
 
