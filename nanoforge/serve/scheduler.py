@@ -394,14 +394,12 @@ class Scheduler:
         if ending:
             seqs = self._decoding = [seq for seq in seqs if not (seq.num_pending and self._ends_by_length(seq))]
         out = SchedulerOutput()
-        scheduled = out.scheduled
-        for seq in seqs:  # (`_advance` inlined for a plain decode)
-            start = seq.num_computed_tokens
-            if not start % bs:
+        for seq in seqs:
+            if not seq.num_computed_tokens % bs:
                 bm.append_slots(seq, 1)
-            scheduled.append(ScheduledSeq(seq, start, 1, 1, [seq]))
-            seq.num_computed_tokens = start + 1
-            seq.num_pending += 1
+            item = ScheduledSeq(seq, seq.num_computed_tokens, 1, 1)
+            out.scheduled.append(item)
+            self._advance(item)
         return out
 
     # ---- the three queues ------------------------------------------------
