@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
