@@ -311,23 +311,16 @@ class Scheduler:
         bm = self.block_manager
         eos, max_len = self.config.eos_token_ids, self.config.max_model_len
         finished = []
+        computed = 0
         for item in output.scheduled:
             seq = item.seq
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted, or stopped by the engine or by its previous token, after schedule()
             if seq.status is SequenceStatus.RUNNING:  # (not preempted by a later schedule())
                 bm.cache_computed_blocks(seq, item.end)
-            self._counters["computed_tokens"] += item.num_tokens
-            scored = seq.prompt_logprobs
-            if scored is not None and len(scored) < seq.num_prompt_tokens and item.start > len(scored) - 1:
-                raise RuntimeError(f"update(): sequence {seq.seq_id} computed from position {item.start} but scored "
-                                   f"only {len(scored) - 1} prompt positions: prompt logprobs would be skipped")
-            if item.scored_positions:
-                entries = (prompt_logprobs or {}).get(seq.seq_id)
-                if entries is None or len(entries) != len(item.scored_positions):
-                    raise RuntimeError(f"update(): sequence {seq.seq_id} needs prompt logprobs for positions "
-                                       f"{item.scored_positions}, got {entries!r:.200}")
-                seq.prompt_logprobs.extend(entries)
+            computed += item.num_tokens
+            if seq.prompt_logprobs is not None:
+                self._record_prompt_logprobs(item, prompt_logprobs)
             if not item.num_samples:
                 if item.end == seq.num_tokens:  # max_tokens=0: the prompt is all it asked for
                     self._finish_seq(seq, "length")
@@ -351,9 +344,25 @@ class Scheduler:
                     ended = True
             if ended and (group := self._groups[seq.request_id]).is_finished:
                 finished.append(self._retire(group))
+        self._counters["computed_tokens"] += computed
         if output.scheduled:
             self._counters["steps"] += 1
         return finished
+
+    @staticmethod
+    def _record_prompt_logprobs(item: ScheduledSeq, prompt_logprobs: dict[int, list] | None) -> None:
+        """Append the prompt logprobs of a chunk's `scored_positions` to its sequence's (which asked for them)."""
+        seq = item.seq
+        scored = seq.prompt_logprobs
+        if len(scored) < seq.num_prompt_tokens and item.start > len(scored) - 1:
+            raise RuntimeError(f"update(): sequence {seq.seq_id} computed from position {item.start} but scored "
+                               f"only {len(scored) - 1} prompt positions: prompt logprobs would be skipped")
+        if item.scored_positions:
+            entries = (prompt_logprobs or {}).get(seq.seq_id)
+            if entries is None or len(entries) != len(item.scored_positions):
+                raise RuntimeError(f"update(): sequence {seq.seq_id} needs prompt logprobs for positions "
+                                   f"{item.scored_positions}, got {entries!r:.200}")
+            scored.extend(entries)
 
     # ---- the decode fast path --------------------------------------------
 
