@@ -131,8 +131,8 @@ def _add_serve(sub):
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
                    help="split the model over N GPUs, one process each (default: 1)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule step n + 1 while the GPU runs step n (default: on a GPU, where it is not "
-                        "ruled out by --tensor-parallel-size or --store)")
+                   help="schedule step n + 1 while the GPU runs step n (default: on a GPU, except for an instance "
+                        "that saves prompts to a KV pool, where it is not yet measured)")
     p.add_argument("--graph-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA-graph the prefill and mixed steps too, padded to token buckets, one graph per bucket "
                         "captured at start (default: on where decode steps are graphed, i.e. on a GPU)")

@@ -177,8 +177,9 @@ def test_mixed_prompts_with_and_without_hits_are_exact(model, tok, stores):
 
 
 def test_an_engine_that_only_loads_schedules_a_step_ahead_and_stays_exact(model, tok, stores):
-    """A decode instance's engine (loads, never saves) may schedule a step ahead; one that saves may not. Its
-    loads land before the steps that read them: the same tokens as step by step without a pool."""
+    """A decode instance's engine (loads, never saves) schedules a step ahead by default on a GPU; one that saves
+    does when asked. Its loads land before the steps that read them: the same tokens as step by step without a
+    pool."""
     rng = random.Random(2)
     shared = [rng.randrange(60) for _ in range(50)]
     prompts = [shared + [rng.randrange(60) for _ in range(rng.randint(1, 20))] for _ in range(5)]
@@ -187,13 +188,51 @@ def test_an_engine_that_only_loads_schedules_a_step_ahead_and_stays_exact(model,
     plain = LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64, block_size=BS))
     try:
         assert b.async_scheduling and not a.async_scheduling
-        with pytest.raises(NanoforgeError, match="saving to a KV pool"):
-            engine(model, tok, stores[0], async_scheduling=True)
         wait_saved(run(a, prompts[:1]))
         got = [o.outputs[0].token_ids for o in run(b, prompts)]
         assert got == [o.outputs[0].token_ids for o in run(plain, prompts)]
         assert b.stats()["kv_pool"]["loaded_blocks"] >= 3  # the shared 3 full blocks came from the pool
         assert b.stats()["kv_blocks_used"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_engine_that_saves_a_step_ahead_stays_exact_and_what_it_saved_loads_elsewhere(model, tok, stores):
+    """A prefill or colocated instance asked to schedule a step ahead (`--async-scheduling`) reads a prompt's
+    blocks for the pool after the step ahead was launched. With a cache too small for the batch, that step
+    preempts sequences whose prompts the step before had just finished: they are not saved then (their blocks
+    are gone) but after their recomputation. Every output is the step-by-step engine's, every block comes back,
+    and a second engine loads what was saved bit for bit."""
+    rng = random.Random(16005)  # (a workload on which it happens, found by trying seeds: prompts no other test has)
+    prompts = [[rng.randrange(60) for _ in range(rng.randint(33, 60))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    a = LLMEngine(model, tok, EngineConfig(num_gpu_blocks=16, block_size=BS, async_scheduling=True), kv_pool=stores[0])
+    plain = LLMEngine(model, tok, EngineConfig(num_gpu_blocks=64, block_size=BS))
+    b = engine(model, tok, stores[1], kv_pool_save=False)
+    skipped = []
+    _save_prompts = a._save_prompts
+
+    def watched(out):  # (count the prompts the step ahead had taken the blocks of)
+        skipped.extend(item for item in out.scheduled if item.seq.status.name != "RUNNING"
+                       and item.start < item.seq.num_prompt_tokens <= item.end)
+        _save_prompts(out)
+
+    a._save_prompts = watched
+    try:
+        assert a.async_scheduling
+        outs = run(a, prompts, params)
+        wait_saved(outs)
+        want = [o.outputs[0].token_ids for o in run(plain, prompts, params)]
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert a.stats()["preemptions"] > 0 and skipped  # the case this test is for happened
+        assert a.stats()["kv_blocks_used"] == 0
+        assert a.stats()["kv_pool"]["saved_blocks"] >= 2 * len(prompts)  # every prompt's 2-3 full blocks
+        got = run(b, [p + [1] for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids
+                                                         for o in run(plain, [p + [1] for p in prompts], params)]
+        assert b.stats()["kv_pool"]["loaded_blocks"] >= 2 * len(prompts)
+        assert all(o.num_cached_tokens >= 2 * BS for o in got)
     finally:
         a.close()
         b.close()

@@ -348,8 +348,9 @@ class KVConnector:
 
     def save_prompt(self, seq: Sequence) -> concurrent.futures.Future | None:
         """Write the full prompt blocks of `seq` that the pool is not known to hold; a future of how many were
-        stored, or None if nothing was sent. Call once the step that computed the end of the prompt has run,
-        while `seq.block_table` still holds its blocks."""
+        stored, or None if nothing was sent. Call once the step that computed the end of the prompt has been
+        launched (the read of the blocks follows it, and any step launched after it, in stream order), while
+        `seq.block_table` still holds its blocks and no step launched since writes them."""
         if not self.save_enabled:
             return None
         bs = self.block_size

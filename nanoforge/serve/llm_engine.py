@@ -56,7 +56,7 @@ from nanoforge.serve.scheduler import (
     SchedulerOutput,
     check_request,
 )
-from nanoforge.serve.sequence import Sequence, SequenceGroup
+from nanoforge.serve.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanoforge.serve.step_profile import StepStats
 from nanoforge.serve.tensor_parallel import (
     TensorParallel,
@@ -84,7 +84,7 @@ class EngineConfig:
     # CUDA graph per bucket captured at start; None: model_runner.GRAPH_PREFILL_DEFAULT (on where decode is graphed)
     graph_prefill: bool | None = None
     # schedule and launch step n + 1 before reading step n's tokens back (the host's work overlaps the device's);
-    # None: on a GPU (check_async_scheduling), not when saving to a KV pool (it needs each step's tokens first)
+    # None: on a GPU (check_async_scheduling), except when saving to a KV pool (works, not yet measured on a GPU)
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # processes (one per GPU) the model is split over
     device: str = "auto"
@@ -358,9 +358,14 @@ class LLMEngine:
         return results
 
     def _save_prompts(self, out: SchedulerOutput) -> None:
-        """Hand the KV connector the prompts whose last chunk this step computed (blocks still held)."""
+        """Hand the KV connector the prompts whose last chunk this step computed (blocks still held). A step
+        ahead, the next step was scheduled and launched first: a sequence it preempted (or an abort finished)
+        holds those blocks no more and is left out (recomputed, its prompt is saved then); the others' full
+        prompt blocks are not written by it, and the connector's read of them runs after it in stream order."""
         for item in out.scheduled:
             seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             if item.start < seq.num_prompt_tokens <= item.end and seq.request_id not in self._saves:
                 future = self.connector.save_prompt(seq)
                 if future is not None:
@@ -417,21 +422,17 @@ class LLMEngine:
 # --- construction shared by every rank -------------------------------------------------------------------
 
 def check_async_scheduling(c: EngineConfig, device: torch.device, kv_pool) -> bool:
-    """Whether the engine schedules a step ahead: `c.async_scheduling`, by default on a GPU where nothing
-    blocks it (on the H200: 2.6x the output tok/s of step-by-step scheduling on nano-vllm's workload; on the
-    CPU torch runs synchronously and there is nothing to overlap). With tensor parallelism every rank holds the
-    sampled tokens (the first rank broadcasts them on the device after each step), so a step launched ahead
-    reads its pending tokens on every rank. Saving to a KV pool (prompt blocks are saved from a step's results)
-    needs each step's tokens before the next one is scheduled; an engine that only loads from the pool (a
-    decode instance) can schedule ahead: its loads land in the cache before the step that reads them is
-    launched."""
-    saving = kv_pool is not None and c.kv_pool_save
-    blocker = "saving to a KV pool" if saving else None
+    """Whether the engine schedules a step ahead: `c.async_scheduling`, by default on a GPU (on the H200: 2.6x
+    the output tok/s of step-by-step scheduling on nano-vllm's workload; on the CPU torch runs synchronously
+    and there is nothing to overlap). With tensor parallelism every rank holds the sampled tokens (the first
+    rank broadcasts them on the device after each step), so a step launched ahead reads its pending tokens on
+    every rank. An engine that only loads from a KV pool (a decode instance) schedules ahead by default too:
+    its loads land in the cache before the step that reads them is launched. One that saves to a pool (a
+    prefill or colocated instance) does when asked (`--async-scheduling`): a prompt's blocks are read for the
+    pool after the step ahead was launched, in stream order, from a sequence that step did not preempt
+    (`_save_prompts`); tested on the CPU, not yet run on a GPU, so not the default there."""
     if c.async_scheduling is None:
-        return device.type == "cuda" and blocker is None
-    if c.async_scheduling and blocker:
-        raise NanoforgeError(f"async scheduling does not work with {blocker} yet; drop --async-scheduling",
-                             param="async_scheduling")
+        return device.type == "cuda" and not (kv_pool is not None and c.kv_pool_save)
     return c.async_scheduling
 
 
