@@ -364,17 +364,15 @@ class LLMEngine:
         prompt blocks are not written by it, and the connector's read of them runs after it in stream order."""
         for item in out.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            if item.start < seq.num_prompt_tokens <= item.end and seq.request_id not in self._saves:
+            if item.start < seq.num_prompt_tokens <= item.end and seq.status is SequenceStatus.RUNNING \
+                    and seq.request_id not in self._saves:
                 future = self.connector.save_prompt(seq)
                 if future is not None:
                     self._saves[seq.request_id] = future
 
     def _update_text(self, seq: Sequence) -> bool:
-        """Decode new tokens; True if a stop string appeared (the text is cut before it)."""
-        if self.tokenizer is None:
-            return False
+        """Decode new tokens (an engine with a tokenizer); True if a stop string appeared (the text is cut before
+        it)."""
         st = self._detok.get(seq.seq_id)
         if st is None:
             st = self._detok[seq.seq_id] = _Detok(self.tokenizer)

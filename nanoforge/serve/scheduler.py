@@ -386,24 +386,23 @@ class Scheduler:
             return None
         bm, bs = self.block_manager, self.config.block_size
         new_blocks = 0
-        ending = False
+        going_on = []
         for seq in seqs:
             start = seq.num_computed_tokens
             if seq.status is not SequenceStatus.RUNNING or seq.num_tokens + seq.num_pending - start != 1:
                 return None
             if seq.num_pending and self._ends_by_length(seq):
-                ending = True
                 continue
             if not start % bs:
                 new_blocks += 1
             elif bm.ref_counts[seq.block_table[start // bs]] != 1:
                 return None
+            going_on.append(seq)
         if new_blocks > bm.num_free_blocks:
             return None
-        if ending:
-            seqs = self._decoding = [seq for seq in seqs if not (seq.num_pending and self._ends_by_length(seq))]
+        self._decoding = going_on
         out = SchedulerOutput()
-        for seq in seqs:
+        for seq in going_on:
             if not seq.num_computed_tokens % bs:
                 bm.append_slots(seq, 1)
             item = ScheduledSeq(seq, seq.num_computed_tokens, 1, 1)
