@@ -119,8 +119,8 @@ def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatc
 
 
 @interpreter
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the launch that gave up: wrong numbers
-@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # (its reductions: the same)
+# the launch that gave up computes garbage by design: numpy's overflow, NaN and invalid-value warnings, which vary
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # from run to run with what the buffers held
 def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(monkeypatch):
     """A persistent launch whose programs cannot all run at once (two programs under the interpreter, which runs
     them one after the other: the first waits at its first barrier for a second that has not started) ends: the
