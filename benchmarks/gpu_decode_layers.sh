@@ -7,12 +7,14 @@
 # default in the same process (benchmarks/gpu_engine.py).
 #
 #   bash benchmarks/gpu_decode_layers.sh      # logs and JSON under $OUT (default ./out)
+#   BUDGET_S=420 bash benchmarks/gpu_decode_layers.sh   # a shorter call: (b)'s run and the engine tests shrink
 #
 # A part that fails stops the ones after it that need it (the benchmarks do not run on a kernel that failed
 # its tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
+BUDGET_S=${BUDGET_S:-570}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SECONDS=0
@@ -22,10 +24,11 @@ echo "== the kernel's GPU tests: rc $? at ${SECONDS} s"; grep -E "PASSED|FAILED|
 grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_kernel.log" || { tail -60 "$OUT/pytest_kernel.log"; exit 1; }
 OUT="$OUT/layers" timeout 120 python3 benchmarks/decode_layers.py > "$OUT/decode_layers.log" 2>&1
 echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -8 "$OUT/decode_layers.log"
-OUT="$OUT/engine" timeout 260 python3 benchmarks/gpu_engine.py --only decode --total 230 \
+total=$(( BUDGET_S - SECONDS - 60 < 230 ? BUDGET_S - SECONDS - 60 : 230 ))
+OUT="$OUT/engine" timeout $(( total + 30 )) python3 benchmarks/gpu_engine.py --only decode --total "$total" \
     --decode-variants persistent,again,persistent_pf0,persistent_pf6,persistent_plain > "$OUT/engine.log" 2>&1
 echo "== gpu_engine.py (b): rc $? at ${SECONDS} s"; grep -E "^\(b\)|Traceback|Error" "$OUT/engine.log" | tail -6
-left=$(( 570 - SECONDS ))
+left=$(( BUDGET_S - SECONDS ))
 if (( left > 30 )); then
     timeout "$left" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -k engine \
         > "$OUT/pytest_engine.log" 2>&1
