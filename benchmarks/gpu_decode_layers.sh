@@ -25,9 +25,13 @@ grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_k
 OUT="$OUT/layers" timeout 120 python3 benchmarks/decode_layers.py > "$OUT/decode_layers.log" 2>&1
 echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -8 "$OUT/decode_layers.log"
 total=$(( BUDGET_S - SECONDS - 60 < 230 ? BUDGET_S - SECONDS - 60 : 230 ))
-OUT="$OUT/engine" timeout $(( total + 30 )) python3 benchmarks/gpu_engine.py --only decode --total "$total" \
-    --decode-variants persistent,again,persistent_pf0,persistent_pf6,persistent_plain > "$OUT/engine.log" 2>&1
-echo "== gpu_engine.py (b): rc $? at ${SECONDS} s"; grep -E "^\(b\)|Traceback|Error" "$OUT/engine.log" | tail -6
+if (( total >= 60 )); then  # (less is not enough for (b) on both shapes: left out, said so)
+    OUT="$OUT/engine" timeout $(( total + 30 )) python3 benchmarks/gpu_engine.py --only decode --total "$total" \
+        --decode-variants persistent,again,persistent_pf0,persistent_pf6,persistent_plain > "$OUT/engine.log" 2>&1
+    echo "== gpu_engine.py (b): rc $? at ${SECONDS} s"; grep -E "^\(b\)|Traceback|Error" "$OUT/engine.log" | tail -6
+else
+    echo "== gpu_engine.py (b): left out, ${total} s of BUDGET_S=${BUDGET_S} left for it (it needs 60)"
+fi
 left=$(( BUDGET_S - SECONDS ))
 if (( left > 30 )); then
     timeout "$left" python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -k engine \
