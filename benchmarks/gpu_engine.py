@@ -20,8 +20,7 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     on an H200). Targets: >= 1.5x HF on both shapes, MFU >= 55% on Llama-3.2-1B's.
     `--prefill-variants` runs (a) and (c) again with prefill levers: another tile of prefill attention
     (NANOFORGE_ATTN_PREFILL_TILE, e.g. 128x64w8s3), `swiglu_epilogue` (gate-and-up's GEMM with SwiGLU in its
-    epilogue), `longest_first` (each prompt's attention tiles handed out last first), or several
-    (`128x64w8s3+swiglu_epilogue`).
+    epilogue), or both (`128x64w8s3+swiglu_epilogue`).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
     that hit the cache against the share of prefill time saved (target: saved >= 80% of the hit share).
@@ -87,8 +86,7 @@ OTHER = not GRAPH_PREFILL_DEFAULT  # the prefill-step mode each section also mea
 OTHER_NAME = "graphed" if OTHER else "eager"
 # Prefill levers (--prefill-variants): a variant is '+'-joined parts, each a name here or a prefill attention tile
 # (NANOFORGE_ATTN_PREFILL_TILE, kernels/paged_attention.py)
-PREFILL_LEVERS = {"swiglu_epilogue": {"NANOFORGE_SWIGLU_EPILOGUE": "1"},  # gate-and-up + SwiGLU in one GEMM
-                  "longest_first": {"NANOFORGE_ATTN_TILE_ORDER": "longest_first"}}  # attention's last tiles first
+PREFILL_LEVERS = {"swiglu_epilogue": {"NANOFORGE_SWIGLU_EPILOGUE": "1"}}  # gate-and-up + SwiGLU in one GEMM
 
 
 def prefill_env(variant: str) -> dict[str, str]:

@@ -140,9 +140,7 @@ PREFILL_SHAPES = (("llama3-1b", 32, 8, 64), ("qwen3-0.6b", 16, 8, 128))
 def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cuda", timer=None) -> list[dict]:
     """TFLOP/s of chunked-prefill attention (`prompts` fresh prompts of `length` tokens in one step, causal, as a
     16K-token engine step holds them) across launch configurations, per model shape; the engine's default
-    (`_tile_config`) is marked. The default's and the fastest's tiles are timed again handed out longest first
-    (NANOFORGE_ATTN_TILE_ORDER=longest_first), checked to be the same bits. The attention pairs' FLOPs:
-    4 * head_dim per query head per causal pair."""
+    (`_tile_config`) is marked. The attention pairs' FLOPs: 4 * head_dim per query head per causal pair."""
     timer = timer or time_ms
     rows = []
     for name, hq, hkv, d in PREFILL_SHAPES:
@@ -150,46 +148,39 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
         b = pa.make_paged_batch([length] * prompts, [length] * prompts, hq, hkv, d, 16, torch.bfloat16, device)
         flops = 4 * d * hq * prompts * length * (length + 1) // 2
         default = pa._tile_config(length, group)
+        tile_starts = None
         want = pa.paged_attention_ref(**b, scale=1 / math.sqrt(d)).double() if device == "cpu" else None
         print(f"paged prefill sweep, {name} shape ({hq}/{hkv} heads, head dim {d}), {prompts} x {length} tokens; "
               f"default BLOCK_M {default[0]} BLOCK_N {default[2]} warps {default[3]} stages {default[4]}")
-
-        def prefill(block_m, block_n, warps, stages, longest_first=False):
-            return lambda: pa._paged_attention_triton(
-                **b, scale=1 / math.sqrt(d), max_q_len=length, block_m=block_m, block_q=max(1, block_m // group),
-                block_n=block_n, num_splits=1, num_warps=warps, num_stages=stages, longest_first=longest_first,
-            )  # fmt: skip
-
         for block_m in (64, 128):
             for block_n in (32, 64, 128):
                 for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
-                    tile = (block_m, block_n, warps, stages)
+                    block_q = max(1, block_m // group)
+
+                    def prefill():
+                        return pa._paged_attention_triton(
+                            **b, scale=1 / math.sqrt(d), max_q_len=length, block_m=block_m, block_q=block_q,
+                            block_n=block_n, num_splits=1, num_warps=warps, num_stages=stages, tile_starts=tile_starts,
+                        )  # fmt: skip
+
                     try:
-                        out = prefill(*tile)()
+                        out = prefill()
                         if want is None:  # the first configuration's output is the others' reference
                             want = out.double()
                         err = rel_error(out, want)
-                        ms = timer(prefill(*tile))
+                        ms = timer(prefill)
                     except Exception as e:  # a configuration that does not fit (shared memory): reported, skipped
                         print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {e}")
                         continue
                     row = dict(shape=name, block_m=block_m, block_n=block_n, warps=warps, stages=stages, ms=ms,
                                tflops=flops / ms / 1e9, rel_error=err, ok=err < 1e-2,
-                               default=tile == (default[0], *default[2:]))
+                               default=(block_m, block_n, warps, stages) == (default[0], *default[2:]))
                     print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms:.3f} ms "
                           f"{row['tflops']:.0f} TFLOP/s, rel. error {err:.1e}" + ("  (default)" if row["default"] else "")
                           + ("" if row["ok"] else "  WRONG"), flush=True)
                     rows.append(row)
         best = max((r for r in rows if r["shape"] == name and r["ok"]), key=lambda r: r["tflops"])
         base = next((r for r in rows if r["shape"] == name and r["default"]), None)
-        for r in {id(r): r for r in (base, best) if r}.values():
-            tile = (r["block_m"], r["block_n"], r["warps"], r["stages"])
-            same = bool(torch.equal(prefill(*tile, longest_first=True)(), prefill(*tile)()))
-            ms = timer(prefill(*tile, longest_first=True))
-            r["longest_first"] = dict(ms=ms, tflops=flops / ms / 1e9, vs_in_order=r["ms"] / ms, same_bits=same)
-            print(f"  BLOCK_M {tile[0]:3d} BLOCK_N {tile[1]:3d} warps {tile[2]} stages {tile[3]}, longest tiles first: "
-                  f"{ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s, {r['ms'] / ms:.3f}x in order"
-                  + ("" if same else "  NOT THE SAME BITS"), flush=True)
         best["setting"] = f"{best['block_m']}x{best['block_n']}w{best['warps']}s{best['stages']}"
         print(f"  best: BLOCK_M {best['block_m']} BLOCK_N {best['block_n']} warps {best['warps']} stages "
               f"{best['stages']}, {best['tflops']:.0f} TFLOP/s"

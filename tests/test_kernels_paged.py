@@ -153,35 +153,6 @@ def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
         check(b, launch(b, max(qlens), (rows, rows // (hq // hkv), keys, warps, stages)))
 
 
-@interpreter
-@pytest.mark.parametrize("splits", [1, 2])
-def test_longest_first_tiles_give_the_same_output_bit_for_bit(poisoned, splits):
-    """NANOFORGE_ATTN_TILE_ORDER=longest_first hands out each sequence's query tiles last first: the same
-    tiles, each computed as before, so the output equals the in-order launch's bit for bit (and float64's):
-    whole prompts of several tiles (one with a partial last tile), a chunk after a cached prefix, a decode
-    and a padding sequence, with and without split contexts."""
-    ctx, qlens = [50, 9, 70, 1, 33], [50, 1, 37, 0, 33]
-    b = batch(ctx, qlens, 4, 2, 16, 8, seed=11)
-    tile = pa._tile_config(50, 2)
-    in_order = launch(b, 50, tile, splits)
-    longest_first = launch(b, 50, tile, splits, longest_first=True)
-    check(b, longest_first)
-    assert torch.equal(longest_first, in_order)
-
-
-def test_the_tile_order_comes_from_the_environment(monkeypatch):
-    """The order reaches prefill launches only (a decode has one tile a sequence); a bad value is one line."""
-    q, kc = torch.zeros(8, 4, 16), torch.zeros(4, 8, 2, 16)
-    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.tensor([5, 3])
-    assert not pa._launch_plan(q, kc, tables, lens, 5)["longest_first"]
-    monkeypatch.setenv("NANOFORGE_ATTN_TILE_ORDER", "Longest_First")
-    assert pa._launch_plan(q, kc, tables, lens, 5)["longest_first"]
-    assert not pa._launch_plan(q, kc, tables, lens, 1)["longest_first"]
-    monkeypatch.setenv("NANOFORGE_ATTN_TILE_ORDER", "reversed")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_ATTN_TILE_ORDER must be in_order or longest_first"):
-        pa.tile_order()
-
-
 def test_the_prefill_tile_comes_from_the_environment(monkeypatch):
     """NANOFORGE_ATTN_PREFILL_TILE sets prefill steps' launch (decode keeps its own), rows widened to a group's
     heads; a malformed value is one line naming the setting."""
@@ -292,16 +263,6 @@ def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, d):
     b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, 8, d, 16, torch.bfloat16, "cuda")
     out = pa.paged_attention(**b, max_q_len=2000)
     assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hq,d", [(32, 64), (16, 128)])
-def test_gpu_longest_first_tiles_full_size_bf16(poisoned, monkeypatch, hq, d):
-    """Tiles handed out last first: the in-order launch's output bit for bit, at full size."""
-    b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, 8, d, 16, torch.bfloat16, "cuda")
-    want = pa.paged_attention(**b, max_q_len=2000)
-    monkeypatch.setenv("NANOFORGE_ATTN_TILE_ORDER", "longest_first")
-    assert torch.equal(pa.paged_attention(**b, max_q_len=2000), want)
 
 
 @pytest.mark.gpu
@@ -446,8 +407,7 @@ def test_gpu_rope_and_kv_write_inside_attention_in_a_cuda_graph(poisoned, monkey
 def test_the_prefill_sweep_checks_every_tile_and_names_the_fastest_as_a_setting(poisoned, capsys, monkeypatch):
     """benchmarks/gpu_kernels_attention.py --prefill-sweep (never run on a GPU yet) on the CPU at a tiny size, a
     stand-in timer: every one of its 24 tiles per head shape computes the reference's output, the engine's
-    default is among them, and the fastest comes out as a NANOFORGE_ATTN_PREFILL_TILE setting the engine takes;
-    the default's and the fastest's tiles handed out longest first give the same bits."""
+    default is among them, and the fastest comes out as a NANOFORGE_ATTN_PREFILL_TILE setting the engine takes."""
     import sys
     from pathlib import Path
 
@@ -463,6 +423,4 @@ def test_the_prefill_sweep_checks_every_tile_and_names_the_fastest_as_a_setting(
         assert sum(r["default"] for r in mine) == 1
         (best,) = [r for r in mine if "setting" in r]
         assert best is mine[-1] and pa._parse_tile(best["setting"]) == (128, 128, 8, 3)
-        assert all(r["longest_first"]["same_bits"] for r in mine if r["default"] or r is best)
-        assert sum("longest_first" in r for r in mine) == 2
     assert "in the engine: NANOFORGE_ATTN_PREFILL_TILE=128x128w8s3" in capsys.readouterr().out

@@ -256,7 +256,7 @@ def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
     return TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel", _PAGED_SIGNATURE,
         {"BLOCK_D": constexprs["HEAD_D"], "BLOCK_SIZE": 16, "BLOCK_N": 64, "FUSE": False, "SPLITS_P2": 32,
-         "PDL": False, "ROPE": False, "HAS_NORM": False, "LONGEST_FIRST": False, **constexprs},
+         "PDL": False, "ROPE": False, "HAS_NORM": False, **constexprs},
         num_warps=num_warps, aligned=_PAGED_ALIGNED,
     )  # fmt: skip
 

@@ -86,7 +86,7 @@ def _launch_plan(q, k_cache, block_tables, seq_lens, max_q_len: int) -> dict:
                              _grid_tiles(q.shape[0], seq_lens.shape[0], block_q, varlen) * hkv,
                              block_tables.shape[1] * k_cache.shape[1], q.device)
     return {"block_m": block_m, "block_q": block_q, "block_n": block_n, "num_splits": num_splits,
-            "num_warps": num_warps, "num_stages": num_stages, "longest_first": varlen and tile_order() == "longest_first"}
+            "num_warps": num_warps, "num_stages": num_stages}
 
 
 def rope_write_and_attend(
@@ -125,14 +125,6 @@ def combine_mode() -> str:
     """How split contexts are combined: "kernel" (a second, small kernel; the default) or "fused" (the last split
     of each tile to finish, in the attention kernel itself)."""
     return env_choice("NANOFORGE_ATTN_COMBINE", ("kernel", "fused"))
-
-
-def tile_order() -> str:
-    """The order prefill and mixed steps hand out each sequence's query tiles (NANOFORGE_ATTN_TILE_ORDER):
-    "in_order" (first tile first; the default) or "longest_first" (its last tile, which sees the most keys of a
-    causal prompt, first, as FlashAttention-2 orders them, so that the launch ends on short tiles rather than
-    long ones that leave SMs idle). The same output bit for bit: each tile's arithmetic is unchanged."""
-    return env_choice("NANOFORGE_ATTN_TILE_ORDER", ("in_order", "longest_first"))
 
 
 def query_tile_starts(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -298,12 +290,10 @@ def _paged_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float, max_q_len: int, *,
     block_m: int, block_q: int, block_n: int, num_splits: int, num_warps: int, num_stages: int,
     tile_starts: torch.Tensor | None = None, fused_combine: bool = False, new_kv: tuple | None = None,
-    longest_first: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Launch with an explicit configuration (the benchmark sweeps these); `fused_combine`: split contexts are
     combined by each tile's last split to finish, not by `_combine_splits`; `new_kv`: (k, v, cos, sin,
-    slot_mapping, qk_norm) of a decode step, q as projected (`rope_write_and_attend`); `longest_first`: each
-    sequence's query tiles are handed out last tile first (`tile_order`)."""
+    slot_mapping, qk_norm) of a decode step, q as projected (`rope_write_and_attend`)."""
     total_q, hq, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = hq // hkv
@@ -342,8 +332,8 @@ def _paged_attention_triton(
         out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits, *rope_strides,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, SPLIT=num_splits > 1, FUSE=fuse, SPLITS_P2=_SPLITS_P2, VARLEN=varlen, PDL=on,
-        ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), LONGEST_FIRST=varlen and longest_first,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(on),
+        ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=bool(on),
     )  # fmt: skip
     if num_splits > 1 and not fuse:
         _combine_splits[(total_q, hq)](
@@ -376,7 +366,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     FUSE: tl.constexpr, SPLITS_P2: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     pdl.enter(PDL)
     pid = tl.program_id(0)
@@ -395,10 +385,7 @@ def _paged_attn_kernel(
             else:
                 hi = mid - 1
         seq = lo
-        if LONGEST_FIRST:  # the last tiles see the most keys: launched first, so the launch's tail is short ones
-            tok0 = (tl.load(TILE_STARTS + seq + 1) - 1 - pid) * BLOCK_Q
-        else:
-            tok0 = (pid - tl.load(TILE_STARTS + seq)) * BLOCK_Q  # this tile's first query token in the sequence
+        tok0 = (pid - tl.load(TILE_STARTS + seq)) * BLOCK_Q  # this tile's first query token in the sequence
     hk = tl.program_id(1)
     split = tl.program_id(2)
     q_begin = tl.load(CU_Q + seq)
