@@ -191,6 +191,56 @@ def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):
         layer_kernel.mode()
 
 
+def test_counts_a_capture_uses_are_made_eagerly_never_inside_it(monkeypatch):
+    """The arrival counts (the persistent kernel's barriers, split-K's, split attention's) of a launch inside a
+    CUDA graph capture are the device's buffer for graphs, made by an eager launch before: never made inside the
+    capture, where they would come from the graph's memory pool and outlive it (session 26: the GPU engine test's
+    second model decoded wrong tokens, its kernel counting inside memory its first model's graphs had freed).
+    Captures are stood in for on the CPU; the GPU engine test runs the families one after another in one process."""
+    from nanoforge.kernels import decode_layers as dl
+    from nanoforge.kernels import dispatch
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dispatch, "_COUNTERS", {})
+    monkeypatch.setattr(dispatch, "_KEPT", [])
+    monkeypatch.setattr(dl, "_TIMEOUTS", {})
+    for capture in (True, False):
+        monkeypatch.setattr(dispatch, "capturing", lambda d, c=capture: c)
+        monkeypatch.setattr(dl, "capturing", lambda d, c=capture: c)
+        if capture:  # nothing made yet: a capture may not make it
+            with pytest.raises(RuntimeError, match="first asked for inside a CUDA graph capture"):
+                dispatch.arrival_counters(cpu, 8)
+            with pytest.raises(RuntimeError, match="first launched inside a CUDA graph capture"):
+                dl._timeouts(cpu)
+    eager = dispatch.arrival_counters(cpu, 8)
+    dl._timeouts(cpu)
+    monkeypatch.setattr(dispatch, "capturing", lambda d: True)
+    monkeypatch.setattr(dl, "capturing", lambda d: True)
+    captured = dispatch.arrival_counters(cpu, 8)
+    assert captured is not eager and not captured.any() and captured is dispatch.arrival_counters(cpu, 4096)
+    assert dl._timeouts(cpu) is dl._TIMEOUTS["cpu"]
+    with pytest.raises(RuntimeError, match="5000 counts"):  # more than any eager launch asked for
+        dispatch.arrival_counters(cpu, 5000)
+    monkeypatch.setattr(dispatch, "capturing", lambda d: False)
+    dispatch.arrival_counters(cpu, 5000)  # an eager launch grows both
+    monkeypatch.setattr(dispatch, "capturing", lambda d: True)
+    assert dispatch.arrival_counters(cpu, 5000).numel() == 5000 and len(dispatch._KEPT) == 4
+
+
+@pytest.mark.gpu
+def test_gpu_counts_a_capture_uses_come_from_outside_its_pool(monkeypatch):
+    """In a real capture: the counts a captured launch gets are the buffer an eager launch made for graphs."""
+    from nanoforge.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_COUNTERS", {})
+    dev = torch.zeros(1, device="cuda").device
+    eager = dispatch.arrival_counters(dev, 8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dispatch.arrival_counters(dev, 8)
+    assert captured is dispatch._COUNTERS[(str(dev), "graphs")] and captured.data_ptr() != eager.data_ptr()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # GPU: one launch with grid-wide barriers
 # ------------------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import arrival_counters, env_choice, interpreting, sm_count
+from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, interpreting, sm_count
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
@@ -87,7 +87,9 @@ _TIMEOUTS: dict[str, torch.Tensor] = {}  # per device: programs that gave up wai
 def _timeouts(device: torch.device) -> torch.Tensor:
     key = str(device)
     if key not in _TIMEOUTS:  # made at a device's first launch, which is eager (the engine warms up first), as a
-        with torch.inference_mode(False):  # normal tensor: `barrier_timeouts` resets it in any mode
+        if capturing(device):  # normal tensor (`barrier_timeouts` resets it in any mode); never from a graph's pool
+            raise RuntimeError("decode_layers: first launched inside a CUDA graph capture; launch it eagerly first")
+        with torch.inference_mode(False):
             _TIMEOUTS[key] = torch.zeros(1, device=device, dtype=torch.int32)
     return _TIMEOUTS[key]
 

@@ -82,21 +82,37 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 _KEPT: list[torch.Tensor] = []  # every counter buffer made: graphs captured with one still use it
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether work on this device is being captured into a CUDA graph right now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least `n` int32 arrival counts for kernels whose last program to arrive finishes a piece of work (the
-    skinny matmul's split-K tiles, paged attention's split contexts), zero between launches (each piece's last
-    program resets its own), per device and stream: two launches on one stream never count at once, as a kernel
-    counts only after its wait for the one before it (PDL's; stream order without it), so every kernel on the
-    stream shares one buffer. Made on the first launch, which is eager (the autotuner and the engine's warm-up
-    run a shape before any capture); grown, never shrunk (a captured graph keeps the one it was captured with
-    alive here)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    have = _COUNTERS.get(key)
-    if have is None or have.numel() < n:
-        have = _COUNTERS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-        _KEPT.append(have)
-    return have
+    skinny matmul's split-K tiles, paged attention's split contexts, the persistent decode kernel's barriers),
+    zero between launches (each piece's last program resets its own), per device and stream: two launches on one
+    stream never count at once, as a kernel counts only after its wait for the one before it (PDL's; stream order
+    without it), so every kernel on the stream shares one buffer. Grown, never shrunk (a captured graph keeps
+    the one it was captured with alive here).
+
+    A launch inside a CUDA graph capture takes the device's buffer for graphs, which eager launches make (the
+    autotuner and the engine's warm-up run a shape before any capture); one is never made inside a capture: it
+    would come from the graph's memory pool, which goes back to the allocator with its engine, while a later
+    engine's graphs (captured on PyTorch's one capture stream, so under the same key) would still count in it,
+    inside whatever the allocator had put there since (session 26: a second engine's persistent decode kernel
+    counted inside its own weights and decoded wrong tokens)."""
+    capture = capturing(device)
+    stream = "graphs" if capture else torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key, for_graphs = (str(device), stream), (str(device), "graphs")
+    for k in (key,) if capture else (key, for_graphs):
+        have = _COUNTERS.get(k)
+        if have is None or have.numel() < n:
+            if capture:
+                raise RuntimeError(f"arrival_counters: {n} counts first asked for inside a CUDA graph capture on "
+                                   f"{device}; launch the kernel once eagerly before capturing it")
+            _COUNTERS[k] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+            _KEPT.append(_COUNTERS[k])
+    return _COUNTERS[key]
 
 
 def compile_threads() -> int:
