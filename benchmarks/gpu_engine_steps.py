@@ -5,7 +5,8 @@
 
 steps   Prefill of 64 prompts of 2,000 tokens on Llama-3.2-1B's shape (random bf16 weights), eager and graphed
         prefill steps, three passes over the same prompts in one engine: the wall ms of every step (synced), and
-        how many matmul autotunings and GEMM launch plans it added. A step far slower than its neighbours in the first
+        how many matmul autotunings and GEMM launch plans it added; then a graphed pass as gpu_engine.py's (c)
+        runs it (unsynced, a step ahead) and its device timeline: kernels against gaps a step. A step far slower than its neighbours in the first
         passes only is a one-time cost (a kernel compiled or tuned); docs/results/issue14/session7/
         diag_before_fix.json is how it found Triton specializing on per-step values. Also torch.profiler's
         kernels of one eager 16K-token step.
@@ -131,7 +132,40 @@ def section_steps(c: dict, device, dtype, res: dict) -> None:
                 steps.append((round(1e3 * (time.perf_counter() - t0), 1), b[0] - a[0], b[1] - a[1]))
             res[f"{'graphed' if graphed else 'eager'}_pass{p}"] = steps
             print("graphed" if graphed else "eager", "pass", p, "(ms, autotunings, plans):", steps, flush=True)
+        if graphed:
+            res["graphed_timeline"] = drained_timeline(eng, prompts, device)
         eng.close()
+
+
+def drained_timeline(eng, prompts: list, device) -> dict:
+    """Every prompt through the engine as gpu_engine.py's (c) runs them (a step ahead, no sync between steps):
+    the wall ms a step unprofiled, then the device's timeline of the same work profiled (device activity only):
+    how much of a step the kernels cover, and the gaps between them, short (launches inside a graph) and long
+    (the device waiting for the host)."""
+    def drain_all() -> int:
+        for x in prompts:
+            eng.add_request(x, ONE)
+        sync(device)
+        n = 0
+        while eng.has_unfinished():
+            eng.step()
+            n += 1
+        sync(device)
+        return n
+
+    t0 = time.perf_counter()
+    steps = drain_all()
+    wall = 1e3 * (time.perf_counter() - t0) / steps
+    with profile(activities=[a for a in activities(device) if a != ProfilerActivity.CPU] or activities(device)) as prof:
+        drain_all()
+    t = {"steps": steps, "wall_ms_per_step": round(wall, 2), **timeline(kernel_intervals(prof), steps)}
+    print(f"drained like (c): {steps} steps, {wall:.1f} ms a step unprofiled", end="")
+    if "busy_us_per_step" in t:
+        print(f"; profiled, a step spans {t['span_us_per_step'] / 1e3:.1f} ms = kernels {t['busy_us_per_step'] / 1e3:.1f}"
+              f" + short gaps {t['short_gaps_us_per_step'] / 1e3:.2f} + long gaps {t['long_gaps_us_per_step'] / 1e3:.2f}",
+              end="")
+    print(flush=True)
+    return t
 
 
 def attribute_kernel_calls() -> list[str]:

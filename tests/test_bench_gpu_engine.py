@@ -49,3 +49,29 @@ def test_an_unknown_prefill_variant_is_refused_in_one_line(tmp_path, capsys):
     assert err.startswith("--prefill-variants: '128x64' (in 'swiglu_epilogue+128x64') is neither a lever "
                           "(swiglu_epilogue) nor a tile: NANOFORGE_ATTN_PREFILL_TILE must be")
     assert "\n" not in err and not (tmp_path / "gpu_engine.json").exists()
+
+
+def load_steps_script():
+    spec = importlib.util.spec_from_file_location("gpu_engine_steps", SCRIPT.with_name("gpu_engine_steps.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_device_timeline_splits_a_step_into_kernels_and_gaps():
+    """gpu_engine_steps.timeline: overlapping kernels count once, gaps under the threshold are launch gaps, longer
+    ones the device waiting for the host; all per step."""
+    mod = load_steps_script()
+    t = mod.timeline([(0, 10), (5, 20), (25, 30), (130, 140)], steps=2, step_gap_us=20)
+    assert t["busy_us_per_step"] == (20 + 5 + 10) / 2
+    assert t["short_gaps_us_per_step"] == 5 / 2 and t["long_gaps_us_per_step"] == 100 / 2
+    assert t["span_us_per_step"] == 140 / 2 and t["kernels_per_step"] == 2
+
+
+def test_the_steps_section_runs_on_the_cpu_and_drains_like_c(tmp_path):
+    """--smoke --only steps: every pass's steps, and the drained pass gpu_engine.py's (c) is measured like."""
+    mod = load_steps_script()
+    assert mod.main(["--smoke", "--only", "steps", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "diag.json").read_text())
+    assert all(d[f"{kind}_pass{p}"] for kind in ("eager", "graphed") for p in range(3))
+    assert d["graphed_timeline"]["steps"] >= 1 and d["graphed_timeline"]["wall_ms_per_step"] > 0
