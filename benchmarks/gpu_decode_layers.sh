@@ -3,7 +3,7 @@
 # call of under ten minutes: its GPU tests (one launch equals a launch per phase bit for bit, i.e. the barriers
 # hold, at Llama-3.2-1B's, Qwen3-0.6B's and Qwen2-0.5B's widths; the engine with it decodes the reference tokens
 # on the three families), then the layers alone against the layer-by-layer path with the phase trace
-# (benchmarks/decode_layers.py), then issue 14's batch-1 decode (b) with it and its prefetch levers against the
+# (benchmarks/decode_layers.py), then issue 14's batch-1 decode (b) with it against the
 # default in the same process (benchmarks/gpu_engine.py).
 #
 #   bash benchmarks/gpu_decode_layers.sh      # logs and JSON under $OUT (default ./out)
@@ -27,7 +27,7 @@ echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -8 "$OUT/decode_layers.l
 total=$(( BUDGET_S - SECONDS - 60 < 230 ? BUDGET_S - SECONDS - 60 : 230 ))
 if (( total >= 60 )); then  # (less is not enough for (b) on both shapes: left out, said so)
     OUT="$OUT/engine" timeout $(( total + 30 )) python3 benchmarks/gpu_engine.py --only decode --total "$total" \
-        --decode-variants persistent,again,persistent_pf0,persistent_pf6,persistent_plain > "$OUT/engine.log" 2>&1
+        --decode-variants persistent,again > "$OUT/engine.log" 2>&1
     echo "== gpu_engine.py (b): rc $? at ${SECONDS} s"; grep -E "^\(b\)|Traceback|Error" "$OUT/engine.log" | tail -6
 else
     echo "== gpu_engine.py (b): left out, ${total} s of BUDGET_S=${BUDGET_S} left for it (it needs 60)"
