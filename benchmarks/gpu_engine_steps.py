@@ -6,10 +6,10 @@
 steps   Prefill of 64 prompts of 2,000 tokens on Llama-3.2-1B's shape (random bf16 weights), eager and graphed
         prefill steps, three passes over the same prompts in one engine: the wall ms of every step (synced), and
         how many matmul autotunings and GEMM launch plans it added; then a graphed pass as gpu_engine.py's (c)
-        runs it (unsynced, a step ahead) and its device timeline: kernels against gaps a step. A step far slower than its neighbours in the first
-        passes only is a one-time cost (a kernel compiled or tuned); docs/results/issue14/session7/
-        diag_before_fix.json is how it found Triton specializing on per-step values. Also torch.profiler's
-        kernels of one eager 16K-token step.
+        runs it (unsynced, a step ahead) and its device timeline: kernels against gaps a step. A step far slower
+        than its neighbours in the first passes only is a one-time cost (a kernel compiled or tuned);
+        docs/results/issue14/session7/diag_before_fix.json is how it found Triton specializing on per-step
+        values. Also torch.profiler's kernels of one eager 16K-token step.
 host    The host time of a small prefill step (Qwen3-0.6B's shape, 8 prompts of 8 tokens: the ~25-30 ms floor of
         an eager step): its wall ms eager and graphed (the default on a GPU), then, profiled, eager, each kernel
         entry point's calls and microseconds per call
@@ -161,9 +161,9 @@ def drained_timeline(eng, prompts: list, device) -> dict:
     t = {"steps": steps, "wall_ms_per_step": round(wall, 2), **timeline(kernel_intervals(prof), steps)}
     print(f"drained like (c): {steps} steps, {wall:.1f} ms a step unprofiled", end="")
     if "busy_us_per_step" in t:
-        print(f"; profiled, a step spans {t['span_us_per_step'] / 1e3:.1f} ms = kernels {t['busy_us_per_step'] / 1e3:.1f}"
-              f" + short gaps {t['short_gaps_us_per_step'] / 1e3:.2f} + long gaps {t['long_gaps_us_per_step'] / 1e3:.2f}",
-              end="")
+        ms = {k: t[f"{k}_us_per_step"] / 1e3 for k in ("span", "busy", "short_gaps", "long_gaps")}
+        print(f"; profiled, a step spans {ms['span']:.1f} ms = kernels {ms['busy']:.1f} + short gaps "
+              f"{ms['short_gaps']:.2f} + long gaps {ms['long_gaps']:.2f}", end="")
     print(flush=True)
     return t
 

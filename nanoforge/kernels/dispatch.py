@@ -99,8 +99,8 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     autotuner and the engine's warm-up run a shape before any capture); one is never made inside a capture: it
     would come from the graph's memory pool, which goes back to the allocator with its engine, while a later
     engine's graphs (captured on PyTorch's one capture stream, so under the same key) would still count in it,
-    inside whatever the allocator had put there since (session 26: a second engine's persistent decode kernel
-    counted inside its own weights and decoded wrong tokens)."""
+    inside whatever the allocator had put there since (session 26: a second model's engine in one process, with
+    the persistent decode kernel, decoded wrong tokens)."""
     capture = capturing(device)
     stream = "graphs" if capture else torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key, for_graphs = (str(device), stream), (str(device), "graphs")
