@@ -1,6 +1,7 @@
 """A batch-1 decode step's layers: the persistent kernel against the layer-by-layer path, in one process.
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
+    python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -9,7 +10,9 @@ and the skinny matmul, paged attention, PDL between the kernels) and with `NANOF
 kernel (serve/layer_kernel.py), each replayed from a CUDA graph; microseconds a step, the ratio, and the share of
 HBM bandwidth that reading the layers' weights and KV in that time comes to. Then one traced launch of the kernel:
 where its time goes, phase by phase, summed over the layers (`decode_layers.phase_times`). The LM head and
-sampling are left out (the same in both ways). --smoke runs the tiny presets interpreted (one launch of one program).
+sampling are left out (the same in both ways). --splits times the kernel again with its attention phase cut into
+other numbers of pieces a kv head (the default's 16 leave most of them empty at short contexts, and each kv
+head's last piece combines all of them). --smoke runs the tiny presets interpreted (one launch of one program).
 """
 
 from __future__ import annotations
@@ -123,14 +126,49 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def traced_phases(model: Transformer, kernel: LayerKernel, c: dict, device) -> dict:
+    """One launch of the kernel with its clock traced at every barrier: microseconds per phase over the layers."""
+    programs = torch.cuda.get_device_properties(device).multi_processor_count
+    trace = torch.zeros(1 + 2 * dl.PHASES * model.cfg.n_layers, programs, dtype=torch.int64, device=device)
+    x = model.embed(torch.tensor([7], device=device))
+    with torch.inference_mode():
+        dl.decode_layers(kernel.layers, x, c["cs"].reshape(2, -1), c["k"], c["v"], c["table"][0], c["seq_lens"],
+                         c["slot"], trace=trace)
+    torch.cuda.synchronize()
+    return dl.phase_times(trace)
+
+
+def ours_at_splits(n: int, model, kernel: LayerKernel, c: dict, device, replays: int, base_fn, base_us: float) -> dict:
+    """The kernel timed (and, on a GPU, traced) with its attention phase cut into n pieces a kv head."""
+    saved = dl.CONTEXT_SPLITS, dl.INTERPRET_SPLITS
+    dl.CONTEXT_SPLITS = dl.INTERPRET_SPLITS = n  # (read at each launch; the interpreter's count on the CPU)
+    try:
+        fn = step_fn(model, c, kernel)
+        with torch.inference_mode():
+            us = time_us(fn, device, replays)
+            diff = (base_fn() - fn()).abs().max().item()
+        out = {"one_kernel_us": us, "ratio": base_us / us, "max_abs_difference": diff}
+        if device.type == "cuda":
+            out["phases_us"] = traced_phases(model, kernel, c, device)
+        return out
+    finally:
+        dl.CONTEXT_SPLITS, dl.INTERPRET_SPLITS = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="llama3-1b,qwen3-0.6b")
     ap.add_argument("--ctx", type=int, default=384, help="the step's context, its token included")
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
+                    f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    splits = [int(v) if v.strip().isdigit() else 0 for v in args.splits.split(",") if v.strip()]
+    if any(v < 1 or v > 64 for v in splits):
+        print(f"--splits: each a whole number from 1 to 64, not {args.splits!r}", file=sys.stderr)
+        sys.exit(2)
     if args.smoke:
         presets, device, dtype, ctx, replays = ["tiny-llama", "tiny-qwen3"], torch.device("cpu"), torch.float32, 40, 1
     else:
@@ -165,15 +203,15 @@ def main() -> None:
         print(f"{name:<12} {base_us:>18.1f} {ours_us:>14.1f} {r['ratio']:>5.2f}x {100 * r['hbm_fraction']:>10.1f}% "
               f"{100 * r['baseline_hbm_fraction']:>10.1f}%")
         if device.type == "cuda":  # one traced launch: the phases' time
-            programs = torch.cuda.get_device_properties(device).multi_processor_count
-            trace = torch.zeros(1 + 2 * dl.PHASES * model.cfg.n_layers, programs, dtype=torch.int64, device=device)
-            x = model.embed(torch.tensor([7], device=device))
-            with torch.inference_mode():
-                dl.decode_layers(kernel.layers, x, c["cs"].reshape(2, -1), c["k"], c["v"], c["table"][0], c["seq_lens"],
-                                 c["slot"], trace=trace)
-            torch.cuda.synchronize()
-            r["phases_us"] = dl.phase_times(trace)
+            r["phases_us"] = traced_phases(model, kernel, c, device)
             print("   phases (us over all layers): " + ", ".join(f"{p} {t:.1f}" for p, t in r["phases_us"].items()))
+        for n in splits:  # the attention phase cut into n pieces a kv head (session 26: 11.3 us a Qwen3 layer)
+            r.setdefault("splits", {})[n] = ours_at_splits(n, model, kernel, c, device, replays, base_fn, base_us)
+            t = r["splits"][n]
+            ph = t.get("phases_us")
+            print(f"   {n} splits: {t['one_kernel_us']:.1f} us ({t['ratio']:.2f}x)" + (
+                f"; attention phase {ph['B work']:.1f} us, barrier waits "
+                f"{sum(v for p, v in ph.items() if p.endswith('wait')):.1f} us" if ph else ""))
         r["barrier_timeouts"] = dl.barrier_timeouts(device)  # not 0: its numbers are wrong (a barrier gave up)
         if r["barrier_timeouts"]:
             print(f"   {r['barrier_timeouts']} barrier wait(s) gave up: the one-kernel numbers are wrong")

@@ -309,17 +309,20 @@ def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, 
 @interpreter
 def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path):
     """`benchmarks/decode_layers.py --smoke`: the CPU dry run of the benchmark, both ways on tiny presets, the
-    JSON written with the two ways' final hidden states equal."""
+    JSON written with the two ways' final hidden states equal, at the kernel's split count and at others."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--out", str(tmp_path)], check=True,
+                   capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
+    assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
+                                                     for s in r["splits"].values()) for r in rows.values())
 
 
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):
