@@ -101,18 +101,20 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     engine's graphs (captured on PyTorch's one capture stream, so under the same key) would still count in it,
     inside whatever the allocator had put there since (session 26: a second model's engine in one process, with
     the persistent decode kernel, decoded wrong tokens)."""
-    capture = capturing(device)
-    stream = "graphs" if capture else torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key, for_graphs = (str(device), stream), (str(device), "graphs")
-    for k in (key,) if capture else (key, for_graphs):
+    for_graphs = (str(device), "graphs")
+    if capturing(device):
+        have = _COUNTERS.get(for_graphs)
+        if have is None or have.numel() < n:
+            raise RuntimeError(f"arrival_counters: {n} counts first asked for inside a CUDA graph capture on "
+                               f"{device}; launch the kernel once eagerly before capturing it")
+        return have
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    for k in (for_graphs, key):
         have = _COUNTERS.get(k)
         if have is None or have.numel() < n:
-            if capture:
-                raise RuntimeError(f"arrival_counters: {n} counts first asked for inside a CUDA graph capture on "
-                                   f"{device}; launch the kernel once eagerly before capturing it")
-            _COUNTERS[k] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-            _KEPT.append(_COUNTERS[k])
-    return _COUNTERS[key]
+            _COUNTERS[k] = have = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+            _KEPT.append(have)
+    return have
 
 
 def compile_threads() -> int:
