@@ -317,7 +317,7 @@ def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dic
         dt = time.perf_counter() - t0
         got = next(o for o in outs if o.request_id == rid).outputs[0].token_ids
         return {"tokens": got, "decode_tokens": len(got) - 1, "seconds": dt, "tok_s": (len(got) - 1) / dt,
-                "truncated": len(got) < tokens}
+                "truncated": len(got) < tokens, "decode_layers": getattr(engine.runner, "decode_layers", None)}
     finally:
         engine.close()
 
@@ -356,6 +356,7 @@ DECODE_VARIANTS = {
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},
     "persistent": {"NANOFORGE_DECODE_LAYERS": "persistent"},  # every layer in one kernel (serve/layer_kernel.py)
     "layer_by_layer": {"NANOFORGE_DECODE_LAYERS": "kernels"},  # the layers one by one, kernel after kernel
+    "auto": {"NANOFORGE_DECODE_LAYERS": "auto"},  # the faster of the two for the batch-1 graph, timed at the start
     # its L2 prefetch of the next phase's weights before each barrier, none or 6 tiles a program (default 2)
     "persistent_pf0": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "0"},
     "persistent_pf6": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "6"},
@@ -396,7 +397,8 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                             "variants": {v: {"env": DECODE_VARIANTS[v], "tok_s": run["tok_s"],
                                              "ratio": run["tok_s"] / ref["tok_s"],
                                              "hbm_fraction": per_token * run["tok_s"] / hbm,
-                                             "greedy_tokens_identical_to_ours": _same(run["tokens"], ours["tokens"])}
+                                             "greedy_tokens_identical_to_ours": _same(run["tokens"], ours["tokens"]),
+                                             "decode_layers": run["decode_layers"]}
                                          for v, run in runs.items()},
                             "gemv": gemv.decisions()}  # per shape: the autotuner's picks, cuBLAS or ours
         del model
@@ -405,6 +407,9 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
               f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
               f" greedy tokens identical for the first {same}/{n}; "
               + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in DECODE_VARIANTS[v].items())}) {d['tok_s']:,.0f} tok/s"
+                          + (f" (chose {d['decode_layers']['chosen']}: persistent "
+                             f"{d['decode_layers']['persistent_us']:.0f} us, kernels {d['decode_layers']['kernels_us']:.0f})"
+                             if d["decode_layers"] else "")
                           for v, d in r["variants"].items())
               + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else ""))
     return result

@@ -176,6 +176,61 @@ def test_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, monk
     assert llm.engine.stats()["prefix_cache_hit_rate"] > 0
 
 
+def forced_timings(monkeypatch, winner: str | None, seen: list, captured: dict) -> None:
+    """The engine's decode-layers choice (`replays_us` in model_runner) timed for real, then told `winner` won
+    (None: as timed); `captured` maps each batch-1 decode graph's replay to the way it was captured with."""
+    from nanoforge.serve import model_runner
+
+    real, capture = model_runner.replays_us, model_runner.ModelRunner._capture
+
+    def timed(runs, *a, **k):
+        us = real(runs, *a, **k)
+        seen.append(us)
+        return us if winner is None else {name: (1.0 if name == winner else 2.0) for name in us}
+
+    def recorded(self, layout, *, decode):
+        replay = capture(self, layout, decode=decode)
+        if decode and layout.t == 1:
+            captured[replay] = "kernels" if self.layer_kernel is None else "persistent"
+        return replay
+
+    monkeypatch.setattr(model_runner, "replays_us", timed)
+    monkeypatch.setattr(model_runner.ModelRunner, "_capture", recorded)
+
+
+@interpreter
+@pytest.mark.parametrize("winner", ["persistent", "kernels"])
+def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_tokens(tok, monkeypatch, winner):
+    """NANOFORGE_DECODE_LAYERS=auto: the engine runs its one-token decode step both ways once at its start (each
+    timed, here told which won) and its decode steps take the winner's way: the kernel for every decode step
+    of one sequence, or never; either way the reference generator's tokens, greedy and seeded."""
+    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "auto")
+    model = make_model(tok, "tiny-qwen3")
+    ps = prompts(2, random.Random(3), 5, 20)
+    want = [generate(model, p, max_new_tokens=6) for p in ps] + \
+        [generate(model, ps[0], max_new_tokens=6, temperature=0.8, seed=5)]
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    seen, calls, captured = [], [], {}
+    forced_timings(monkeypatch, winner, seen, captured)
+    real = layer_kernel.decode_layers
+    monkeypatch.setattr(layer_kernel, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    llm = LLM(model, tok, num_gpu_blocks=40, block_size=4)
+    runner = llm.engine.runner
+    assert len(seen) == 1 and set(seen[0]) == {"persistent", "kernels"} and min(seen[0].values()) > 0
+    loser = "kernels" if winner == "persistent" else "persistent"
+    assert runner.decode_layers == {"chosen": winner, f"{winner}_us": 1.0, f"{loser}_us": 2.0}
+    assert (runner.layer_kernel is not None) == (winner == "persistent")
+    assert sorted(captured.values()) == ["kernels", "persistent"]  # each way run at the start, once
+    at_start = len(calls)
+    assert at_start == 1  # the persistent way's one run (no graph on the CPU: its warm-up is its timed run)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]
+    got.append(llm.generate([ps[0]], SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True))[0]
+               .outputs[0].token_ids)
+    assert got == want
+    assert len(calls) - at_start == (3 * 5 if winner == "persistent" else 0)
+
+
 def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):
     """GPT-2 (LayerNorm, learned positions, biases) keeps its layers; the default leaves every model alone; a
     bad setting is one line naming it."""
@@ -187,7 +242,8 @@ def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):
     monkeypatch.delenv("NANOFORGE_DECODE_LAYERS", raising=False)
     assert layer_kernel.mode() == "kernels"
     monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "fused")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_LAYERS must be kernels or persistent, not 'fused'"):
+    with pytest.raises(NanoforgeError,
+                       match="NANOFORGE_DECODE_LAYERS must be kernels, persistent or auto, not 'fused'"):
         layer_kernel.mode()
 
 
@@ -303,6 +359,37 @@ def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, 
     assert [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps[:3]] == want[:3]
     assert llm.generate([ps[0]], seeded)[0].outputs[0].token_ids == want_seeded
     assert runner.graph_replays.get((True, 1), 0) > 60  # the batch-1 decode graph ran the kernel
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy)] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,winner", [(n, None) for n in FAMILIES] + [("tiny-qwen3", "persistent"),
+                                                                           ("tiny-qwen3", "kernels")])
+def test_gpu_auto_keeps_the_faster_graph_of_a_decode_step_and_decodes_the_reference_tokens(tok, monkeypatch, name,
+                                                                                            winner):
+    """NANOFORGE_DECODE_LAYERS=auto on the GPU: the batch-1 decode graph captured both ways and timed (each
+    time real and positive), the kept graph the one captured the winner's way (as timed; or told), and the
+    engine then decodes the reference generator's tokens, greedy and seeded, one sequence and several."""
+    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "auto")
+    model = make_model(tok, name).cuda()
+    ps = prompts(4, random.Random(11), 3, 40)
+    want = [generate(model, p, max_new_tokens=16) for p in ps]
+    want_seeded = generate(model, ps[0], max_new_tokens=16, temperature=0.8, seed=5)
+    seen, captured = [], {}
+    forced_timings(monkeypatch, winner, seen, captured)
+    llm = LLM(model, tok, num_gpu_blocks=48, max_num_seqs=4)
+    runner = llm.engine.runner
+    assert len(seen) == 1 and all(0 < us < 1e5 for us in seen[0].values()), seen
+    chosen = runner.decode_layers["chosen"]
+    assert chosen == (winner or min(seen[0], key=seen[0].get))
+    assert sorted(captured.values()) == ["kernels", "persistent"]
+    assert captured[runner.graphs[(True, 1)]] == chosen
+    assert (runner.layer_kernel is not None) == (chosen == "persistent")
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps[:2]] == want[:2]
+    seeded = SamplingParams(temperature=0.8, max_tokens=16, seed=5, ignore_eos=True)
+    assert llm.generate([ps[0]], seeded)[0].outputs[0].token_ids == want_seeded
+    assert runner.graph_replays.get((True, 1), 0) >= 40  # the kept batch-1 graph decoded them
     assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy)] == want
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import time
 
 import torch
 
@@ -85,6 +86,29 @@ _KEPT: list[torch.Tensor] = []  # every counter buffer made: graphs captured wit
 def capturing(device: torch.device) -> bool:
     """Whether work on this device is being captured into a CUDA graph right now."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def replays_us(runs: dict, rounds: int = 8, cuda: bool = True) -> dict:
+    """Microseconds of each run() (a CUDA graph's replay, or any call), the best of `rounds`, the runs taking
+    turns: a GPU whose clocks are still ramping up (a fresh server's start) favours none of them, where timed one
+    after the other the first would read slow. `cuda`: each run timed by CUDA events around it (on the current
+    stream), else by the wall clock."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                us = 1000 * start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                run()
+                us = 1e6 * (time.perf_counter() - t0)
+            best[name] = min(best[name], us)
+    return best
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:

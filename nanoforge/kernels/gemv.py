@@ -48,7 +48,7 @@ import triton.language as tl
 
 from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import (
-    arrival_counters, compile_in_parallel, env_choice, env_mib, interpreting, sm_count, use_fast,
+    arrival_counters, compile_in_parallel, env_choice, env_mib, interpreting, replays_us, sm_count, use_fast,
 )
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
@@ -306,9 +306,8 @@ def _apart(a, x, g, eps, w, bias, swiglu):
 
 
 def _graphs_us(fns: dict, replays: int = 8) -> dict:
-    """Microseconds of each fn() replayed from its CUDA graph (best of `replays`; one eager call first:
-    autotuning). The graphs' replays take turns, so that a GPU whose clocks are still ramping up (a fresh
-    server's start) favours neither: timed one after the other, the first way measured would read slow."""
+    """Microseconds of each fn() replayed from its CUDA graph (best of `replays`, in turns: `replays_us`; one
+    eager call first: autotuning)."""
     graphs = {}
     for name, fn in fns.items():
         stream = torch.cuda.Stream()
@@ -319,16 +318,7 @@ def _graphs_us(fns: dict, replays: int = 8) -> dict:
         graphs[name] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[name], capture_error_mode="thread_local"):  # a KV connector's thread may use CUDA
             fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(replays):
-        for name, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            best[name] = min(best[name], 1000 * start.elapsed_time(end))
-    return best
+    return replays_us({name: graph.replay for name, graph in graphs.items()}, replays)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

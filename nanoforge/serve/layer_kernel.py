@@ -1,9 +1,11 @@
 """A batch-1 decode step's layers in one launch (`kernels/decode_layers.py`), where the model allows it.
 
 NANOFORGE_DECODE_LAYERS picks how a decode step of one sequence runs the model's layers: `kernels` (the default:
-layer by layer, each projection the faster of cuBLAS and the skinny matmul, `Block.forward`) or `persistent`
-(one persistent kernel for all of them). The engine takes the second for the Llama / Qwen2 / Qwen3 families:
-RMSNorm, rotary positions, SwiGLU, biases only on Q/K/V, plain `nn.Linear` layers (not tensor-parallel ones).
+layer by layer, each projection the faster of cuBLAS and the skinny matmul, `Block.forward`), `persistent`
+(one persistent kernel for all of them) or `auto` (the engine times its batch-1 decode step both ways when it
+starts and keeps the faster: `ModelRunner._choose_decode_layers`). The kernel runs the Llama / Qwen2 / Qwen3
+families: RMSNorm, rotary positions, SwiGLU, biases only on Q/K/V, plain `nn.Linear` layers (not
+tensor-parallel ones).
 Steps of more than one token (prefill, mixed, a batch of decodes) always run layer by layer.
 
 The kernel indexes each kind of weight by layer, so `LayerKernel` stacks them once: every layer's tensor becomes
@@ -22,7 +24,7 @@ from nanoforge.model.transformer import RMSNorm, Transformer
 
 
 def mode() -> str:
-    return env_choice("NANOFORGE_DECODE_LAYERS", ("kernels", "persistent"))
+    return env_choice("NANOFORGE_DECODE_LAYERS", ("kernels", "persistent", "auto"))
 
 
 def supported(model: Transformer) -> bool:

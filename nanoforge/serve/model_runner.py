@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoforge.kernels.dispatch import env_choice
+from nanoforge.kernels.dispatch import env_choice, replays_us
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
 from nanoforge.kernels.sampling import sample_tokens
@@ -180,7 +180,7 @@ class ModelRunner:
         self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
         # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent): the weights stacked
         # before the cache takes the memory that is left
-        self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode() == "persistent" and tp is None
+        self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode() != "kernels" and tp is None
                              and layer_kernel.supported(model) else None)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
@@ -208,15 +208,19 @@ class ModelRunner:
         self.graph_replays: dict[tuple[bool, int], int] = {}  # how often each ran (stats, tests)
         self._graph_pool = None  # the memory pool every graph shares (they never run at once)
         self.profiler = None  # a StepProfiler (serve/step_profile.py) while `bench throughput --profile` runs
-        if sizes or buckets:
-            self.g_logits = torch.zeros(self.batch.max_num_seqs, self.cfg.vocab_size, dtype=self.dtype,
-                                        device=self.device) if self.is_driver else None
+        # the sampled rows' logits of every graph (None: no graphs, or not the driver; a step run for timing
+        # alone then makes its own)
+        self.g_logits = torch.zeros(self.batch.max_num_seqs, self.cfg.vocab_size, dtype=self.dtype,
+                                    device=self.device) if self.is_driver and (sizes or buckets) else None
         # every graph captured up front, the largest first (the pool they share is sized by it): a capture in the
         # middle of serving would stall every running request for it
         for t in reversed(buckets):
-            self._capture(Layout(t, self.batch.max_num_seqs), decode=False)
+            self.graphs[(False, t)] = self._capture(Layout(t, self.batch.max_num_seqs), decode=False)
         for b in reversed(sizes):
-            self._capture(Layout(b, b), decode=True)
+            self.graphs[(True, b)] = self._capture(Layout(b, b), decode=True)
+        self.decode_layers = None  # NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step timed both ways
+        if self.layer_kernel is not None and layer_kernel.mode() == "auto":
+            self._choose_decode_layers()
         if cuda and not buckets:
             self._warm_up_eager_prefill()
         if cuda and (sizes or buckets):
@@ -352,11 +356,13 @@ class ModelRunner:
         src = v["token_src"][:n]
         return torch.where(src >= 0, self.sampled[src.clamp(min=0)], v["ids"][:n])
 
-    def _forward(self, v: dict, n: int, s: int, max_q_len: int, width: int) -> torch.Tensor:
-        """Hidden states of the step's n tokens of s sequences (width: block-table columns to read)."""
+    def _forward(self, v: dict, n: int, s: int, max_q_len: int, width: int,
+                 kernel: layer_kernel.LayerKernel | None) -> torch.Tensor:
+        """Hidden states of the step's n tokens of s sequences (width: block-table columns to read; kernel: the
+        persistent kernel a one-token decode step runs its layers in, or None)."""
         tables = self.table[:, :width].index_select(0, v["row_slot"][:s])
         attn = PagedAttention(self.k_cache, self.v_cache, v["slots"][:n], tables, v["seq_lens"][:s],
-                              v["cu_seqlens"][:s + 1], max_q_len=max_q_len, layer_kernel=self.layer_kernel)
+                              v["cu_seqlens"][:s + 1], max_q_len=max_q_len, layer_kernel=kernel)
         positions = v["positions"][:n]
         rope = None
         if self.rope_table is not None:
@@ -428,7 +434,8 @@ class ModelRunner:
             self.graph_replays[key] = self.graph_replays.get(key, 0) + 1
             hidden, logits = None, self.g_logits[:n] if self.is_driver else None
         else:
-            hidden = self._forward(v, step.num_tokens, step.num_seqs, step.max_q_len, step.table_width)
+            hidden = self._forward(v, step.num_tokens, step.num_seqs, step.max_q_len, step.table_width,
+                                   self.layer_kernel)
             logits = self._sample(v, hidden[v["sample_row"][:n]], n) if n and self.is_driver else None
         if step.needs_filter and self.is_driver:
             self._sample_filtered(v, logits, n)
@@ -484,13 +491,34 @@ class ModelRunner:
             start += n
         return result
 
+    def _choose_decode_layers(self) -> None:
+        """NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step captured both ways (the persistent kernel, the
+        layers one by one), their replays timed in turns on the idle step (`replays_us`: the weights stream from
+        HBM as in any step; the context is short), and the faster kept: the persistent kernel saves launches but
+        syncs its programs at every phase, which wins on some models and GPUs and loses on others (session 27,
+        an H100: Qwen3-0.6B's batch-1 decode 1.12x; session 26, an H200: Llama-3.2-1B's 0.90x). Without a
+        batch-1 graph the two are timed the same way and only the choice is kept (on the CPU: eager steps).
+        `self.decode_layers` records the two times and the choice."""
+        kernel, graphed = self.layer_kernel, (True, 1) in self.graphs
+        persistent = self.graphs[(True, 1)] if graphed else self._capture(Layout(1, 1), decode=True)
+        self.layer_kernel = None
+        plain = self._capture(Layout(1, 1), decode=True)
+        cuda = self.device.type == "cuda"
+        us = replays_us({"persistent": persistent, "kernels": plain}, rounds=10 if cuda else 1, cuda=cuda)
+        chosen = min(us, key=us.get)
+        if chosen == "persistent":
+            self.layer_kernel = kernel
+        if graphed:
+            self.graphs[(True, 1)] = persistent if chosen == "persistent" else plain
+        self.decode_layers = {"chosen": chosen, "persistent_us": us["persistent"], "kernels_us": us["kernels"]}
+
     @torch.no_grad()
     def _warm_up_eager_prefill(self) -> None:
         """Run an idle eager step of 16 tokens and one of a full step before the first request: they compile the
         attention kernel's prefill variants (split context or not, by the launch's shape), which would otherwise
         compile at a first use in the middle of serving (~0.7 s on the H200, every running request stalled)."""
         for t in sorted({min(16, self.batch.max_num_tokens), self.batch.max_num_tokens}):
-            self._forward(self._idle_inputs(Layout(t, 1)), t, 1, t, self.max_blocks_per_seq)
+            self._forward(self._idle_inputs(Layout(t, 1)), t, 1, t, self.max_blocks_per_seq, None)
 
     def _idle_inputs(self, layout: Layout) -> dict:
         """The upload buffer filled with `layout`'s idle inputs (every row padding, reading and writing only the
@@ -502,19 +530,22 @@ class ModelRunner:
     # --- CUDA graphs -------------------------------------------------------------------------------------
 
     @torch.no_grad()  # the weights may require grad (a model fresh from training); the graph's outputs never do
-    def _capture(self, layout: Layout, *, decode: bool) -> None:
+    def _capture(self, layout: Layout, *, decode: bool) -> Callable[[], None]:
         """One graph for the steps of `layout`: input ids, the rows' block tables, the model, the logits of the
         sampled rows (into a buffer all graphs share) and the sampled tokens (temperature and seeds included):
         decode graphs (layout t = s = batch) and prefill buckets' (t tokens, every sequence slot), all at start.
-        On the CPU the "graph" is the padded step run eagerly (after the same warm-up on idle inputs)."""
+        On the CPU the "graph" is the padded step run eagerly (after the same warm-up on idle inputs). Returns
+        its replay (the layers run as `self.layer_kernel` says now)."""
         t, s = layout.t, layout.s
         v = self._idle_inputs(layout)
         max_q_len = 1 if decode else t
+        kernel = self.layer_kernel
 
         def run():
-            hidden = self._forward(v, t, s, max_q_len, self.max_blocks_per_seq)
+            hidden = self._forward(v, t, s, max_q_len, self.max_blocks_per_seq, kernel)
             if self.is_driver:
-                self._sample(v, hidden if decode else hidden[v["sample_row"]], s, logits_out=self.g_logits[:s])
+                out = self.g_logits[:s] if self.g_logits is not None else None
+                self._sample(v, hidden if decode else hidden[v["sample_row"]], s, logits_out=out)
 
         cuda = self.device.type == "cuda"
         if cuda:
@@ -525,12 +556,11 @@ class ModelRunner:
         with torch.cuda.stream(side):  # (None: a no-op on the CPU)
             run()  # warm up on the idle inputs (on the CPU too: what the tests check): compile, autotune
         if not cuda:
-            self.graphs[(decode, t)] = run
-            return
+            return run
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         # thread_local: another engine's KV connector worker in this process may wait on a CUDA event meanwhile
         with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
             run()
         self._graph_pool = g.pool()
-        self.graphs[(decode, t)] = g.replay
+        return g.replay
