@@ -61,7 +61,7 @@ def measure(requests: int, seed: int, async_scheduling: bool, streamed: bool) ->
                                                  num_gpu_blocks=requests * 2048 // 16 + 64,
                                                  async_scheduling=async_scheduling))
     runner, gen = engine.runner, torch.Generator().manual_seed(seed)
-    runner._forward = lambda v, n, s, max_q_len, width: torch.zeros(n, cfg.d_model)
+    runner._forward = lambda v, n, s, max_q_len, width, kernel: torch.zeros(n, cfg.d_model)
 
     def sample(v, hidden, n, logits_out=None):
         runner.sampled[:n] = torch.randint(0, cfg.vocab_size, (n,), generator=gen)

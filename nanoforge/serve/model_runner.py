@@ -178,8 +178,8 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         shape = (self.cfg.n_layers, num_gpu_blocks + 1, block_size, local_kv_heads(model), self.cfg.head_dim)
         self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
-        # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent): the weights stacked
-        # before the cache takes the memory that is left
+        # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent, or auto where it times
+        # faster): the weights stacked before the cache takes the memory that is left
         self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode() != "kernels" and tp is None
                              and layer_kernel.supported(model) else None)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
