@@ -112,6 +112,7 @@ def section_steps(c: dict, device, dtype, res: dict) -> None:
     vocab = min(10000, model.cfg.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in range(c["length"])] for _ in range(c["prompts"])]
     for graphed in (False, True):
+        kind = "graphed" if graphed else "eager"
         eng = make_engine(model, max_num_seqs=c["prompts"], max_len=c["length"] + 8, prefix_caching=False,
                           graph_prefill=graphed)
         for p in range(3):
@@ -120,18 +121,22 @@ def section_steps(c: dict, device, dtype, res: dict) -> None:
             steps = []
             while eng.has_unfinished():
                 t0, a = time.perf_counter(), tuned()
-                if p == 2 and len(steps) == 1 and not graphed:
+                if p == 2 and not steps:  # one full step of each kind, profiled (the pass is warm)
                     with profile(activities=activities(device)) as prof:
                         eng.step()
                         sync(device)
-                    res["eager_step_kernels"] = device_table(prof)
+                    res[f"{kind}_step_kernels"] = device_table(prof)  # the top rows only (and CPU ops' ranges)
+                    # every kernel of the step (what the top rows leave out): the two kinds' kernels compared
+                    t = res[f"{kind}_step_device"] = timeline(kernel_intervals(prof), 1)
+                    print(f"{kind} step profiled: kernels {t.get('busy_us_per_step', 0) / 1e3:.1f} ms of "
+                          f"{t.get('kernels_per_step', 0):.0f} launches", flush=True)
                 else:
                     eng.step()
                     sync(device)
                 b = tuned()
                 steps.append((round(1e3 * (time.perf_counter() - t0), 1), b[0] - a[0], b[1] - a[1]))
-            res[f"{'graphed' if graphed else 'eager'}_pass{p}"] = steps
-            print("graphed" if graphed else "eager", "pass", p, "(ms, autotunings, plans):", steps, flush=True)
+            res[f"{kind}_pass{p}"] = steps
+            print(kind, "pass", p, "(ms, autotunings, plans):", steps, flush=True)
         if graphed:
             res["graphed_timeline"] = drained_timeline(eng, prompts, device)
         eng.close()
@@ -155,14 +160,16 @@ def drained_timeline(eng, prompts: list, device) -> dict:
 
     t0 = time.perf_counter()
     steps = drain_all()
-    wall = 1e3 * (time.perf_counter() - t0) / steps
+    wall = 1e3 * (time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
         drain_all()
-    t = {"steps": steps, "wall_ms_per_step": round(wall, 2), **timeline(kernel_intervals(prof), steps)}
-    print(f"drained like (c): {steps} steps, {wall:.1f} ms a step unprofiled", end="")
+    t = {"steps": steps, "wall_ms": round(wall, 2), "wall_ms_per_step": round(wall / steps, 2),
+         **timeline(kernel_intervals(prof), steps)}
+    # the pass's totals (its last step may only collect the tokens of the one before: a mean per step hides it)
+    print(f"drained like (c): {steps} steps in {wall:.1f} ms unprofiled", end="")
     if "busy_us_per_step" in t:
-        ms = {k: t[f"{k}_us_per_step"] / 1e3 for k in ("span", "busy", "short_gaps", "long_gaps")}
-        print(f"; profiled, a step spans {ms['span']:.1f} ms = kernels {ms['busy']:.1f} + short gaps "
+        ms = {k: t[f"{k}_us_per_step"] * steps / 1e3 for k in ("span", "busy", "short_gaps", "long_gaps")}
+        print(f"; profiled, the device's timeline spans {ms['span']:.1f} ms = kernels {ms['busy']:.1f} + short gaps "
               f"{ms['short_gaps']:.2f} + long gaps {ms['long_gaps']:.2f}", end="")
     print(flush=True)
     return t
