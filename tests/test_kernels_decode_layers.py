@@ -219,6 +219,11 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
     assert len(seen) == 1 and set(seen[0]) == {"persistent", "kernels"} and min(seen[0].values()) > 0
     loser = "kernels" if winner == "persistent" else "persistent"
     assert runner.decode_layers == {"chosen": winner, f"{winner}_us": 1.0, f"{loser}_us": 2.0}
+    from nanoforge.serve.api.app import start_line  # what the server's first line says of it
+
+    us = {winner: 1, loser: 2}
+    assert start_line(llm.engine).endswith(f"; batch-1 decode layers: {winner} (persistent kernel "
+                                           f"{us['persistent']} us, kernel by kernel {us['kernels']} us)")
     assert (runner.layer_kernel is not None) == (winner == "persistent")
     assert sorted(captured.values()) == ["kernels", "persistent"]  # each way run at the start, once
     at_start = len(calls)

@@ -213,6 +213,9 @@ def run_server(args, on_ready=None) -> int:
 
 
 def start_line(engine: LLMEngine) -> str:
-    """What the engine's start cost, for the server's first line."""
+    """What the engine's start cost, for the server's first line (and what NANOFORGE_DECODE_LAYERS=auto chose)."""
+    chose = getattr(engine.runner, "decode_layers", None)
+    layers = (f"; batch-1 decode layers: {chose['chosen']} (persistent kernel {chose['persistent_us']:,.0f} us, "
+              f"kernel by kernel {chose['kernels_us']:,.0f} us)" if chose else "")
     return (f"engine started in {engine.runner_start_s:.1f} s ({engine.runner_tuning_s:.1f} s tuning the skinny "
-            f"matmul), {len(engine.runner.graphs)} CUDA graphs")
+            f"matmul), {len(engine.runner.graphs)} CUDA graphs{layers}")
