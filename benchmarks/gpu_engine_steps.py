@@ -125,7 +125,7 @@ def section_steps(c: dict, device, dtype, res: dict) -> None:
                     with profile(activities=activities(device)) as prof:
                         eng.step()
                         sync(device)
-                    res[f"{kind}_step_kernels"] = device_table(prof)  # the top rows only (and CPU ops' ranges)
+                    res[f"{kind}_step_kernels"] = device_table(prof, 24)  # the top rows (CPU ops' ranges among them)
                     # every kernel of the step (what the top rows leave out): the two kinds' kernels compared
                     t = res[f"{kind}_step_device"] = timeline(kernel_intervals(prof), 1)
                     print(f"{kind} step profiled: kernels {t.get('busy_us_per_step', 0) / 1e3:.1f} ms of "
