@@ -227,7 +227,7 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
     assert (runner.layer_kernel is not None) == (winner == "persistent")
     assert sorted(captured.values()) == ["kernels", "persistent"]  # each way run at the start, once
     at_start = len(calls)
-    assert at_start == 1  # the persistent way's one run (no graph on the CPU: its warm-up is its timed run)
+    assert at_start == 2  # the persistent way's warm-up and its timed run (on the CPU, eager steps)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]
     got.append(llm.generate([ps[0]], SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True))[0]

@@ -491,6 +491,7 @@ class ModelRunner:
             start += n
         return result
 
+    @torch.no_grad()  # as the captures: an eager run with grad enabled would skip the kernel (the CPU's timing)
     def _choose_decode_layers(self) -> None:
         """NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step captured both ways (the persistent kernel, the
         layers one by one), their replays timed in turns on the idle step (`replays_us`: the weights stream from
