@@ -58,6 +58,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from nanoforge.errors import NanoforgeError  # noqa: E402
 from nanoforge.kernels import gemv  # noqa: E402
 from nanoforge.kernels.paged_attention import PREFILL_TILE_DEFAULT, _parse_tile  # noqa: E402
+from nanoforge.serve import layer_kernel  # noqa: E402
 from nanoforge.kernels.rope import apply_rope_ref  # noqa: E402  (the reference in plain PyTorch)
 from nanoforge.model.config import preset  # noqa: E402
 from nanoforge.model.transformer import Transformer  # noqa: E402
@@ -407,9 +408,7 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
               f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
               f" greedy tokens identical for the first {same}/{n}; "
               + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in DECODE_VARIANTS[v].items())}) {d['tok_s']:,.0f} tok/s"
-                          + (f" (chose {d['decode_layers']['chosen']}: persistent "
-                             f"{d['decode_layers']['persistent_us']:.0f} us, kernels {d['decode_layers']['kernels_us']:.0f})"
-                             if d["decode_layers"] else "")
+                          + (f" (chose {layer_kernel.describe(d['decode_layers'])})" if d["decode_layers"] else "")
                           for v, d in r["variants"].items())
               + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else ""))
     return result

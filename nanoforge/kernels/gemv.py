@@ -48,7 +48,8 @@ import triton.language as tl
 
 from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import (
-    arrival_counters, compile_in_parallel, env_choice, env_mib, interpreting, replays_us, sm_count, use_fast,
+    arrival_counters, capturing, compile_in_parallel, env_choice, env_mib, interpreting, replays_us, sm_count,
+    use_fast,
 )
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
@@ -270,7 +271,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swi
 
 
 def _can_time(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+    return x.device.type == "cuda" and not capturing(x.device)
 
 
 def _fastest(x, weight, bias, swiglu, norm, residual) -> str:

@@ -27,6 +27,12 @@ def mode() -> str:
     return env_choice("NANOFORGE_DECODE_LAYERS", ("kernels", "persistent", "auto"))
 
 
+def describe(choice: dict) -> str:
+    """What NANOFORGE_DECODE_LAYERS=auto chose (`ModelRunner.decode_layers`), in words, with both times."""
+    return (f"{choice['chosen']} (persistent kernel {choice['persistent_us']:,.0f} us, kernel by kernel "
+            f"{choice['kernels_us']:,.0f} us)")
+
+
 def supported(model: Transformer) -> bool:
     """Whether the persistent kernel can run this model's layers (on this device and dtype)."""
     cfg = model.cfg

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanoforge.errors import InternalError, NanoforgeError
 from nanoforge.serve.api.metrics import Metrics
 from nanoforge.serve.api.protocol import DEFAULT_MAX_REQUEST_BYTES, RequestParser, error_body, error_response
+from nanoforge.serve import layer_kernel
 from nanoforge.serve.api.streaming import respond
 from nanoforge.serve.async_engine import AsyncEngine
 from nanoforge.serve.llm_engine import EngineConfig, LLMEngine
@@ -215,7 +216,6 @@ def run_server(args, on_ready=None) -> int:
 def start_line(engine: LLMEngine) -> str:
     """What the engine's start cost, for the server's first line (and what NANOFORGE_DECODE_LAYERS=auto chose)."""
     chose = getattr(engine.runner, "decode_layers", None)
-    layers = (f"; batch-1 decode layers: {chose['chosen']} (persistent kernel {chose['persistent_us']:,.0f} us, "
-              f"kernel by kernel {chose['kernels_us']:,.0f} us)" if chose else "")
+    layers = f"; batch-1 decode layers: {layer_kernel.describe(chose)}" if chose else ""
     return (f"engine started in {engine.runner_start_s:.1f} s ({engine.runner_tuning_s:.1f} s tuning the skinny "
             f"matmul), {len(engine.runner.graphs)} CUDA graphs{layers}")
