@@ -2,6 +2,7 @@
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
     python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
+    python benchmarks/decode_layers.py --variants poll_one,prefetch_kv1,poll_one+prefetch_kv1   # switches, A/B
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -12,7 +13,11 @@ HBM bandwidth that reading the layers' weights and KV in that time comes to. The
 where its time goes, phase by phase, summed over the layers (`decode_layers.phase_times`). The LM head and
 sampling are left out (the same in both ways). --splits times the kernel again with its attention phase cut into
 other numbers of pieces a kv head (the default's 16 leave most of them empty at short contexts, and each kv
-head's last piece combines all of them). --smoke runs the tiny presets interpreted (one launch of one program).
+head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
+same layer-by-layer baseline: `poll_one` (NANOFORGE_DECODE_POLL=one: one thread a program polls at a barrier),
+`prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles asked of L2 before its barrier),
+joined with `+`. Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
+--smoke runs the tiny presets interpreted (one launch of one program).
 """
 
 from __future__ import annotations
@@ -126,10 +131,23 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def variant_env(name: str) -> dict[str, str]:
+    """The switches of a --variants entry (parts joined with +), or ValueError naming the part it cannot read."""
+    env = {}
+    for part in name.split("+"):
+        if part == "poll_one":
+            env["NANOFORGE_DECODE_POLL"] = "one"
+        elif part.startswith("prefetch_kv") and part[11:].isdigit() and 1 <= int(part[11:]) <= 4:
+            env["NANOFORGE_DECODE_PREFETCH_KV"] = part[11:]
+        else:
+            raise ValueError(f"--variants: {part!r} is not poll_one or prefetch_kv1 .. prefetch_kv4")
+    return env
+
+
 def traced_phases(model: Transformer, kernel: LayerKernel, c: dict, device) -> dict:
     """One launch of the kernel with its clock traced at every barrier: microseconds per phase over the layers."""
     programs = torch.cuda.get_device_properties(device).multi_processor_count
-    trace = torch.zeros(1 + 2 * dl.PHASES * model.cfg.n_layers, programs, dtype=torch.int64, device=device)
+    trace = torch.zeros(dl.trace_rows(model.cfg.n_layers), programs, dtype=torch.int64, device=device)
     x = model.embed(torch.tensor([7], device=device))
     with torch.inference_mode():
         dl.decode_layers(kernel.layers, x, c["cs"].reshape(2, -1), c["k"], c["v"], c["table"][0], c["seq_lens"],
@@ -138,10 +156,14 @@ def traced_phases(model: Transformer, kernel: LayerKernel, c: dict, device) -> d
     return dl.phase_times(trace)
 
 
-def ours_at_splits(n: int, model, kernel: LayerKernel, c: dict, device, replays: int, base_fn, base_us: float) -> dict:
-    """The kernel timed (and, on a GPU, traced) with its attention phase cut into n pieces a kv head."""
-    saved = dl.CONTEXT_SPLITS, dl.INTERPRET_SPLITS
-    dl.CONTEXT_SPLITS = dl.INTERPRET_SPLITS = n  # (read at each launch; the interpreter's count on the CPU)
+def ours_with(model, kernel: LayerKernel, c: dict, device, replays: int, base_fn, base_us: float, *,
+              splits: int | None = None, env: dict | None = None) -> dict:
+    """The kernel timed (and, on a GPU, traced) with its attention phase cut into `splits` pieces a kv head, or
+    under the switches `env` (read at each launch)."""
+    saved, saved_env = (dl.CONTEXT_SPLITS, dl.INTERPRET_SPLITS), {k: os.environ.get(k) for k in env or {}}
+    if splits is not None:
+        dl.CONTEXT_SPLITS = dl.INTERPRET_SPLITS = splits  # (read at each launch; the interpreter's count on the CPU)
+    os.environ.update(env or {})
     try:
         fn = step_fn(model, c, kernel)
         with torch.inference_mode():
@@ -153,6 +175,16 @@ def ours_at_splits(n: int, model, kernel: LayerKernel, c: dict, device, replays:
         return out
     finally:
         dl.CONTEXT_SPLITS, dl.INTERPRET_SPLITS = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def attention_parts(ph: dict) -> str:
+    """Phase B's parts of a trace, in words."""
+    return ", ".join(f"{p} {ph[f'B {p}']:.1f}" for p in dl.B_POINTS + ("rest",))
 
 
 def main() -> None:
@@ -162,12 +194,19 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
+    ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
+                    "poll_one, prefetch_kvN (N 1-4), joined with + (e.g. poll_one+prefetch_kv1)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     splits = [int(v) if v.strip().isdigit() else 0 for v in args.splits.split(",") if v.strip()]
     if any(v < 1 or v > 64 for v in splits):
         print(f"--splits: each a whole number from 1 to 64, not {args.splits!r}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        variants = {v.strip(): variant_env(v.strip()) for v in args.variants.split(",") if v.strip()}
+    except ValueError as e:
+        print(e, file=sys.stderr)
         sys.exit(2)
     if args.smoke:
         presets, device, dtype, ctx, replays = ["tiny-llama", "tiny-qwen3"], torch.device("cpu"), torch.float32, 40, 1
@@ -204,13 +243,17 @@ def main() -> None:
               f"{100 * r['baseline_hbm_fraction']:>10.1f}%")
         if device.type == "cuda":  # one traced launch: the phases' time
             r["phases_us"] = traced_phases(model, kernel, c, device)
-            print("   phases (us over all layers): " + ", ".join(f"{p} {t:.1f}" for p, t in r["phases_us"].items()))
-        for n in splits:  # the attention phase cut into n pieces a kv head (session 26: 11.3 us a Qwen3 layer)
-            r.setdefault("splits", {})[n] = ours_at_splits(n, model, kernel, c, device, replays, base_fn, base_us)
-            t = r["splits"][n]
+            print("   phases (us over all layers): " + ", ".join(
+                f"{p} {t:.1f}" for p, t in r["phases_us"].items() if not p.startswith("B ")))
+            print("   attention phase's parts: " + attention_parts(r["phases_us"]))
+        runs = [("splits", n, {"splits": n}) for n in splits]
+        runs += [("variants", v, {"env": e}) for v, e in variants.items()]
+        for group, key, how in runs:  # (session 26: the attention phase 11.3 us a Qwen3 layer)
+            t = r.setdefault(group, {})[key] = ours_with(model, kernel, c, device, replays, base_fn, base_us, **how)
             ph = t.get("phases_us")
-            print(f"   {n} splits: {t['one_kernel_us']:.1f} us ({t['ratio']:.2f}x)" + (
-                f"; attention phase {ph['B work']:.1f} us, barrier waits "
+            label = f"{key} splits" if group == "splits" else key
+            print(f"   {label}: {t['one_kernel_us']:.1f} us ({t['ratio']:.2f}x)" + (
+                f"; attention phase {ph['B work']:.1f} us ({attention_parts(ph)}), barrier waits "
                 f"{sum(v for p, v in ph.items() if p.endswith('wait')):.1f} us" if ph else ""))
         r["barrier_timeouts"] = dl.barrier_timeouts(device)  # not 0: its numbers are wrong (a barrier gave up)
         if r["barrier_timeouts"]:

@@ -315,10 +315,11 @@ GPU_SHAPES = {  # two layers at the real widths of the models issue 14 measures,
 @pytest.mark.parametrize("ctx", [1, 300, 3000])
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx, monkeypatch):
-    """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain) gives exactly
+    """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain; with one
+    thread a program polling at the barriers; with phase B's context asked of L2 ahead; traced) gives exactly
     the phase-at-a-time launches' result (the same code and order of sums: any difference is a barrier that did
     not hold), and both stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul,
-    paged attention)."""
+    paged attention). The traced launch's phase B parts add up to its work."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -330,14 +331,28 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     x = model.embed(case["ids"])[0]
     cs = case["rope"][0].reshape(-1), case["rope"][1].reshape(-1)
     outs = []
-    for persistent, cooperative in ((True, "1"), (False, "1"), (True, "0")):  # the count starts again at zero
-        monkeypatch.setenv("NANOFORGE_DECODE_COOPERATIVE", cooperative)
-        k, v = case["k"].clone(), case["v"].clone()
-        outs.append(dl.decode_layers(kernel.layers, x, torch.stack(cs), k, v, case["table"][0], case["seq_lens"],
-                                     case["slot"], persistent=persistent) + (k,))
+    programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    trace = torch.zeros(dl.trace_rows(model.cfg.n_layers), programs, dtype=torch.int64, device=x.device)
+    launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
+                (True, {"NANOFORGE_DECODE_POLL": "one"}), (True, {"NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+                (True, {"NANOFORGE_DECODE_POLL": "one", "NANOFORGE_DECODE_PREFETCH_KV": "1", "trace": trace})]
+    for persistent, env in launches:
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                if key != "trace":
+                    m.setenv(key, value)
+            k, v = case["k"].clone(), case["v"].clone()
+            outs.append(dl.decode_layers(kernel.layers, x, torch.stack(cs), k, v, case["table"][0], case["seq_lens"],
+                                         case["slot"], persistent=persistent, trace=env.get("trace")) + (k,))
     for got in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
     assert dl.barrier_timeouts(x.device) == 0
+    steps = dl.PHASES * model.cfg.n_layers  # each layer's phase B marks lie between its barriers A and B
+    marks = trace[1 + 2 * steps:].view(model.cfg.n_layers, dl.B_MARKS, programs)
+    for i in range(model.cfg.n_layers):
+        left_a, reached_b = trace[2 + 2 * (dl.PHASES * i)], trace[1 + 2 * (dl.PHASES * i + 1)]
+        got = marks[i][:, :min(programs, model.cfg.n_kv_heads * dl.CONTEXT_SPLITS)]  # the programs with an item
+        assert bool((got >= left_a.min()).all() and (got <= reached_b.max()).all()), (i, got, left_a, reached_b)
     err = (got_h.float() - want_h.float()).abs().max().item()
     assert err < 0.05 * want_h.float().abs().max().item(), err
     assert (got_k.float() - want_k.float()).abs().max().item() < 0.1
@@ -401,26 +416,35 @@ def test_gpu_auto_keeps_the_faster_graph_of_a_decode_step_and_decodes_the_refere
 @interpreter
 def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path):
     """`benchmarks/decode_layers.py --smoke`: the CPU dry run of the benchmark, both ways on tiny presets, the
-    JSON written with the two ways' final hidden states equal, at the kernel's split count and at others."""
+    JSON written with the two ways' final hidden states equal, at the kernel's split count, at others and under
+    the switch variants (which the interpreter runs as the default: it runs no PTX); a variant it cannot read
+    is one line, exit 2."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--out", str(tmp_path)], check=True,
-                   capture_output=True)
+    subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants", "poll_one+prefetch_kv1",
+                    "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
+    assert all(list(r["variants"]) == ["poll_one+prefetch_kv1"] and r["variants"]["poll_one+prefetch_kv1"][
+        "max_abs_difference"] < 1e-4 for r in rows.values())
+    bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "--variants: 'poll_two' is not poll_one or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):
     """`phase_times` on a made-up trace of 2 programs and one layer (clock in ns): each phase's work runs from
     the last departure before it to the last arrival after it, its barrier from that arrival to the last
-    departure; and the prefetch switch takes 0-16 only, in one line."""
+    departure, and phase B's work is cut at its marks the same way (a program that never got to a mark, its
+    clock 0, does not count); and the switches take their values only, in one line."""
     from nanoforge.kernels import decode_layers as dl
 
     start = [0, 1000]
@@ -431,12 +455,27 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
         leave = [arrive[1] + 500, arrive[1] + 400]
         rows += [arrive, leave]
         t = max(leave)
-    got = dl.phase_times(torch.tensor(rows, dtype=torch.int64))
+    b0 = rows[2][0]  # the last departure before phase B (program 0's), 3 us of work before its last arrival
+    marks = [[b0 + 100, b0 + 300], [b0 + 1200, 0], [b0 + 1500, b0 + 1400], [b0 + 2600, b0 + 1400]]
+    trace = torch.tensor(rows + marks, dtype=torch.int64)
+    assert trace.shape == (dl.trace_rows(1), 2)
+    got = dl.phase_times(trace)
     assert [got[f"{n} work"] for n in "ABCDE"] == [2.0, 3.0, 4.0, 5.0, 6.0]
     assert all(got[f"{n} wait"] == 0.5 for n in "ABCDE")
+    b_parts = [got[f"B {n}"] for n in ("query", "keys", "counted", "combined", "rest")]
+    assert b_parts == pytest.approx([0.3, 0.9, 0.3, 1.1, 0.4]) and sum(b_parts) == pytest.approx(got["B work"])
     assert got["total"] == (t - 0) / 1e3 and got["layers"] == 1
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_TILES", "0")
     assert dl.prefetch_tiles() == 0
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_TILES", "lots")
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_TILES must be a whole number from 0 to 16"):
         dl.prefetch_tiles()
+    assert dl.prefetch_kv_tiles() == 0  # off unless asked
+    monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_KV", "2")
+    assert dl.prefetch_kv_tiles() == 2
+    monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_KV", "5")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4"):
+        dl.prefetch_kv_tiles()
+    monkeypatch.setenv("NANOFORGE_DECODE_POLL", "some")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL must be all or one, not 'some'"):
+        dl.poll_one()

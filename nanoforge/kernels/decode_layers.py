@@ -62,6 +62,8 @@ def _cuda_options():
 
 
 PHASES = 5
+B_MARKS = 4  # points of phase B a trace clocks (`_attention`): query rotated, keys attended, counted, combined
+_PHASES, _B_MARKS = tl.constexpr(PHASES), tl.constexpr(B_MARKS)
 TILE_ELEMENTS = 16384  # of W a program loads at once (32 KB of bf16): rows x K
 CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 programs busy on 132 SMs)
 ATTN_BLOCK_N = 64  # keys a step of attention's loop
@@ -135,6 +137,23 @@ def prefetch_tiles() -> int:
     return int(value)
 
 
+def poll_one() -> bool:
+    """NANOFORGE_DECODE_POLL: how a program waits at a barrier. `all` (the default): every thread polls the
+    count; `one`: thread 0 polls and the rest wait for it in the program (`_poll_one_thread`; not yet timed on a
+    GPU). Under the interpreter, which cannot run PTX, `all` either way."""
+    return env_choice("NANOFORGE_DECODE_POLL", ("all", "one")) == "one" and not interpreting()
+
+
+def prefetch_kv_tiles() -> int:
+    """NANOFORGE_DECODE_PREFETCH_KV (default 0, off; not yet timed on a GPU): how many 64-key tiles of each
+    attention item's K and V every program asks L2 for before the barrier in front of attention (from 0 to 4)."""
+    value = os.environ.get("NANOFORGE_DECODE_PREFETCH_KV", "0")
+    if not value.isdigit() or int(value) > 4:
+        raise NanoforgeError(f"NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4, not {value!r}",
+                             param="NANOFORGE_DECODE_PREFETCH_KV")
+    return int(value)
+
+
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
@@ -160,9 +179,9 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     (1,) int32 with the token counted; slot (1,) the token's cache slot. `persistent`: one launch (the default)
     or a launch per phase and layer. `programs`: the grid (default one an SM; under the interpreter one for a
     persistent launch, as a second could not get past its first barrier until it gives up, which is what the
-    tests of the give-up use, and three for launches per phase). `trace`: int64 (1 + 2 * PHASES * L, programs)
+    tests of the give-up use, and three for launches per phase). `trace`: int64 (`trace_rows(L)`, programs)
     of the GPU's nanosecond clock, each program's start and, per phase, its arrival at the barrier and its
-    departure (`phase_times` reads it; a diagnostic, persistent launches only)."""
+    departure, then per layer phase B's marks (`phase_times` reads it; a diagnostic, persistent launches only)."""
     n_layers, n_qkv, d = w.wqkv.shape
     hq, hkv, dh = w.n_heads, w.n_kv_heads, w.head_dim
     f = w.w_out.shape[2]
@@ -189,10 +208,11 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     timeouts = _timeouts(dev)
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
-                PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None)
-    if trace is not None and (not persistent or trace.shape != (1 + 2 * PHASES * n_layers, programs)):
-        raise ValueError(f"decode_layers: a trace is ({1 + 2 * PHASES * n_layers}, {programs}) int64, of a "
-                         f"persistent launch")
+                PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
+                POLL_ONE=poll_one(), PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0)
+    rows = trace_rows(n_layers)
+    if trace is not None and (not persistent or trace.shape != (rows, programs)):
+        raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
     args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
@@ -211,22 +231,39 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     return xs[0].view_as(x), pending.view_as(x)
 
 
+def trace_rows(n_layers: int) -> int:
+    """Rows of a trace of n_layers: the start, each phase's arrival and departure, then phase B's marks."""
+    return 1 + (2 * PHASES + B_MARKS) * n_layers
+
+
+B_POINTS = ("query", "keys", "counted", "combined")  # what phase B's marks end (`_attention`)
+
+
 def phase_times(trace: torch.Tensor) -> dict:
     """Microseconds per phase from a `decode_layers` trace, summed over the layers: "work" from the last program
     to leave the barrier before (or to start) to the last to arrive at the one after it (the phase as the grid
     sees it: its slowest program), "wait" from that arrival to the last program's departure (the barrier's own
-    cost), and the launch's "total" from the first program's start to the last departure."""
+    cost), and the launch's "total" from the first program's start to the last departure. Phase B's work is
+    cut at its marks the same way, each from the last program past the point before to the last past it ("B
+    query": the query normalised and rotated; "B keys": the context attended; "B counted": the partials stored
+    and counted; "B combined": the last split's combine; "B rest": from there to the last arrival)."""
     t = trace.double().cpu() / 1e3
-    start, steps = t[0], (t.shape[0] - 1) // 2
-    arrive, leave = t[1::2], t[2::2]
-    before = torch.cat([start.max()[None], leave.max(1).values[:-1]])
-    work = arrive.max(1).values - before
-    wait = leave.max(1).values - arrive.max(1).values
+    layers = (t.shape[0] - 1) // (2 * PHASES + B_MARKS)
+    steps = PHASES * layers
+    start, arrive, leave = t[0], t[1:1 + 2 * steps:2], t[2:2 + 2 * steps:2]
+    last_arrival, last_departure = arrive.max(1).values, leave.max(1).values
+    before = torch.cat([start.max()[None], last_departure[:-1]])
+    work = last_arrival - before
+    wait = last_departure - last_arrival
     names = "ABCDE"
     out = {f"{names[p]} work": float(work[p::PHASES].sum()) for p in range(PHASES)}
     out |= {f"{names[p]} wait": float(wait[p::PHASES].sum()) for p in range(PHASES)}
+    marks = t[1 + 2 * steps:].reshape(layers, B_MARKS, -1).max(2).values  # (0: no program got there: never last)
+    points = torch.cat([before[1::PHASES, None], marks, last_arrival[1::PHASES, None]], 1)
+    for name, d in zip(B_POINTS + ("rest",), (points[:, 1:] - points[:, :-1]).unbind(1)):
+        out[f"B {name}"] = float(d.sum())
     out["total"] = float(leave.max() - start.min())
-    out["layers"] = steps // PHASES
+    out["layers"] = layers
     return out
 
 
@@ -236,17 +273,50 @@ def phase_times(trace: torch.Tensor) -> dict:
 
 
 @triton.jit
-def _grid_barrier(BAR, target, TIMEOUTS, spin_limit):
+def _poll_one_thread(BAR, target, spin_limit):
+    """Thread 0 of the program polls BAR until it reaches `target` (or `spin_limit` polls); the other threads
+    return at once. PTX, as Triton runs a scalar in every thread: 132 pollers a GPU, not 132 x 256 threads'
+    warps (1,056 loads of one L2 line in flight, which the arrivals' atomics queue behind)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred nfSkip, nfDone, nfMore;
+        .reg .u32 nfTid;
+        .reg .s32 nfSpins;
+        mov.u32 nfTid, %tid.x;
+        mov.s32 $0, $2;
+        setp.ne.u32 nfSkip, nfTid, 0;
+        @nfSkip bra NF_POLL_DONE;
+        mov.s32 nfSpins, 0;
+        NF_POLL_AGAIN:
+        ld.relaxed.gpu.global.s32 $0, [$1];
+        setp.ge.s32 nfDone, $0, $2;
+        @nfDone bra NF_POLL_DONE;
+        add.s32 nfSpins, nfSpins, 1;
+        setp.lt.s32 nfMore, nfSpins, $3;
+        @nfMore bra NF_POLL_AGAIN;
+        NF_POLL_DONE:
+        }""",
+        "=r,l,r,r", [BAR, target, spin_limit], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_barrier(BAR, target, TIMEOUTS, spin_limit, POLL_ONE: tl.constexpr):
     """Wait until `target` arrivals have been counted at BAR (this program's included): every program's stores
     before its arrival are visible after the wait. After `spin_limit` polls, give up: count it at TIMEOUTS and
-    lift BAR past every target of the launch, so that no barrier of it waits again."""
+    lift BAR past every target of the launch, so that no barrier of it waits again. POLL_ONE: one thread of the
+    program polls (`_poll_one_thread`), the others wait for it at the CTA barrier and read the count once."""
     tl.debug_barrier()  # every thread's stores made before the count (the atomic releases them)
     tl.atomic_add(BAR, 1, sem="release")
-    seen = tl.load(BAR, volatile=True)
-    spins = 0
-    while (seen < target) & (spins < spin_limit):
+    if POLL_ONE:
+        _poll_one_thread(BAR, target, spin_limit)
+        tl.debug_barrier()
+        seen = tl.load(BAR, volatile=True)  # the count only grows: at least what thread 0 saw
+    else:
         seen = tl.load(BAR, volatile=True)
-        spins += 1
+        spins = 0
+        while (seen < target) & (spins < spin_limit):
+            seen = tl.load(BAR, volatile=True)
+            spins += 1
     gave_up = seen < target  # (masked atomics, not a branch: no thread may skip the CTA barriers around them)
     tl.atomic_add(TIMEOUTS, 1, mask=gave_up)
     tl.atomic_max(BAR, _GAVE_UP, mask=gave_up)
@@ -255,14 +325,15 @@ def _grid_barrier(BAR, target, TIMEOUTS, spin_limit):
 
 
 @triton.jit
-def _sync(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
+def _sync(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr, TRACE: tl.constexpr,
+          POLL_ONE: tl.constexpr):
     """The grid barrier after phase `step` of this launch (a no-op when each phase is its own launch); TRACE:
     this program's clock at its arrival and at its departure stored at rows 1 + 2 step and 2 + 2 step."""
     if PERSISTENT:
         programs = tl.num_programs(0)
         if TRACE:
             tl.store(TRACE_AT + (1 + 2 * step) * programs, tl.extra.cuda.globaltimer())
-        _grid_barrier(BAR, (step + 1) * programs, TIMEOUTS, spin_limit)
+        _grid_barrier(BAR, (step + 1) * programs, TIMEOUTS, spin_limit, POLL_ONE)
         if TRACE:
             tl.store(TRACE_AT + (2 + 2 * step) * programs, tl.extra.cuda.globaltimer())
 
@@ -367,14 +438,48 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
 
 
 @triton.jit
+def _mark(MARKS, m, TRACE: tl.constexpr):
+    """TRACE: the clock at phase B's point m, once every thread of the program has got there."""
+    if TRACE:
+        tl.debug_barrier()
+        tl.store(MARKS + m * tl.num_programs(0), tl.extra.cuda.globaltimer())
+
+
+@triton.jit
+def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                      HKV: tl.constexpr, SPLITS: tl.constexpr, DH: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr):
+    """Ask L2 for the K and V rows of the first TILES key tiles of each of this program's phase-B items (as
+    `_attention` shares them out): the context is in the cache before the launch, so these can be asked for
+    before the barrier in front of attention, and its loads then find them in L2 instead of HBM."""
+    seq_len = tl.load(SEQ_LEN)
+    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
+    n = tl.arange(0, TILES * BLOCK_N)
+    lines = tl.arange(0, triton.next_power_of_2(triton.cdiv(DH, 64))) * 64  # a 128-byte line: 64 bf16
+    for item in range(tl.program_id(0), HKV * SPLITS, tl.num_programs(0)):
+        hk = item // SPLITS
+        key = (item % SPLITS) * share + n
+        ok = (key < tl.minimum((item % SPLITS + 1) * share, seq_len))[:, None] & (lines < DH)[None, :]
+        block = tl.load(TABLE + key // BLOCK_SIZE, mask=key < seq_len, other=0).to(tl.int64)
+        slot = key % BLOCK_SIZE
+        k_rows = block * stride_kb + slot * stride_ks + hk * stride_kh
+        v_rows = block * stride_vb + slot * stride_vs + hk * stride_vh
+        pdl.prefetch_l2(tl.where(ok, KC + k_rows[:, None] + lines[None, :], KC))
+        pdl.prefetch_l2(tl.where(ok, VC + v_rows[:, None] + lines[None, :], VC))
+
+
+@triton.jit
 def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale,
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
+               TRACE: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
-    split's partials loaded at once (`combine_heads`)."""
+    split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
+    query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
+    rows MARKS + m * programs (a program's last item's)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -388,6 +493,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         split = item % SPLITS
         head = hk * GROUP + rows
         q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
+        _mark(MARKS, 0, TRACE)
         lo = split * share
         hi = tl.minimum(lo + share, seq_len)
         new_here = (lo < hi) & (hi == seq_len)
@@ -405,15 +511,19 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                 acc, l_i, m_i, q, QKV + (HQ + hk) * DH, QKV + (HQ + HKV + hk) * DH, K, V, tl.load(SLOT).to(tl.int64),
                 CS, CS + DH, KW, eps, offs_d, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, DH,
                 BLOCK_SIZE, QK_NORM)
+        _mark(MARKS, 1, TRACE)
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
         part = head * SPLITS + split
         tl.store(O_PART + part[:, None] * DH + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
         tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
         tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
-        if tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1:
+        last = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1
+        _mark(MARKS, 2, TRACE)
+        if last:
             tl.atomic_xchg(COUNTS + hk, 0)
             combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH, BLOCK_D,
                           GROUP_P2, SPLITS_P2)
+        _mark(MARKS, 3, TRACE)
 
 
 @triton.jit(do_not_specialize=["first_layer", "spin_limit"])
@@ -429,7 +539,7 @@ def _decode_layers_kernel(
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, POLL_ONE: tl.constexpr, PREFETCH_KV: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -459,16 +569,21 @@ def _decode_layers_kernel(
             else:
                 h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
             _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD)
-            _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
+            if PERSISTENT and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
+                _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, HKV, SPLITS, DH, BLOCK_N, BLOCK_SIZE,
+                                  PREFETCH_KV)
+            _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
-                       SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM)
+                       SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
+                       trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
-            _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
+            _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
@@ -476,7 +591,7 @@ def _decode_layers_kernel(
             _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
-            _sync(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
+            _sync(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
@@ -485,7 +600,7 @@ def _decode_layers_kernel(
             _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
             if PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
-            _sync(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
+            _sync(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
             if not PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
@@ -496,7 +611,7 @@ def _decode_layers_kernel(
                      AHEAD)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
-            _sync(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE)
+            _sync(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
     if PERSISTENT:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(BAR, 0)

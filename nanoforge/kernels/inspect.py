@@ -224,7 +224,8 @@ class TritonKernel:
 
     fn: Any  # the @triton.jit function, or "package.module:attribute" imported on first use
     signature: dict[str, str]  # runtime argument -> Triton type, e.g. {"x_ptr": "*fp32", "n": "i32"}
-    constexprs: dict[str, Any] = field(default_factory=dict)  # tl.constexpr argument -> value
+    constexprs: dict[str, Any] = field(default_factory=dict)  # tl.constexpr argument -> value (or a function
+    # returning it: an environment switch, read when the kernel is compiled)
     num_warps: int = 4
     num_stages: int = 3
     # integer arguments a launch passes as multiples of 16 (model dimensions, strides): Triton's JIT specializes
@@ -272,14 +273,17 @@ _DECODE_LAYERS_SIGNATURE = {
 
 def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
-    one launch, barriers between the phases, the L2 prefetch on, no trace."""
+    one launch, barriers between the phases, the L2 prefetch on, no trace; the barrier's poll and phase B's
+    context prefetch as NANOFORGE_DECODE_POLL and NANOFORGE_DECODE_PREFETCH_KV say (read when compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
         **dl.shape_constants(shape["D"], shape["NQKV"], shape["HQ"], shape["HKV"], shape["DH"], shape["F"],
                              dl.CONTEXT_SPLITS),
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
-        PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False)
+        PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
+        POLL_ONE=lambda: dl.env_choice("NANOFORGE_DECODE_POLL", ("all", "one")) == "one",
+        PREFETCH_KV=dl.prefetch_kv_tiles)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
@@ -478,8 +482,9 @@ def _compile_triton(name: str, spec: TritonKernel) -> Compiled:
     signature = {a: "constexpr" if a in spec.constexprs else spec.signature[a] for a in fn.arg_names}
     divisible = [i for i, a in enumerate(fn.arg_names) if signature[a].startswith("*") or a in spec.aligned]
     cc = _target_cc()
+    constexprs = {a: v() if callable(v) else v for a, v in spec.constexprs.items()}  # (a switch: read now)
     compiled = triton.compile(
-        triton.compiler.ASTSource(fn, signature, spec.constexprs,
+        triton.compiler.ASTSource(fn, signature, constexprs,
                                   attrs={(i,): [["tt.divisibility", 16]] for i in divisible}),
         target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32),
         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
