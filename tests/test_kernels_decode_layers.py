@@ -91,12 +91,14 @@ def kernel_inputs(model: Transformer, case: dict):
 
 
 @interpreter
-@pytest.mark.parametrize("name", FAMILIES)
-def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name):
+@pytest.mark.parametrize("name,preload", [(n, "0") for n in FAMILIES] + [("tiny-llama", "1"), ("tiny-qwen3", "1")])
+def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name, preload):
     """The persistent launch's own code (each phase's first weight tile loaded before the barrier in front of it,
     the next layer's before the last one, every barrier, the count reset at the end), interpreted with one
     program, which passes each barrier at its own arrival: bit for bit the launches per phase of three programs,
-    the barrier's counts back at zero after it and none given up, twice (the second launch counts from zero)."""
+    the barrier's counts back at zero after it and none given up, twice (the second launch counts from zero).
+    With NANOFORGE_DECODE_PRELOAD_KV=1 (each program's first attention tile loaded before the barrier in front of
+    attention; two tiles a split here), both ways equal the launches per phase without it, bit for bit."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -108,6 +110,11 @@ def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatc
     with torch.inference_mode():
         args = kernel_inputs(model, case)
         want = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
+        monkeypatch.setenv("NANOFORGE_DECODE_PRELOAD_KV", preload)
+        if preload == "1":
+            args = kernel_inputs(model, case)
+            got = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
         for _ in range(2):
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
@@ -316,7 +323,8 @@ GPU_SHAPES = {  # two layers at the real widths of the models issue 14 measures,
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx, monkeypatch):
     """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain; with one
-    thread a program polling at the barriers; with phase B's context asked of L2 ahead; traced) gives exactly
+    thread a program polling at the barriers; with phase B's context asked of L2 ahead, or its first tile
+    loaded ahead; traced) gives exactly
     the phase-at-a-time launches' result (the same code and order of sums: any difference is a barrier that did
     not hold), and both stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul,
     paged attention). The traced launch's phase B parts add up to its work."""
@@ -335,7 +343,9 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     trace = torch.zeros(dl.trace_rows(model.cfg.n_layers), programs, dtype=torch.int64, device=x.device)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
                 (True, {"NANOFORGE_DECODE_POLL": "one"}), (True, {"NANOFORGE_DECODE_PREFETCH_KV": "2"}),
-                (True, {"NANOFORGE_DECODE_POLL": "one", "NANOFORGE_DECODE_PREFETCH_KV": "1", "trace": trace})]
+                (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1"}), (False, {"NANOFORGE_DECODE_PRELOAD_KV": "1"}),
+                (True, {"NANOFORGE_DECODE_POLL": "one", "NANOFORGE_DECODE_PREFETCH_KV": "1",
+                        "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
     for persistent, env in launches:
         with monkeypatch.context() as m:
             for key, value in env.items():
@@ -425,19 +435,19 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
-    subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants", "poll_one+prefetch_kv1",
-                    "--out", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
+                    "poll_one+prefetch_kv1,preload_kv", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["poll_one+prefetch_kv1"] and r["variants"]["poll_one+prefetch_kv1"][
-        "max_abs_difference"] < 1e-4 for r in rows.values())
+    assert all(list(r["variants"]) == ["poll_one+prefetch_kv1", "preload_kv"] and all(
+        v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not poll_one or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not poll_one, preload_kv or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):

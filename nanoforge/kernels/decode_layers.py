@@ -50,7 +50,7 @@ from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, 
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _norm_rope_rows, attend_new_key, attend_span, combine_heads,
+    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, load_key_tile,
 )
 
 def _cuda_options():
@@ -154,6 +154,13 @@ def prefetch_kv_tiles() -> int:
     return int(value)
 
 
+def preload_kv() -> bool:
+    """NANOFORGE_DECODE_PRELOAD_KV (0, the default, or 1; not yet timed on a GPU): each program loads the first key
+    tile of its first attention item (K and V, into registers) before the barrier in front of attention, as it
+    does the first tile of each phase's weights, so that the table -> K -> V loads leave attention's path."""
+    return env_choice("NANOFORGE_DECODE_PRELOAD_KV", ("0", "1")) == "1"
+
+
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
@@ -209,7 +216,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
-                POLL_ONE=poll_one(), PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0)
+                POLL_ONE=poll_one(), PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv())
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -446,6 +453,33 @@ def _mark(MARKS, m, TRACE: tl.constexpr):
 
 
 @triton.jit
+def _span(seq_len, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Phase B's share of a context of seq_len keys for one split: keys lo .. hi, whole BLOCK_N tiles a split;
+    the token's own key (the context's last) left out of the split that holds it (new_here), which takes it from
+    registers."""
+    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
+    lo = split * share
+    hi = tl.minimum(lo + share, seq_len)
+    new_here = (lo < hi) & (hi == seq_len)
+    return lo, tl.where(new_here, hi - 1, hi), new_here
+
+
+@triton.jit
+def _first_keys(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                HKV: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The first key tile (K transposed, V) of this program's first phase-B item, `_attention`'s preload."""
+    item = tl.program_id(0)
+    lo, hi, _ = _span(tl.load(SEQ_LEN), item % SPLITS, SPLITS, BLOCK_N)
+    mine = item < HKV * SPLITS  # (a program past the last item loads nothing: an empty span of kv head 0)
+    hi = tl.where(mine, hi, lo)
+    hk = tl.where(mine, item // SPLITS, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    return load_key_tile(KC + hk * stride_kh, VC + hk * stride_vh, TABLE, lo, hi, offs_d, offs_d < DH, stride_kb,
+                         stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE)
+
+
+@triton.jit
 def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                       HKV: tl.constexpr, SPLITS: tl.constexpr, DH: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr):
@@ -453,14 +487,14 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
     `_attention` shares them out): the context is in the cache before the launch, so these can be asked for
     before the barrier in front of attention, and its loads then find them in L2 instead of HBM."""
     seq_len = tl.load(SEQ_LEN)
-    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
     n = tl.arange(0, TILES * BLOCK_N)
     lines = tl.arange(0, triton.next_power_of_2(triton.cdiv(DH, 64))) * 64  # a 128-byte line: 64 bf16
     for item in range(tl.program_id(0), HKV * SPLITS, tl.num_programs(0)):
         hk = item // SPLITS
-        key = (item % SPLITS) * share + n
-        ok = (key < tl.minimum((item % SPLITS + 1) * share, seq_len))[:, None] & (lines < DH)[None, :]
-        block = tl.load(TABLE + key // BLOCK_SIZE, mask=key < seq_len, other=0).to(tl.int64)
+        lo, hi, _ = _span(seq_len, item % SPLITS, SPLITS, BLOCK_N)
+        key = lo + n
+        ok = (key < hi)[:, None] & (lines < DH)[None, :]
+        block = tl.load(TABLE + key // BLOCK_SIZE, mask=key < hi, other=0).to(tl.int64)
         slot = key % BLOCK_SIZE
         k_rows = block * stride_kb + slot * stride_ks + hk * stride_kh
         v_rows = block * stride_vb + slot * stride_vs + hk * stride_vh
@@ -474,12 +508,13 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
-               TRACE: tl.constexpr):  # fmt: skip
+               TRACE: tl.constexpr, kt0, v0, PRELOAD: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
     query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
-    rows MARKS + m * programs (a program's last item's)."""
+    rows MARKS + m * programs (a program's last item's). PRELOAD: the first item's first key tile is (kt0, v0),
+    loaded by `_first_keys` (attended masked, as the last tile of a span is: the same sums)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -487,22 +522,22 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     io_mask = row_ok[:, None] & d_ok[None, :]
     seq_len = tl.load(SEQ_LEN)
     pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
-    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
     for item in range(tl.program_id(0), HKV * SPLITS, tl.num_programs(0)):
         hk = item // SPLITS
         split = item % SPLITS
         head = hk * GROUP + rows
         q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
         _mark(MARKS, 0, TRACE)
-        lo = split * share
-        hi = tl.minimum(lo + share, seq_len)
-        new_here = (lo < hi) & (hi == seq_len)
-        hi = tl.where(new_here, hi - 1, hi)
+        lo, hi, new_here = _span(seq_len, split, SPLITS, BLOCK_N)
         K = KC + hk * stride_kh
         V = VC + hk * stride_vh
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+        if PRELOAD:
+            if item == tl.program_id(0):
+                acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
+                lo += BLOCK_N
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D)
@@ -539,7 +574,7 @@ def _decode_layers_kernel(
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
-    TRACE: tl.constexpr, POLL_ONE: tl.constexpr, PREFETCH_KV: tl.constexpr,
+    TRACE: tl.constexpr, POLL_ONE: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -573,14 +608,25 @@ def _decode_layers_kernel(
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
                                   stride_kh, stride_vb, stride_vs, stride_vh, HKV, SPLITS, DH, BLOCK_N, BLOCK_SIZE,
                                   PREFETCH_KV)
+            if PERSISTENT and PRELOAD_KV:  # (the context's first tile, as the weights' before each phase)
+                kt0, v0 = _first_keys(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
+                                      stride_kh, stride_vb, stride_vs, stride_vh, HKV, DH, BLOCK_D, SPLITS, BLOCK_N,
+                                      BLOCK_SIZE)
             _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
         if PERSISTENT or PHASE == 1:  # B: attention
+            if not PRELOAD_KV:
+                kt0, v0 = 0, 0  # (not read)
+            elif not PERSISTENT:
+                kt0, v0 = _first_keys(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
+                                      stride_kh, stride_vb, stride_vs, stride_vh, HKV, DH, BLOCK_D, SPLITS, BLOCK_N,
+                                      BLOCK_SIZE)
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
-                       trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE)
+                       trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
+                       kt0, v0, PRELOAD_KV)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)

@@ -573,7 +573,28 @@ def _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_sc
                  EVEN_D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One online-softmax step of a tile over keys n0 .. n0 + BLOCK_N, gathered through the block table;
     MASKED: the block may hold keys past `hi` or past a row's position (else every row sees all of them);
-    EVEN_D: the head dimension fills BLOCK_D (no mask along it)."""
+    EVEN_D: the head dimension fills BLOCK_D (no mask along it). V is loaded after the scores (its registers
+    free until then)."""
+    k_ptrs, v_ptrs, kv_mask = _key_tile_ptrs(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
+                                             stride_vs, BLOCK_N, BLOCK_SIZE, MASKED)
+    if EVEN_D and not MASKED:
+        kt = tl.load(k_ptrs)  # (BLOCK_D, BLOCK_N)
+    else:
+        kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    p, alpha, l_i, m_new = _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N, MASKED)
+    if EVEN_D and not MASKED:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _key_tile_ptrs(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Pointers to keys n0 .. n0 + BLOCK_N of a paged context (K transposed: (BLOCK_D, BLOCK_N); V: (BLOCK_N,
+    BLOCK_D)) and K's mask (MASKED: keys before `hi` only)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     slot = offs_n % BLOCK_SIZE
     if MASKED:
@@ -585,23 +606,38 @@ def _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_sc
         kv_mask = d_ok[:, None] & (offs_n[None, :] >= 0)
     k_ptrs = K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
     v_ptrs = V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
-    if EVEN_D and not MASKED:
-        kt = tl.load(k_ptrs)  # (BLOCK_D, BLOCK_N)
-    else:
-        kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    s = _dot(q, kt, None) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
+    return k_ptrs, v_ptrs, kv_mask
+
+
+@triton.jit
+def _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The scores of q against a tile's keys (kt: (BLOCK_D, BLOCK_N), keys n0 ..), in log2 units, and the online
+    softmax's step over them: (p, the running sums' rescale alpha, l, the new max)."""
+    s = _dot(q, kt, None) * qk_scale  # (BLOCK_M, BLOCK_N)
     if MASKED:
-        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        s = tl.where((offs_n < hi)[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if EVEN_D and not MASKED:
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, l_i, m_new
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def load_key_tile(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N of a paged context, those from `hi` on zero: (K transposed, V), for
+    `attend_loaded_tile`; a caller may load them well before it needs them (a context no one writes)."""
+    k_ptrs, v_ptrs, kv_mask = _key_tile_ptrs(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
+                                             stride_vs, BLOCK_N, BLOCK_SIZE, True)
+    return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
+
+
+@triton.jit
+def attend_loaded_tile(acc, l_i, m_i, q, kt, v, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr):
+    """`_attend_keys`' masked step over a tile `load_key_tile` loaded: the same sums in the same order."""
+    p, alpha, l_i, m_new = _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N, True)
+    return _dot(p.to(v.dtype), v, acc * alpha[:, None]), l_i, m_new
 
 
 @triton.jit(do_not_specialize=["num_splits"])
