@@ -3,8 +3,8 @@
 # call of under ten minutes: its GPU tests (one launch equals a launch per phase bit for bit, i.e. the barriers
 # hold, at Llama-3.2-1B's, Qwen3-0.6B's and Qwen2-0.5B's widths; the engine with it decodes the reference tokens
 # on the three families), then the layers alone against the layer-by-layer path with the phase trace
-# (benchmarks/decode_layers.py), then issue 14's batch-1 decode (b) with it against the
-# default in the same process (benchmarks/gpu_engine.py).
+# (benchmarks/decode_layers.py, with the kernel's switches as variants: DL_VARIANTS), then issue 14's batch-1
+# decode (b) with it against the default in the same process (benchmarks/gpu_engine.py; ENGINE_VARIANTS).
 #
 #   bash benchmarks/gpu_decode_layers.sh      # logs and JSON under $OUT (default ./out)
 #   BUDGET_S=420 bash benchmarks/gpu_decode_layers.sh   # a shorter call: (b)'s run and the engine tests shrink
@@ -18,16 +18,19 @@ BUDGET_S=${BUDGET_S:-570}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SECONDS=0
-timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -x -k one_launch \
+timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -x -k one_launch \
     > "$OUT/pytest_kernel.log" 2>&1
 echo "== the kernel's GPU tests: rc $? at ${SECONDS} s"; grep -E "PASSED|FAILED|ERROR| passed| failed" "$OUT/pytest_kernel.log" | tail -12
 grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_kernel.log" || { tail -60 "$OUT/pytest_kernel.log"; exit 1; }
-OUT="$OUT/layers" timeout 120 python3 benchmarks/decode_layers.py > "$OUT/decode_layers.log" 2>&1
-echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -8 "$OUT/decode_layers.log"
+DL_VARIANTS=${DL_VARIANTS-poll_one,preload_kv,prefetch_kv1,poll_one+preload_kv}
+ENGINE_VARIANTS=${ENGINE_VARIANTS-persistent,persistent_both,auto}
+OUT="$OUT/layers" timeout 200 python3 benchmarks/decode_layers.py ${DL_VARIANTS:+--variants "$DL_VARIANTS"} \
+    > "$OUT/decode_layers.log" 2>&1
+echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -16 "$OUT/decode_layers.log"
 total=$(( BUDGET_S - SECONDS - 60 < 230 ? BUDGET_S - SECONDS - 60 : 230 ))
 if (( total >= 60 )); then  # (less is not enough for (b) on both shapes: left out, said so)
     OUT="$OUT/engine" timeout $(( total + 30 )) python3 benchmarks/gpu_engine.py --only decode --total "$total" \
-        --decode-variants persistent,again > "$OUT/engine.log" 2>&1
+        --decode-variants "$ENGINE_VARIANTS" > "$OUT/engine.log" 2>&1
     echo "== gpu_engine.py (b): rc $? at ${SECONDS} s"; grep -E "^\(b\)|Traceback|Error" "$OUT/engine.log" | tail -6
 else
     echo "== gpu_engine.py (b): left out, ${total} s of BUDGET_S=${BUDGET_S} left for it (it needs 60)"

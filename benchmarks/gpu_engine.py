@@ -363,6 +363,12 @@ DECODE_VARIANTS = {
     "persistent_pf6": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "6"},
     # launched as a plain kernel, not a cooperative one
     "persistent_plain": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_COOPERATIVE": "0"},
+    # its barriers polled by one thread a program; its attention's first key tile loaded before the barrier in
+    # front of attention; both (session 28's switches, `benchmarks/decode_layers.py --variants` times them alone)
+    "persistent_poll_one": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "one"},
+    "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
+    "persistent_both": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "one",
+                        "NANOFORGE_DECODE_PRELOAD_KV": "1"},
 }
 
 
