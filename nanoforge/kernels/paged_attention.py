@@ -121,6 +121,13 @@ def rope_mode() -> str:
     return env_choice("NANOFORGE_ATTN_ROPE", ("kernel", "fused"))
 
 
+def preload_mode() -> str:
+    """NANOFORGE_ATTN_PRELOAD: "0" (the default) or "1": a decode program loads its first key tile before its PDL
+    wait, while the RoPE and KV write kernel before it runs (`_preload_decode_tile`; the same sums; not yet timed
+    on a GPU)."""
+    return env_choice("NANOFORGE_ATTN_PRELOAD", ("0", "1"))
+
+
 def combine_mode() -> str:
     """How split contexts are combined: "kernel" (a second, small kernel; the default) or "fused" (the last split
     of each tile to finish, in the attention kernel itself)."""
@@ -332,8 +339,8 @@ def _paged_attention_triton(
         out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits, *rope_strides,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, SPLIT=num_splits > 1, FUSE=fuse, SPLITS_P2=_SPLITS_P2, VARLEN=varlen, PDL=on,
-        ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=bool(on),
+        ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), PRELOAD=not varlen and preload_mode() == "1",
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(on),
     )  # fmt: skip
     if num_splits > 1 and not fuse:
         _combine_splits[(total_q, hq)](
@@ -366,10 +373,14 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     FUSE: tl.constexpr, SPLITS_P2: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(PDL)
     pid = tl.program_id(0)
+    if PRELOAD:  # decode: the split's first tile of cached keys, loaded while the kernel before this one runs
+        kt0, v0 = _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, pid, num_splits, stride_kb, stride_ks,
+                                       stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, HEAD_D, BLOCK_D,
+                                       BLOCK_N, BLOCK_SIZE)
+    pdl.enter(PDL)
     if not VARLEN:  # decode: program i is sequence i's one token
         seq = pid
         tok0 = 0
@@ -426,6 +437,17 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    if PRELOAD:  # the first tile from registers, the token's own key and value put in (the last kernel wrote them)
+        last = seq_len - 1
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        if (last >= lo) & (last < hi) & (last < lo + BLOCK_N):
+            block = tl.load(TABLE + last // BLOCK_SIZE).to(tl.int64)
+            k_new = tl.load(K + block * stride_kb + (last % BLOCK_SIZE) * stride_ks + offs_d, mask=d_ok, other=0.0)
+            v_new = tl.load(V + block * stride_vb + (last % BLOCK_SIZE) * stride_vs + offs_d, mask=d_ok, other=0.0)
+            kt0 = tl.where(offs_n[None, :] == last, k_new[:, None], kt0)
+            v0 = tl.where(offs_n[:, None] == last, v_new[None, :], v0)
+        acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
+        lo += BLOCK_N
     # Keys before the tile's first position + 1 are seen by every row: whole blocks of them need no causal or
     # bounds mask (most of a long prompt's blocks); the rest (the diagonal, the split's ragged end) are masked.
     full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
@@ -459,6 +481,24 @@ def _paged_attn_kernel(
                                   BLOCK_M, BLOCK_D, SPLITS_P2)
                 tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                          o.to(O.dtype.element_ty), mask=io_mask)  # fmt: skip
+
+
+@triton.jit
+def _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, seq, num_splits, stride_kb, stride_ks, stride_kh, stride_vb,
+                         stride_vs, stride_vh, stride_bt, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A decode program's first key tile (K transposed, V), of the keys before the token's own: what it may
+    read before its PDL wait. The kernel before it in the chain (the RoPE and KV write) writes only the token's
+    key and value; the block tables, sequence lengths and the rest of the cache are older, and their writers
+    had finished when that kernel passed its own wait, before it let this one launch."""
+    seq_len = tl.load(SEQ_LENS + seq)
+    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
+    lo = tl.program_id(2) * share
+    hi = tl.minimum(tl.minimum(lo + share, seq_len), seq_len - 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    hk = tl.program_id(1)
+    return load_key_tile(K + hk * stride_kh, V + hk * stride_vh, BLOCK_TABLES + seq.to(tl.int64) * stride_bt, lo, hi,
+                         offs_d, offs_d < HEAD_D, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE)
 
 
 @triton.jit
