@@ -37,16 +37,14 @@ The caller (`serve/layer_kernel.py`) stacks the layers' weights and decides when
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, interpreting, sm_count
+from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, env_count, interpreting, sm_count
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
@@ -130,11 +128,7 @@ def prefetch_tiles() -> int:
     """NANOFORGE_DECODE_PREFETCH_TILES (default 2): how many of its tiles of the next phase's weights each program
     asks L2 for before a barrier, ~32 KB each, 4.2 MB a tile over 132 SMs; inside a phase each program also asks
     for the tile after the two its registers hold. 0: neither."""
-    value = os.environ.get("NANOFORGE_DECODE_PREFETCH_TILES", "2")
-    if not value.isdigit() or int(value) > 16:
-        raise NanoforgeError(f"NANOFORGE_DECODE_PREFETCH_TILES must be a whole number from 0 to 16, not {value!r}",
-                             param="NANOFORGE_DECODE_PREFETCH_TILES")
-    return int(value)
+    return env_count("NANOFORGE_DECODE_PREFETCH_TILES", 2, 0, 16)
 
 
 def poll_one() -> bool:
@@ -147,11 +141,7 @@ def poll_one() -> bool:
 def prefetch_kv_tiles() -> int:
     """NANOFORGE_DECODE_PREFETCH_KV (default 0, off; not yet timed on a GPU): how many 64-key tiles of each
     attention item's K and V every program asks L2 for before the barrier in front of attention (from 0 to 4)."""
-    value = os.environ.get("NANOFORGE_DECODE_PREFETCH_KV", "0")
-    if not value.isdigit() or int(value) > 4:
-        raise NanoforgeError(f"NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4, not {value!r}",
-                             param="NANOFORGE_DECODE_PREFETCH_KV")
-    return int(value)
+    return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
 
 
 def preload_kv() -> bool:

@@ -43,6 +43,17 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def env_count(name: str, default: int, lo: int, hi: int) -> int:
+    """The environment setting `name` as a whole number from lo to hi (unset: `default`), or one line naming
+    the problem."""
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or not lo <= int(value) <= hi:
+        from nanoforge.errors import NanoforgeError
+
+        raise NanoforgeError(f"{name} must be a whole number from {lo} to {hi}, not {value!r}", param=name)
+    return int(value)
+
+
 def env_mib(name: str, default: str) -> float:
     """The environment setting `name` as a number of MiB (unset: `default`), or one line naming the problem."""
     value = os.environ.get(name, default)
