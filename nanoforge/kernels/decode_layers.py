@@ -272,8 +272,9 @@ def phase_times(trace: torch.Tensor) -> dict:
 @triton.jit
 def _poll_one_thread(BAR, target, spin_limit):
     """Thread 0 of the program polls BAR until it reaches `target` (or `spin_limit` polls); the other threads
-    return at once. PTX, as Triton runs a scalar in every thread: 132 pollers a GPU, not 132 x 256 threads'
-    warps (1,056 loads of one L2 line in flight, which the arrivals' atomics queue behind)."""
+    return at once. PTX, as Triton runs a scalar in every thread: one poller a program (132 a GPU), where a
+    scalar load polls once a warp (1,056 loads of one L2 line in flight, which the arrivals' atomics queue
+    behind)."""
     return tl.inline_asm_elementwise(
         """{
         .reg .pred nfSkip, nfDone, nfMore;
