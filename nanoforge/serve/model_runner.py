@@ -329,9 +329,9 @@ class ModelRunner:
 
     # --- uploading a step ------------------------------------------------------------------------------------
 
-    def _upload(self, step: StepInputs) -> dict:
+    def _upload(self, step: StepInputs, views: bool = True) -> dict | None:
         """Copy the packed inputs to the device in one go, apply the table and parameter updates; return the
-        device views of the step's fields."""
+        device views of the step's fields (None where not `views`: a replayed graph reads its own)."""
         n = step.packed.numel()
         dst = self.inputs if n <= self.inputs.numel() else torch.empty(n, dtype=torch.int64, device=self.device)
         dst[:n].copy_(step.packed, non_blocking=True)
@@ -347,7 +347,7 @@ class ModelRunner:
             self.slot_seed[slots] = u[:, 2]
             self.slot_temperature[slots] = floats[:, 0].float()
             self.slot_top_p[slots] = floats[:, 1].float()
-        return step.layout.views(dst)
+        return step.layout.views(dst) if views else None
 
     # --- the forward pass ---------------------------------------------------------------------------------
 
@@ -424,7 +424,8 @@ class ModelRunner:
         # a graph reads its inputs from self.inputs: a step whose table updates overflow it (a fresh upload
         # buffer) runs its padded inputs eagerly instead
         graphed = step.graph is not None and step.packed.numel() <= self.inputs.numel()
-        v = self._upload(step)
+        # (the views cost ~10-20 us of host time a step: a replay reads none, the top-k / top-p draw does)
+        v = self._upload(step, views=not graphed or (step.needs_filter and self.is_driver))
         self._block_ops(step)
         if not step.num_tokens:
             return None, None
