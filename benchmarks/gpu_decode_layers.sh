@@ -18,7 +18,7 @@ BUDGET_S=${BUDGET_S:-570}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SECONDS=0
-timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -x -k one_launch \
+timeout 260 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -x -k one_launch \
     > "$OUT/pytest_kernel.log" 2>&1
 echo "== the kernel's GPU tests: rc $? at ${SECONDS} s"; grep -E "PASSED|FAILED|ERROR| passed| failed" "$OUT/pytest_kernel.log" | tail -12
 grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_kernel.log" || { tail -60 "$OUT/pytest_kernel.log"; exit 1; }
