@@ -24,7 +24,7 @@ echo "== the kernel's GPU tests: rc $? at ${SECONDS} s"; grep -E "PASSED|FAILED|
 grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_kernel.log" || { tail -60 "$OUT/pytest_kernel.log"; exit 1; }
 DL_VARIANTS=${DL_VARIANTS-poll_one,preload_kv,prefetch_kv1,poll_one+preload_kv}
 ENGINE_VARIANTS=${ENGINE_VARIANTS-persistent,persistent_both,auto}
-OUT="$OUT/layers" timeout 200 python3 benchmarks/decode_layers.py ${DL_VARIANTS:+--variants "$DL_VARIANTS"} \
+OUT="$OUT/layers" timeout 240 python3 benchmarks/decode_layers.py ${DL_VARIANTS:+--variants "$DL_VARIANTS"} \
     > "$OUT/decode_layers.log" 2>&1
 echo "== decode_layers.py: rc $? at ${SECONDS} s"; tail -16 "$OUT/decode_layers.log"
 total=$(( BUDGET_S - SECONDS - 60 < 230 ? BUDGET_S - SECONDS - 60 : 230 ))
