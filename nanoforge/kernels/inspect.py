@@ -306,8 +306,9 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         num_warps=8,
     ),
     "matmul_swiglu": TritonKernel(  # gate-and-up with SwiGLU in the epilogue, as a Hopper launch runs it: TMA
-        "nanoforge.kernels.matmul:_matmul_tiled_kernel",  # descriptors, b the (2F, K) weight, blocks half a tile
-        {"a": "tensordesc<bf16[128, 64]>", "b": "tensordesc<bf16[128, 64]>", "c": "tensordesc<bf16[128, 128]>",
+        "nanoforge.kernels.matmul:_matmul_tiled_kernel",  # descriptors, b the (2F, K) weight seen as (2, F, K),
+        {"a": "tensordesc<bf16[128, 64]>", "b": "tensordesc<bf16[2, 128, 64]>",  # c's block half a tile
+         "c": "tensordesc<bf16[128, 128]>",
          "bias": "*bf16", **_i32("M", "N", "K", "M_BUCKET"),
          **_i32("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")},
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "HAS_BIAS": False, "ACTIVATION": "swiglu",

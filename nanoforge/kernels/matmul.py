@@ -295,22 +295,23 @@ def _mac_swiglu(a, b, pid_m, pid_n, k_tiles, M, F, K, stride_am, stride_ak, stri
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
                 B_NK: tl.constexpr):
     """`_mac` for SwiGLU: fp32 tiles of A @ B's gate columns [pid_n * HALF, + HALF) and of the up columns F
-    further, each A tile loaded once for both products."""
-    gate = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    further, each A tile loaded once for both products. With TMA, b is a 3-D view ([2, F, K] of the (N, K)
+    weight, or [K, 2, F] of a (K, N) b) whose block holds the tile's gate and up columns together: one copy and
+    one product a K tile, [gate | up] BLOCK_N wide, as the plain GEMM's loop (its two halves split after it)."""
     n0 = pid_n * HALF
-    if USE_TMA:  # b's block is HALF wide; the gate tile at the edge reads up columns, never stored
+    if USE_TMA:
+        acc = tl.zeros((BLOCK_M, 2 * HALF), dtype=tl.float32)
         for ki in range(0, k_tiles):
             a_blk = a.load([pid_m * BLOCK_M, ki * BLOCK_K])
             if B_NK:
-                g_blk = b.load([n0, ki * BLOCK_K]).T
-                u_blk = b.load([F + n0, ki * BLOCK_K]).T
+                b_blk = tl.reshape(b.load([0, n0, ki * BLOCK_K]), (2 * HALF, BLOCK_K)).T
             else:
-                g_blk = b.load([ki * BLOCK_K, n0])
-                u_blk = b.load([ki * BLOCK_K, F + n0])
-            gate = _dot(a_blk, g_blk, gate)
-            up = _dot(a_blk, u_blk, up)
+                b_blk = tl.reshape(b.load([ki * BLOCK_K, 0, n0]), (BLOCK_K, 2 * HALF))
+            acc = _dot(a_blk, b_blk, acc)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
     else:  # clamped rows and columns, as `_mac`
+        gate = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = n0 + tl.arange(0, HALF)
         rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
@@ -520,9 +521,11 @@ def _set_tma_block_shapes(nargs: dict) -> None:
 
 def _block_shapes(config: dict, b_nk: bool, swiglu: bool) -> tuple[list, list, list]:
     """The TMA descriptors' block shapes of a block config: a (BM, BK); b (BN, BK) or (BK, BN); c (BM, BN).
-    With SwiGLU, b's and c's blocks are BN / 2 wide: the gate and the up half of a tile, and its output."""
+    With SwiGLU, b's block is 3-D, (2, BN / 2, BK) or (BK, 2, BN / 2): a tile's gate and up columns, and c's
+    BN / 2 wide: its output."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    bn = bn // 2 if swiglu else bn
+    if swiglu:
+        return [bm, bk], [2, bn // 2, bk] if b_nk else [bk, 2, bn // 2], [bm, bn // 2]
     return [bm, bk], [bn, bk] if b_nk else [bk, bn], [bm, bn]
 
 
@@ -661,6 +664,8 @@ def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, opera
     if schedule == "auto":
         schedule = "tiled" if activation == "swiglu" else _pick_schedule(M, N, num_sms)
     use_tma = operands_aligned and _tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c_strides)
+    if activation == "swiglu" and b.stride(1) == 1:  # its 3-D view of a (K, N) b strides N / 2 between halves
+        use_tma = use_tma and N // 2 * a.element_size() % 16 == 0
     consts = {"HAS_BIAS": bias is not None, "ACTIVATION": activation or "none", "USE_TMA": use_tma,
               "B_NK": use_tma and b.stride(1) != 1}
     m_bucket = triton.next_power_of_2(M)  # the autotune key: tuned once per power-of-two token count
@@ -681,11 +686,11 @@ def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, opera
     return plan
 
 
-def _descriptor(base: torch.Tensor, shape: list, row_stride: int, block_shape: list) -> TensorDescriptor:
-    """TensorDescriptor(base, shape, [row_stride, 1], block_shape) without its checks (a few us a call):
-    the plan's key already holds what they check (strides, 16-byte alignment)."""
+def _descriptor(base: torch.Tensor, shape: list, strides: list, block_shape: list) -> TensorDescriptor:
+    """TensorDescriptor(base, shape, strides, block_shape) without its checks (a few us a call): the plan's
+    key already holds what they check (strides, 16-byte alignment)."""
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape = base, shape, [row_stride, 1], block_shape
+    desc.base, desc.shape, desc.strides, desc.block_shape = base, shape, strides, block_shape
     return desc
 
 
@@ -694,11 +699,17 @@ def _operands(plan: _Plan, a, b, c, blocks) -> tuple:
     if not plan.use_tma:
         return a, b, c
     (M, K), N = a.shape, b.shape[1]
-    # b as (N, K) when it is the transposed view of a row-major weight; same base address either way
-    b_desc = (_descriptor(b, [N, K], b.stride(1), blocks[1]) if plan.b_nk
-              else _descriptor(b, [K, N], b.stride(0), blocks[1]))
-    return (_descriptor(a, [M, K], a.stride(0), blocks[0]), b_desc,
-            _descriptor(c, [M, c.shape[1]], c.stride(0), blocks[2]))
+    # b as (N, K) when it is the transposed view of a row-major weight; same base address either way. SwiGLU's
+    # b as [gate, up] halves: (2, N / 2, K), or (K, 2, N / 2)
+    row = b.stride(1) if plan.b_nk else b.stride(0)
+    if plan.consts["ACTIVATION"] == "swiglu":
+        f = N // 2
+        b_desc = (_descriptor(b, [2, f, K], [f * row, row, 1], blocks[1]) if plan.b_nk
+                  else _descriptor(b, [K, 2, f], [row, f, 1], blocks[1]))
+    else:
+        b_desc = _descriptor(b, [N, K] if plan.b_nk else [K, N], [row, 1], blocks[1])
+    return (_descriptor(a, [M, K], [a.stride(0), 1], blocks[0]), b_desc,
+            _descriptor(c, [M, c.shape[1]], [c.stride(0), 1], blocks[2]))
 
 
 def _matmul_triton(a, b, bias, activation, schedule, out):
