@@ -175,6 +175,22 @@ def test_chunked_prefill_with_split_contexts_matches_float64(poisoned, splits, f
 
 
 @interpreter
+@pytest.mark.parametrize("bs", [4, 16, 32])  # cache blocks smaller than a key tile, equal, larger
+def test_block_table_chunks_held_in_registers_cover_every_tile(poisoned, monkeypatch, bs):
+    """The unmasked key tiles take their cache blocks from a chunk of the block table loaded once (here 2 tiles'
+    worth, so that contexts of a few hundred keys cross several chunks, with tiles and cache blocks that do not
+    line up with them): prefill and decode (split contexts) still equal the float64 reference."""
+    import triton.language as tl
+
+    monkeypatch.setattr(pa, "_TABLE_TILES", tl.constexpr(2))
+    b = batch([170, 97, 33], [60, 1, 33], 4, 2, 16, bs, seed=bs)
+    check(b, launch(b, 60, pa._tile_config(60, 2)))
+    d = batch([170, 97, 33, 250], [1] * 4, 4, 2, 16, bs, seed=bs + 1)
+    for splits in (1, 3):
+        check(d, launch(d, 1, pa._tile_config(1, 2), splits))
+
+
+@interpreter
 @pytest.mark.parametrize("tile", ["128x64w8s3", "128x128w8s2", "64x32w4s2"])
 def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
     """The tiles NANOFORGE_ATTN_PREFILL_TILE can pick (rows of (token, head) pairs x keys): whole prompts longer

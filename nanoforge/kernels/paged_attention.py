@@ -42,6 +42,7 @@ from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
+_TABLE_TILES = tl.constexpr(16)  # key tiles whose block-table entries a program holds in registers at once
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,25 +598,40 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 EVEN_D: tl.constexpr):
     """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
-    without a mask, the rest masked (`_attend_keys`)."""
-    for n0 in range(lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D, False)
+    without a mask, the rest masked (`_attend_keys`).
+
+    The unmasked tiles take their block ids from a chunk of the block table held in registers (_TABLE_TILES
+    tiles' worth, loaded once a chunk), not from a load a tile: a table load inside the loop is an asynchronous
+    copy that each tile's K and V addresses wait on, and as such copies complete in order, the wait is for all of
+    them: compiled for sm_90 (Triton 3.6 and 3.9), every iteration then began with `cp.async.wait_group 0` and
+    no K/V load overlapped a product. Gathered from registers, the loop keeps two tiles of K and V in flight."""
+    chunk: tl.constexpr = _TABLE_TILES * BLOCK_N
+    entries: tl.constexpr = triton.next_power_of_2(chunk // BLOCK_SIZE + 1)
+    for c0 in range(lo, full_hi, chunk):
+        first = c0 // BLOCK_SIZE
+        ids = first + tl.arange(0, entries)
+        table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
+        for n0 in range(c0, tl.minimum(c0 + chunk, full_hi), BLOCK_N):
+            block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
+                                         False)
     for n0 in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+        block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
                                      stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D, True)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_scale,
+def _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
                  stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  EVEN_D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """One online-softmax step of a tile over keys n0 .. n0 + BLOCK_N, gathered through the block table;
-    MASKED: the block may hold keys past `hi` or past a row's position (else every row sees all of them);
-    EVEN_D: the head dimension fills BLOCK_D (no mask along it). V is loaded after the scores (its registers
-    free until then)."""
-    k_ptrs, v_ptrs, kv_mask = _key_tile_ptrs(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
+    """One online-softmax step of a tile over keys n0 .. n0 + BLOCK_N, each in cache block `block` (int64, one a
+    key, from the block table); MASKED: the block may hold keys past `hi` or past a row's position (else every
+    row sees all of them); EVEN_D: the head dimension fills BLOCK_D (no mask along it). V is loaded after the
+    scores (its registers free until then)."""
+    k_ptrs, v_ptrs, kv_mask = _key_tile_ptrs(K, V, block, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
                                              stride_vs, BLOCK_N, BLOCK_SIZE, MASKED)
     if EVEN_D and not MASKED:
         kt = tl.load(k_ptrs)  # (BLOCK_D, BLOCK_N)
@@ -631,18 +647,25 @@ def _attend_keys(acc, l_i, m_i, q, K, V, TABLE, n0, hi, pos, offs_d, d_ok, qk_sc
 
 
 @triton.jit
-def _key_tile_ptrs(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+def _table_blocks(TABLE, n0, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache block of each key n0 .. n0 + BLOCK_N, read from the block table (MASKED: keys before `hi`
+    only; 0 for the rest), int64."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        return tl.load(TABLE + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0).to(tl.int64)
+    return tl.load(TABLE + offs_n // BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _key_tile_ptrs(K, V, block, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """Pointers to keys n0 .. n0 + BLOCK_N of a paged context (K transposed: (BLOCK_D, BLOCK_N); V: (BLOCK_N,
-    BLOCK_D)) and K's mask (MASKED: keys before `hi` only)."""
+    """Pointers to keys n0 .. n0 + BLOCK_N of a paged context, each in cache block `block` (K transposed:
+    (BLOCK_D, BLOCK_N); V: (BLOCK_N, BLOCK_D)) and K's mask (MASKED: keys before `hi` only)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     slot = offs_n % BLOCK_SIZE
     if MASKED:
-        n_ok = offs_n < hi
-        block = tl.load(TABLE + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        kv_mask = n_ok[None, :] & d_ok[:, None]
+        kv_mask = (offs_n < hi)[None, :] & d_ok[:, None]
     else:
-        block = tl.load(TABLE + offs_n // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_ok[:, None] & (offs_n[None, :] >= 0)
     k_ptrs = K + block[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None]
     v_ptrs = V + block[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :]
@@ -668,7 +691,8 @@ def load_key_tile(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, strid
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Keys n0 .. n0 + BLOCK_N of a paged context, those from `hi` on zero: (K transposed, V), for
     `attend_loaded_tile`; a caller may load them well before it needs them (a context no one writes)."""
-    k_ptrs, v_ptrs, kv_mask = _key_tile_ptrs(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
+    block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
+    k_ptrs, v_ptrs, kv_mask = _key_tile_ptrs(K, V, block, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
                                              stride_vs, BLOCK_N, BLOCK_SIZE, True)
     return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
 
