@@ -675,13 +675,15 @@ def _key_tile_ptrs(K, V, block, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stri
 @triton.jit
 def _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """The scores of q against a tile's keys (kt: (BLOCK_D, BLOCK_N), keys n0 ..), in log2 units, and the online
-    softmax's step over them: (p, the running sums' rescale alpha, l, the new max)."""
-    s = _dot(q, kt, None) * qk_scale  # (BLOCK_M, BLOCK_N)
+    softmax's step over them: (p, the running sums' rescale alpha, l, the new max). The scale goes into the
+    exponent's argument (one fused multiply-add an element: the row's max is taken of the raw scores and scaled
+    once, as qk_scale > 0), not onto the scores (a multiply and a subtraction an element)."""
+    s = _dot(q, kt, None)  # (BLOCK_M, BLOCK_N), unscaled
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         s = tl.where((offs_n < hi)[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
