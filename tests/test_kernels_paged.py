@@ -132,8 +132,7 @@ def test_decode_with_its_first_tile_loaded_before_the_wait_takes_the_same_sums(p
     assert torch.equal(got, want)
     check(b, got)
     q, k, v, cos, sin, qk_norm = _projections(ctx, hq, hkv, d, True, seed=d)
-    slots = torch.tensor([b["block_tables"][i, (n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(ctx)],
-                         dtype=torch.int32)
+    slots = token_slots(b, ctx, bs)
     outs = []
     for preload in ("0", "1"):
         monkeypatch.setenv("NANOFORGE_ATTN_PRELOAD", preload)
@@ -347,13 +346,8 @@ def test_gpu_decode_preload_before_the_wait_in_a_pdl_chain_equals_the_default(po
 
     ctx = [1, 16, 17, 777, 4096, 300]
     b = pa.make_paged_batch(ctx, [1] * len(ctx), hq, hkv, d, 16, torch.bfloat16, "cuda")
-    q, k, v, cos, sin, qk_norm = (t.cuda().bfloat16() if torch.is_tensor(t) else t
-                                  for t in _projections(ctx, hq, hkv, d, norm, seed=2))
-    if qk_norm:
-        qk_norm = tuple(m.cuda().bfloat16() for m in qk_norm)
-    table = b["block_tables"].cpu()
-    slots = torch.tensor([table[i, (n - 1) // 16] * 16 + (n - 1) % 16 for i, n in enumerate(ctx)],
-                         dtype=torch.int32, device="cuda")
+    q, k, v, cos, sin, qk_norm = gpu_projections(ctx, hq, hkv, d, norm, seed=2)
+    slots = token_slots(b, ctx, 16)
     flat_k, flat_v = b["k_cache"].view(-1, hkv, d), b["v_cache"].view(-1, hkv, d)
 
     def step():
@@ -403,6 +397,20 @@ def _projections(ctx, hq, hkv, d, norm, seed):
     return q, k, v, cos, sin, qk_norm
 
 
+
+def token_slots(b: dict, ctx: list[int], block_size: int) -> torch.Tensor:
+    """Each sequence's token slot (its context's last position) through its block table, int32, on its device."""
+    table = b["block_tables"].cpu()
+    return torch.tensor([table[i, (n - 1) // block_size] * block_size + (n - 1) % block_size
+                         for i, n in enumerate(ctx)], dtype=torch.int32, device=b["block_tables"].device)
+
+
+def gpu_projections(ctx, hq, hkv, d, norm, seed):
+    """`_projections` in bf16 on the GPU (the q/k norms too)."""
+    q, k, v, cos, sin, qk_norm = (t.cuda().bfloat16() if torch.is_tensor(t) else t
+                                  for t in _projections(ctx, hq, hkv, d, norm, seed))
+    return q, k, v, cos, sin, tuple(m.cuda().bfloat16() for m in qk_norm) if qk_norm else None
+
 @interpreter
 @pytest.mark.parametrize("hq,hkv,d,norm", [(6, 2, 16, False), (6, 2, 16, True), (4, 4, 24, True)])
 @pytest.mark.parametrize("splits,fused", [(1, False), (3, False), (3, True)])
@@ -416,8 +424,7 @@ def test_rope_and_kv_write_inside_attention_equal_the_parts(poisoned, hq, hkv, d
     ctx = [1, 16, 17, 40, 5]
     b = batch(ctx, [1] * len(ctx), hq, hkv, d, 8, seed=splits)
     q, k, v, cos, sin, qk_norm = _projections(ctx, hq, hkv, d, norm, seed=d)
-    table = b["block_tables"]
-    slots = torch.tensor([table[i, (n - 1) // 8] * 8 + (n - 1) % 8 for i, n in enumerate(ctx)], dtype=torch.int32)
+    slots = token_slots(b, ctx, 8)
     want_k, want_v = b["k_cache"].clone(), b["v_cache"].clone()
     with torch.no_grad():
         q_rot = rope_qkv_and_write_kv(q, k, v, cos, sin, want_k, want_v, slots, qk_norm)  # Triton's own kernel
@@ -441,7 +448,7 @@ def test_rope_write_and_attend_takes_the_switch(poisoned, monkeypatch):
     for mode in ("kernel", "fused"):
         monkeypatch.setenv("NANOFORGE_ATTN_ROPE", mode)
         b = batch(ctx, [1, 1], 4, 2, 16, 8, seed=5)
-        slots = torch.tensor([b["block_tables"][i, (n - 1) // 8] * 8 + (n - 1) % 8 for i, n in enumerate(ctx)])
+        slots = token_slots(b, ctx, 8)
         with torch.no_grad():
             out = pa.rope_write_and_attend(q, k, v, cos, sin, b["k_cache"], b["v_cache"], slots, b["block_tables"],
                                            b["seq_lens"], b["cu_seqlens_q"], qk_norm)
@@ -465,13 +472,8 @@ def test_gpu_rope_and_kv_write_inside_attention_in_a_cuda_graph(poisoned, monkey
     monkeypatch.setenv("NANOFORGE_ATTN_COMBINE", combine)
     ctx = [4096, 1, 777, 20000, 16]
     b = pa.make_paged_batch(ctx, [1] * len(ctx), hq, hkv, d, 16, torch.bfloat16, "cuda")
-    q, k, v, cos, sin, qk_norm = (t.cuda().bfloat16() if torch.is_tensor(t) else t
-                                  for t in _projections(ctx, hq, hkv, d, norm, seed=1))
-    if qk_norm:
-        qk_norm = tuple(m.cuda().bfloat16() for m in qk_norm)
-    table = b["block_tables"].cpu()
-    slots = torch.tensor([table[i, (n - 1) // 16] * 16 + (n - 1) % 16 for i, n in enumerate(ctx)],
-                         dtype=torch.int32, device="cuda")
+    q, k, v, cos, sin, qk_norm = gpu_projections(ctx, hq, hkv, d, norm, seed=1)
+    slots = token_slots(b, ctx, 16)
     want_k, want_v = b["k_cache"].clone(), b["v_cache"].clone()
     with torch.no_grad():
         q_rot = rope_qkv_and_write_kv(q, k, v, cos, sin, want_k, want_v, slots, qk_norm)
