@@ -711,20 +711,12 @@ def _combine_splits(
     O_PART, LSE_PART, O, stride_ot, stride_oh, H, num_splits,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse): the softmax over the whole context."""
+    """Head h of token t over the whole context from its splits' partials (`combine_heads`, one head)."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    part = (t * H + h) * num_splits + offs_s
-    lse = tl.load(LSE_PART + part, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    d_ok = offs_d < HEAD_D
-    o = tl.load(O_PART + part[:, None] * HEAD_D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+    combine_heads(O_PART, LSE_PART, O + t * stride_ot + h * stride_oh, (t * H + h) * num_splits, num_splits, 1,
+                  stride_oh, HEAD_D, BLOCK_D, 1, SPLITS_P2)
 
 
 # ----------------------------------------------------------------------------------------------
