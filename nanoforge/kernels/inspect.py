@@ -354,7 +354,7 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
     "paged_attention_combine": TritonKernel(  # the split partials' combine where it is a launch of its own
         "nanoforge.kernels.paged_attention:_combine_splits",
         {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", **_i32("stride_ot", "stride_oh", "H", "num_splits")},
-        {"HEAD_D": 128, "BLOCK_D": 128, "SPLITS_P2": 16, "PDL": True}, num_warps=4,
+        {"HEAD_D": 128, "BLOCK_D": 128, "SPLITS_P2": 32, "PDL": True}, num_warps=4,
     ),
     "paged_attention_prefill": _paged(GROUP=2, HEAD_D=128, BLOCK_M=64, BLOCK_Q=32, SPLIT=False, VARLEN=True,
                                       num_warps=4),  # the default tile at Qwen3-0.6B's heads
