@@ -60,6 +60,33 @@ def test_theoretical_occupancy_rejects_impossible_kernels(args):
         ki.theoretical_occupancy(*args)
 
 
+_SASS = """
+\t\tFunction : k
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                  /* 0x00000a0000017a02 */
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;            /* 0x0000000404027981 */
+        /*0020*/                   DEPBAR.LE SB0, 0x1 ;                    /* 0x000080400000791a */
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0040*/               @P0 BRA 0x20 ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0060*/              @!P1 BRA 0x10 ;
+        /*0070*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0090*/                   BRA.U !UP0, 0x70 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   BRA 0xb0;
+"""
+
+
+def test_sass_loops_are_the_innermost_backward_branches():
+    """Read by hand: loops 0x20-0x40 and 0x70-0x90 (the BRA.U form, predicate on the uniform datapath); 0x10-0x60
+    holds the first, and the trap's branch to itself is no loop."""
+    loops = ki.sass_loops(_SASS)
+    assert [(lp.start, lp.end, lp.instructions, lp.tensor_core, lp.barriers) for lp in loops] == [
+        (0x20, 0x40, 3, 1, 0), (0x70, 0x90, 3, 1, 1)]
+    assert loops[0].waits == ("DEPBAR.LE SB0, 0x1",) and loops[1].waits == ()
+    assert loops[0].opcodes == {"DEPBAR.LE": 1, "HGMMA.64x64x16.F32.BF16": 1, "BRA": 1}
+
+
 def test_unknown_kernel_name_lists_the_choices():
     with pytest.raises(NanoforgeError, match="sgemm_regtile_2d"):
         ki.inspect_kernel("no_such_kernel", "unused")
@@ -263,6 +290,18 @@ def test_prefill_attention_compiles_to_hopper_tensor_core_instructions_without_s
     ptx = (out / f"{name}.ptx").read_text()
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
     assert "HGMMA" in (out / f"{name}.sass").read_text()
+
+
+@pytest.mark.parametrize("name", ["paged_attention_prefill", "paged_attention_prefill_wide", "paged_attention_decode"])
+def test_paged_attention_loop_over_whole_tiles_keeps_later_tiles_loads_in_flight(compiled, name):
+    """The loop over the tiles every row sees (the first loop with products in it) is software-pipelined: an
+    iteration waits until two groups of K/V copies are left in flight, not until none are. A block-table load
+    inside that loop made every iteration wait for all of them (`DEPBAR.LE SB0, 0x0`: no load overlapped a
+    product); the diagonal's masked loop after it still does."""
+    results, _ = compiled
+    loops = [loop for loop in _report(results, name)["loops"] if loop["tensor_core"]]
+    assert len(loops) == 2, loops
+    assert loops[0]["waits"] == ["DEPBAR.LE SB0, 0x2"] and loops[1]["waits"] == ["DEPBAR.LE SB0, 0x0"]
 
 
 def test_the_swiglu_gemm_compiles_to_tma_loads_and_wgmma_without_spills(compiled):

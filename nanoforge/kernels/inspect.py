@@ -514,6 +514,54 @@ def compiled_triton(name: str, compiled) -> Compiled:
     )
 
 
+# --------------------------------------------------------------------------- loops in SASS
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_PREDICATE = re.compile(r"^@!?U?P[0-9T]\s+")
+_BRANCH = re.compile(r"^BRA(?:\.\S+)?\s+(?:!?U?P[0-9T],\s*)?0x([0-9a-f]+)$")  # BRA 0x.., BRA.U !UP0, 0x..
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """An innermost loop of a kernel's SASS: the instructions from a backward branch's target to the branch, as
+    one warp issues them an iteration. `waits`: its DEPBAR instructions (`DEPBAR.LE SB0, 0x2`: the iteration
+    waits until at most two groups of asynchronous copies are in flight, i.e. loads for later iterations overlap
+    this one's work; `0x0`: nothing is left in flight, no overlap)."""
+
+    start: int  # byte address of the loop's first instruction
+    end: int  # of its backward branch
+    instructions: int
+    tensor_core: int  # HGMMA (wgmma) and HMMA (mma.sync) instructions
+    barriers: int  # BAR.SYNC: the whole block waits
+    waits: tuple[str, ...]
+    opcodes: dict[str, int] = field(default_factory=dict)
+
+
+def sass_loops(sass: str) -> list[SassLoop]:
+    """The innermost loops of each function in `sass` (cuobjdump -sass text), in address order: a loop is the
+    span from a backward branch's target to the branch (a branch to itself, the trap after EXIT, is none);
+    innermost: no other loop inside it."""
+    loops = []
+    for function in re.split(r"\n\s*Function : ", sass):
+        code = [(int(m[1], 16), _PREDICATE.sub("", m[2])) for m in map(_SASS_LINE.match, function.splitlines()) if m]
+        spans = sorted({(int(target, 16), addr) for addr, text in code
+                        for target in _BRANCH.findall(text) if int(target, 16) < addr})
+        for lo, hi in spans:
+            if any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in spans):
+                continue  # holds an inner loop
+            body = [text for addr, text in code if lo <= addr <= hi]
+            ops: dict[str, int] = {}
+            for text in body:
+                op = text.split()[0]
+                ops[op] = ops.get(op, 0) + 1
+            loops.append(SassLoop(
+                lo, hi, len(body), sum(n for op, n in ops.items() if op.startswith(("HGMMA", "HMMA"))),
+                sum(n for op, n in ops.items() if op.startswith("BAR.SYNC")),
+                tuple(text for text in body if text.startswith("DEPBAR")), ops,
+            ))  # fmt: skip
+    return loops
+
+
 # --------------------------------------------------------------------------- reporting
 
 
@@ -527,7 +575,8 @@ def report(compiled: Compiled, out_dir: str | os.PathLike) -> dict:
     )
     ptx_path, sass_path = out / f"{compiled.name}.ptx", out / f"{compiled.name}.sass"
     ptx_path.write_text(compiled.ptx)
-    sass_path.write_text(_cuobjdump(compiled.cubin, "-sass"))
+    sass = _cuobjdump(compiled.cubin, "-sass")
+    sass_path.write_text(sass)
     result = {
         "name": compiled.name,
         "source": compiled.source,
@@ -538,6 +587,7 @@ def report(compiled: Compiled, out_dir: str | os.PathLike) -> dict:
         "occupancy": asdict(occupancy),
         "ptx": str(ptx_path),
         "sass": str(sass_path),
+        "loops": [asdict(loop) for loop in sass_loops(sass)],
     }
     _print_report(result)
     return result
@@ -558,10 +608,17 @@ def _print_report(r: dict) -> None:
         ),
         ("PTX", r["ptx"]),
         ("SASS", r["sass"]),
+        *((f"loop {loop['start']:#x}-{loop['end']:#x}", _loop_line(loop)) for loop in r["loops"]),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+
+
+def _loop_line(loop: dict) -> str:
+    waits = ", ".join(loop["waits"]) or "none"
+    return (f"{loop['instructions']} instructions a warp an iteration, {loop['tensor_core']} on tensor cores, "
+            f"{loop['barriers']} block barriers; waits: {waits}")
 
 
 def inspect_kernel(name: str, out_dir: str | os.PathLike = "out") -> dict:
