@@ -49,6 +49,7 @@ from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
     _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, load_key_tile,
+    split_span,
 )
 
 def _cuda_options():
@@ -444,24 +445,12 @@ def _mark(MARKS, m, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _span(seq_len, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Phase B's share of a context of seq_len keys for one split: keys lo .. hi, whole BLOCK_N tiles a split;
-    the token's own key (the context's last) left out of the split that holds it (new_here), which takes it from
-    registers."""
-    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
-    lo = split * share
-    hi = tl.minimum(lo + share, seq_len)
-    new_here = (lo < hi) & (hi == seq_len)
-    return lo, tl.where(new_here, hi - 1, hi), new_here
-
-
-@triton.jit
 def _first_keys(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 HKV: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """The first key tile (K transposed, V) of this program's first phase-B item, `_attention`'s preload."""
     item = tl.program_id(0)
-    lo, hi, _ = _span(tl.load(SEQ_LEN), item % SPLITS, SPLITS, BLOCK_N)
+    lo, hi, _ = split_span(tl.load(SEQ_LEN), item % SPLITS, SPLITS, BLOCK_N, True)
     mine = item < HKV * SPLITS  # (a program past the last item loads nothing: an empty span of kv head 0)
     hi = tl.where(mine, hi, lo)
     hk = tl.where(mine, item // SPLITS, 0)
@@ -482,7 +471,7 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
     lines = tl.arange(0, triton.next_power_of_2(triton.cdiv(DH, 64))) * 64  # a 128-byte line: 64 bf16
     for item in range(tl.program_id(0), HKV * SPLITS, tl.num_programs(0)):
         hk = item // SPLITS
-        lo, hi, _ = _span(seq_len, item % SPLITS, SPLITS, BLOCK_N)
+        lo, hi, _ = split_span(seq_len, item % SPLITS, SPLITS, BLOCK_N, True)
         key = lo + n
         ok = (key < hi)[:, None] & (lines < DH)[None, :]
         block = tl.load(TABLE + key // BLOCK_SIZE, mask=key < hi, other=0).to(tl.int64)
@@ -519,7 +508,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         head = hk * GROUP + rows
         q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
         _mark(MARKS, 0, TRACE)
-        lo, hi, new_here = _span(seq_len, split, SPLITS, BLOCK_N)
+        lo, hi, new_here = split_span(seq_len, split, SPLITS, BLOCK_N, True)
         K = KC + hk * stride_kh
         V = VC + hk * stride_vh
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

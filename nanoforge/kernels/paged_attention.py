@@ -423,14 +423,10 @@ def _paged_attn_kernel(
         q = tl.load(Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
 
-    # The keys the tile needs are [0, kv_hi); this split takes one contiguous, BLOCK_N-aligned share.
+    # The keys the tile needs are [0, kv_hi); this split takes one contiguous, BLOCK_N-aligned share. ROPE: the
+    # new token's key is the context's last: its split attends to it from registers, not the cache.
     kv_hi = tl.minimum(seq_len, seq_len - q_len + tok0 + BLOCK_Q)
-    share = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), num_splits) * BLOCK_N
-    lo = split * share
-    hi = tl.minimum(lo + share, kv_hi)
-    if ROPE:  # the new token's key is the context's last: its split attends to it from registers, not the cache
-        new_here = (lo < hi) & (hi == kv_hi)
-        hi = tl.where(new_here, hi - 1, hi)
+    lo, hi, new_here = split_span(kv_hi, split, num_splits, BLOCK_N, ROPE)
     TABLE = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     K += hk * stride_kh
     V += hk * stride_vh
@@ -485,6 +481,20 @@ def _paged_attn_kernel(
 
 
 @triton.jit
+def split_span(n, split, num_splits, BLOCK_N: tl.constexpr, LEAVE_LAST: tl.constexpr):
+    """Split `split`'s share of keys 0 .. n: keys lo .. hi, whole BLOCK_N tiles a split. LEAVE_LAST: key n - 1 (a
+    decode token's own) left out of the split that holds it, which gets last_here (it takes that key from
+    registers)."""
+    share = tl.cdiv(tl.cdiv(n, BLOCK_N), num_splits) * BLOCK_N
+    lo = split * share
+    hi = tl.minimum(lo + share, n)
+    last_here = (lo < hi) & (hi == n)
+    if LEAVE_LAST:
+        hi = tl.where(last_here, hi - 1, hi)
+    return lo, hi, last_here
+
+
+@triton.jit
 def _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, seq, num_splits, stride_kb, stride_ks, stride_kh, stride_vb,
                          stride_vs, stride_vh, stride_bt, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -492,10 +502,7 @@ def _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, seq, num_splits, stride_k
     read before its PDL wait. The kernel before it in the chain (the RoPE and KV write) writes only the token's
     key and value; the block tables, sequence lengths and the rest of the cache are older, and their writers
     had finished when that kernel passed its own wait, before it let this one launch."""
-    seq_len = tl.load(SEQ_LENS + seq)
-    share = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
-    lo = tl.program_id(2) * share
-    hi = tl.minimum(tl.minimum(lo + share, seq_len), seq_len - 1)
+    lo, hi, _ = split_span(tl.load(SEQ_LENS + seq), tl.program_id(2), num_splits, BLOCK_N, True)
     offs_d = tl.arange(0, BLOCK_D)
     hk = tl.program_id(1)
     return load_key_tile(K + hk * stride_kh, V + hk * stride_vh, BLOCK_TABLES + seq.to(tl.int64) * stride_bt, lo, hi,
