@@ -449,7 +449,8 @@ def _paged_attn_kernel(
     # bounds mask (most of a long prompt's blocks); the rest (the diagonal, the split's ragged end) are masked.
     full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
-                                stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D, BLOCK_Q)
+                                stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D,
+                                (BLOCK_N + BLOCK_Q) * VARLEN)
     if ROPE:
         if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
             acc, l_i, m_i = attend_new_key(
@@ -603,22 +604,24 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
 @triton.jit
 def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                EVEN_D: tl.constexpr, BLOCK_Q: tl.constexpr):
+                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr):
     """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
-    without a mask, the rest masked (`_attend_keys`): fewer than BLOCK_N + BLOCK_Q keys, the tile's BLOCK_Q query
-    tokens' diagonal and a split's ragged end.
+    without a mask, the rest masked (`_attend_keys`): the diagonal of a tile's query tokens, a split's ragged end.
 
-    Block ids come from the block table held in registers, not from a load a tile: for the unmasked tiles a chunk
-    of _TABLE_TILES tiles' worth, loaded once a chunk; for the masked ones their entries, loaded before the
-    unmasked loop. A table load inside a loop is an asynchronous copy that each tile's K and V addresses wait on,
-    and as such copies complete in order, the wait is for all of them: compiled for sm_90 (Triton 3.6 and 3.9),
-    every iteration then began with `cp.async.wait_group 0` and no K/V load overlapped a product. Gathered from
-    registers, the loop keeps two tiles of K and V in flight (`nanoforge kernels inspect` shows the wait), and
-    the masked tiles' loads wait for no table load after the unmasked loop drains."""
-    tail_entries: tl.constexpr = triton.next_power_of_2((BLOCK_N + BLOCK_Q) // BLOCK_SIZE + 2)
-    tail_first = full_hi // BLOCK_SIZE
-    tail_ids = tail_first + tl.arange(0, tail_entries)
-    tail_table = tl.load(TABLE + tail_ids, mask=tail_ids * BLOCK_SIZE < hi, other=0)
+    The unmasked tiles take their block ids from a chunk of the block table held in registers (_TABLE_TILES
+    tiles' worth, loaded once a chunk), not from a load a tile: a table load inside the loop is an asynchronous
+    copy that each tile's K and V addresses wait on, and as such copies complete in order, the wait is for all of
+    them: compiled for sm_90 (Triton 3.6 and 3.9), every iteration then began with `cp.async.wait_group 0` and
+    no K/V load overlapped a product. Gathered from registers, the loop keeps two tiles of K and V in flight
+    (`nanoforge kernels inspect` shows the wait). TAIL_KEYS > 0 (prefill: more than the masked keys, fewer than
+    BLOCK_N + the tile's query tokens): the masked tiles' entries are loaded before the unmasked loop too, so
+    their K/V loads wait on no table load once it drains; 0 (decode, where that costs Triton 3.6 27 registers):
+    a load a masked tile."""
+    if TAIL_KEYS > 0:
+        tail_entries: tl.constexpr = triton.next_power_of_2(TAIL_KEYS // BLOCK_SIZE + 2)
+        tail_first = full_hi // BLOCK_SIZE
+        tail_ids = tail_first + tl.arange(0, tail_entries)
+        tail_table = tl.load(TABLE + tail_ids, mask=tail_ids * BLOCK_SIZE < hi, other=0)
     chunk: tl.constexpr = _TABLE_TILES * BLOCK_N
     entries: tl.constexpr = triton.next_power_of_2(chunk // BLOCK_SIZE + 1)
     for c0 in range(lo, full_hi, chunk):
@@ -631,8 +634,11 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
                                          stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
                                          False)
     for n0 in range(full_hi, hi, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        block = tl.gather(tail_table, tl.where(keys < hi, keys // BLOCK_SIZE - tail_first, 0), 0).to(tl.int64)
+        if TAIL_KEYS > 0:
+            keys = n0 + tl.arange(0, BLOCK_N)
+            block = tl.gather(tail_table, tl.where(keys < hi, keys // BLOCK_SIZE - tail_first, 0), 0).to(tl.int64)
+        else:
+            block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
                                      stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D, True)
     return acc, l_i, m_i
