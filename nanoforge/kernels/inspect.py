@@ -10,7 +10,9 @@ in the cubin (registers per thread; local memory per thread, where spills go),
 takes the shared memory per block from what the kernel declares (the PTX for
 Numba's static arrays, the launch metadata for Triton's dynamic buffer), and
 turns those into theoretical occupancy with `theoretical_occupancy`, NVIDIA's
-occupancy-calculator rules for sm_90 (H100/H200).
+occupancy-calculator rules for sm_90 (H100/H200). `sass_loops` reads the SASS's
+innermost loops: what a warp issues an iteration, how much of it on tensor
+cores, and how long each iteration waits for its asynchronous copies.
 
 No GPU is needed: Triton compiles for a `GPUTarget` and Numba's `compile_ptx`
 emits PTX for a compute capability, and ptxas/cuobjdump are ordinary programs
@@ -29,6 +31,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -550,10 +553,7 @@ def sass_loops(sass: str) -> list[SassLoop]:
             if any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in spans):
                 continue  # holds an inner loop
             body = [text for addr, text in code if lo <= addr <= hi]
-            ops: dict[str, int] = {}
-            for text in body:
-                op = text.split()[0]
-                ops[op] = ops.get(op, 0) + 1
+            ops = dict(Counter(text.split()[0] for text in body))
             loops.append(SassLoop(
                 lo, hi, len(body), sum(n for op, n in ops.items() if op.startswith(("HGMMA", "HMMA"))),
                 sum(n for op, n in ops.items() if op.startswith("BAR.SYNC")),
