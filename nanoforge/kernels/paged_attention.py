@@ -613,10 +613,10 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     copy that each tile's K and V addresses wait on, and as such copies complete in order, the wait is for all of
     them: compiled for sm_90 (Triton 3.6 and 3.9), every iteration then began with `cp.async.wait_group 0` and
     no K/V load overlapped a product. Gathered from registers, the loop keeps two tiles of K and V in flight
-    (`nanoforge kernels inspect` shows the wait). TAIL_KEYS > 0 (prefill: more than the masked keys, fewer than
-    BLOCK_N + the tile's query tokens): the masked tiles' entries are loaded before the unmasked loop too, so
-    their K/V loads wait on no table load once it drains; 0 (decode, where that costs Triton 3.6 27 registers):
-    a load a masked tile."""
+    (`nanoforge kernels inspect` shows the wait). TAIL_KEYS > 0 (prefill: BLOCK_N + the tile's query tokens, more
+    than there are masked keys): the masked tiles' entries are loaded before the unmasked loop too, so their K/V
+    loads wait on no table load once it drains; 0 (decode, where that costs Triton 3.6 27 registers): a load a
+    masked tile."""
     if TAIL_KEYS > 0:
         tail_entries: tl.constexpr = triton.next_power_of_2(TAIL_KEYS // BLOCK_SIZE + 2)
         tail_first = full_hi // BLOCK_SIZE
