@@ -85,6 +85,8 @@ def test_sass_loops_are_the_innermost_backward_branches():
         (0x20, 0x40, 3, 1, 0), (0x70, 0x90, 3, 1, 1)]
     assert loops[0].waits == ("DEPBAR.LE SB0, 0x1",) and loops[1].waits == ()
     assert loops[0].opcodes == {"DEPBAR.LE": 1, "HGMMA.64x64x16.F32.BF16": 1, "BRA": 1}
+    # a warpgroup's 64 x 64 x 16 product, a quarter of it a warp's; one warp's m16n8k16
+    assert (loops[0].tensor_flops, loops[1].tensor_flops) == (2 * 64 * 64 * 16 // 4, 2 * 16 * 8 * 16)
 
 
 def test_unknown_kernel_name_lists_the_choices():
@@ -306,6 +308,10 @@ def test_paged_attention_loops_keep_later_tiles_loads_in_flight(compiled, name, 
     assert len(loops) == 2, loops
     assert loops[0]["waits"] == ["DEPBAR.LE SB0, 0x2"], loops
     assert loops[1]["waits"] == [f"DEPBAR.LE SB0, {masked_wait}"], loops
+    # Q K^T and P V over a tile: 2 x BLOCK_M x BLOCK_N x HEAD_D FLOPs each, the tensor cores' share of a loop
+    spec = ki.TRITON_KERNELS[name].constexprs
+    warps = ki.TRITON_KERNELS[name].num_warps
+    assert loops[0]["tensor_flops"] * warps == 2 * 2 * spec["BLOCK_M"] * spec["BLOCK_N"] * spec["HEAD_D"]
 
 
 def test_the_swiglu_gemm_compiles_to_tma_loads_and_wgmma_without_spills(compiled):

@@ -59,6 +59,8 @@ class SMLimits:
     max_shared_per_block: int = 227 * 1024
     shared_alloc_unit: int = 128
     reserved_shared_per_block: int = 1024  # the CUDA runtime keeps 1 KB of every block's shared memory
+    schedulers: int = 4  # warp schedulers an SM, each issuing one instruction a cycle
+    tensor_flops_per_cycle: int = 4096  # dense bf16/fp16 an SM: H100 SXM's 989 TFLOP/s / 132 SMs / 1.83 GHz
 
 
 SM90 = SMLimits()
@@ -527,9 +529,11 @@ _BRANCH = re.compile(r"^BRA(?:\.\S+)?\s+(?:!?U?P[0-9T],\s*)?0x([0-9a-f]+)$")  # 
 @dataclass(frozen=True)
 class SassLoop:
     """An innermost loop of a kernel's SASS: the instructions from a backward branch's target to the branch, as
-    one warp issues them an iteration. `waits`: its DEPBAR instructions (`DEPBAR.LE SB0, 0x2`: the iteration
-    waits until at most two groups of asynchronous copies are in flight, i.e. loads for later iterations overlap
-    this one's work; `0x0`: nothing is left in flight, no overlap)."""
+    one warp issues them an iteration. `waits`: its DEPBAR instructions (`DEPBAR.LE SB0, 0x2`: the iteration goes
+    on once at most two groups of asynchronous copies are still in flight, loads for later iterations that overlap
+    this one's work. A Triton loop of num_stages=3 keeps two tiles' loads in flight, so there `0x0`, a wait for
+    every copy, means nothing overlaps; at num_stages=2 the loop waits for its one tile in flight, `0x0`, and
+    issues the next tile's loads before its products)."""
 
     start: int  # byte address of the loop's first instruction
     end: int  # of its backward branch
@@ -538,6 +542,19 @@ class SassLoop:
     barriers: int  # BAR.SYNC: the whole block waits
     waits: tuple[str, ...]
     opcodes: dict[str, int] = field(default_factory=dict)
+    tensor_flops: int = 0  # a warp's share of its 16-bit products' FLOPs an iteration (a wgmma: a quarter)
+
+
+def _tensor_flops(op: str) -> int:
+    """FLOPs of one 16-bit (bf16/fp16 operands) tensor-core instruction as one warp issues it: HGMMA.64x64x16 is
+    a warpgroup's (four warps') 64 x 64 x 16 product, HMMA.16816 one warp's m16n8k16; 0 for other types."""
+    if not re.search(r"\.(BF16|F16)\b", op):
+        return 0
+    if m := re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", op):
+        return 2 * int(m[1]) * int(m[2]) * int(m[3]) // 4
+    if m := re.match(r"HMMA\.(\d\d)(\d)(\d+)", op):
+        return 2 * int(m[1]) * int(m[2]) * int(m[3])
+    return 0
 
 
 def sass_loops(sass: str) -> list[SassLoop]:
@@ -558,6 +575,7 @@ def sass_loops(sass: str) -> list[SassLoop]:
                 lo, hi, len(body), sum(n for op, n in ops.items() if op.startswith(("HGMMA", "HMMA"))),
                 sum(n for op, n in ops.items() if op.startswith("BAR.SYNC")),
                 tuple(text for text in body if text.startswith("DEPBAR")), ops,
+                sum(n * _tensor_flops(op) for op, n in ops.items()),
             ))  # fmt: skip
     return loops
 
@@ -608,17 +626,26 @@ def _print_report(r: dict) -> None:
         ),
         ("PTX", r["ptx"]),
         ("SASS", r["sass"]),
-        *((f"loop {loop['start']:#x}-{loop['end']:#x}", _loop_line(loop)) for loop in r["loops"]),
+        *((f"loop {loop['start']:#x}-{loop['end']:#x}", _loop_line(loop, r["threads_per_block"] // SM90.warp_size))
+          for loop in r["loops"]),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
 
 
-def _loop_line(loop: dict) -> str:
+def _loop_line(loop: dict, warps: int) -> str:
+    """What a loop issues an iteration; with 16-bit products, the cycles an SM needs to issue a block's warps'
+    instructions (one a cycle from each of its schedulers) against its tensor cores' cycles for the products: the
+    larger bounds the loop (whatever share of the SM the block gets, both scale alike)."""
     waits = ", ".join(loop["waits"]) or "none"
-    return (f"{loop['instructions']} instructions a warp an iteration, {loop['tensor_core']} on tensor cores, "
+    line = (f"{loop['instructions']} instructions a warp an iteration, {loop['tensor_core']} on tensor cores, "
             f"{loop['barriers']} block barriers; waits: {waits}")
+    if loop["tensor_flops"]:
+        issue = loop["instructions"] * warps / SM90.schedulers
+        tensor = loop["tensor_flops"] * warps / SM90.tensor_flops_per_cycle
+        line += f"; a block's iteration: {issue:.0f} issue cycles, {tensor:.0f} tensor-core cycles"
+    return line
 
 
 def inspect_kernel(name: str, out_dir: str | os.PathLike = "out") -> dict:
