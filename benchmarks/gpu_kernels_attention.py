@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_kernels_attention.py [--quick]
     python benchmarks/gpu_kernels_attention.py --prefill-sweep   # only the chunked-prefill sweep (~1 minute)
+    python benchmarks/gpu_kernels_attention.py --prefill-sweep --compiled   # its tiles compiled and read, no GPU
 
 1. Correctness at full size, bfloat16, kernel outputs poisoned with NaN, against the float64 reference:
    flash attention forward and backward (causal, GQA, documents with length-1 ones, non-causal),
@@ -135,6 +136,8 @@ def sweep_paged_decode() -> list[dict]:
 
 # (name, query heads, kv heads, head dim): the engine's prefill shapes of gpu_engine.py's (c) and (a)
 PREFILL_SHAPES = (("llama3-1b", 32, 8, 64), ("qwen3-0.6b", 16, 8, 128))
+# the prefill sweep's launch configurations: (BLOCK_M, BLOCK_N, warps, stages)
+PREFILL_TILES = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
 
 
 def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cuda", timer=None) -> list[dict]:
@@ -152,33 +155,31 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
         want = pa.paged_attention_ref(**b, scale=1 / math.sqrt(d)).double() if device == "cpu" else None
         print(f"paged prefill sweep, {name} shape ({hq}/{hkv} heads, head dim {d}), {prompts} x {length} tokens; "
               f"default BLOCK_M {default[0]} BLOCK_N {default[2]} warps {default[3]} stages {default[4]}")
-        for block_m in (64, 128):
-            for block_n in (32, 64, 128):
-                for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
-                    block_q = max(1, block_m // group)
+        for block_m, block_n, warps, stages in PREFILL_TILES:
+            block_q = max(1, block_m // group)
 
-                    def prefill():
-                        return pa._paged_attention_triton(
-                            **b, scale=1 / math.sqrt(d), max_q_len=length, block_m=block_m, block_q=block_q,
-                            block_n=block_n, num_splits=1, num_warps=warps, num_stages=stages, tile_starts=tile_starts,
-                        )  # fmt: skip
+            def prefill():
+                return pa._paged_attention_triton(
+                    **b, scale=1 / math.sqrt(d), max_q_len=length, block_m=block_m, block_q=block_q,
+                    block_n=block_n, num_splits=1, num_warps=warps, num_stages=stages, tile_starts=tile_starts,
+                )  # fmt: skip
 
-                    try:
-                        out = prefill()
-                        if want is None:  # the first configuration's output is the others' reference
-                            want = out.double()
-                        err = rel_error(out, want)
-                        ms = timer(prefill)
-                    except Exception as e:  # a configuration that does not fit (shared memory): reported, skipped
-                        print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {e}")
-                        continue
-                    row = dict(shape=name, block_m=block_m, block_n=block_n, warps=warps, stages=stages, ms=ms,
-                               tflops=flops / ms / 1e9, rel_error=err, ok=err < 1e-2,
-                               default=(block_m, block_n, warps, stages) == (default[0], *default[2:]))
-                    print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms:.3f} ms "
-                          f"{row['tflops']:.0f} TFLOP/s, rel. error {err:.1e}" + ("  (default)" if row["default"] else "")
-                          + ("" if row["ok"] else "  WRONG"), flush=True)
-                    rows.append(row)
+            try:
+                out = prefill()
+                if want is None:  # the first configuration's output is the others' reference
+                    want = out.double()
+                err = rel_error(out, want)
+                ms = timer(prefill)
+            except Exception as e:  # a configuration that does not fit (shared memory): reported, skipped
+                print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {e}")
+                continue
+            row = dict(shape=name, block_m=block_m, block_n=block_n, warps=warps, stages=stages, ms=ms,
+                       tflops=flops / ms / 1e9, rel_error=err, ok=err < 1e-2,
+                       default=(block_m, block_n, warps, stages) == (default[0], *default[2:]))
+            print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms:.3f} ms "
+                  f"{row['tflops']:.0f} TFLOP/s, rel. error {err:.1e}" + ("  (default)" if row["default"] else "")
+                  + ("" if row["ok"] else "  WRONG"), flush=True)
+            rows.append(row)
         best = max((r for r in rows if r["shape"] == name and r["ok"]), key=lambda r: r["tflops"])
         base = next((r for r in rows if r["shape"] == name and r["default"]), None)
         best["setting"] = f"{best['block_m']}x{best['block_n']}w{best['warps']}s{best['stages']}"
@@ -186,6 +187,38 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
               f"{best['stages']}, {best['tflops']:.0f} TFLOP/s"
               + (f" ({best['tflops'] / base['tflops']:.2f}x the default)" if base else "")
               + f"; in the engine: NANOFORGE_ATTN_PREFILL_TILE={best['setting']}")
+    return rows
+
+
+def model_paged_prefill(out_dir: Path, tiles=PREFILL_TILES) -> list[dict]:
+    """The prefill sweep's tiles compiled for sm_90 without a GPU (`nanoforge kernels inspect`'s compiler): per
+    tile its registers, spills, blocks an SM, and its loop over whole key tiles: instructions a warp, the cycles an
+    SM takes to issue a block's iteration against its tensor cores' cycles for it (issue / tensor > 1: bound by
+    issue), and its wait on asynchronous copies. A model to read the measured sweep against, not a measurement."""
+    from nanoforge.kernels import inspect as ki
+
+    rows, t0, total = [], time.time(), len(PREFILL_SHAPES) * len(tiles)
+    for name, hq, hkv, d in PREFILL_SHAPES:
+        group = hq // hkv
+        default = pa._tile_config(2000, group)
+        for block_m, block_n, warps, stages in tiles:
+            tile = f"{block_m}x{block_n}w{warps}s{stages}"
+            r = ki.inspect_variant("paged_attention_prefill", f"{name}_{tile}", out_dir, num_warps=warps,
+                                   num_stages=stages, GROUP=group, HEAD_D=d, BLOCK_D=d, BLOCK_M=block_m,
+                                   BLOCK_Q=max(1, block_m // group), BLOCK_N=block_n)
+            loop = next(lp for lp in r["loops"] if lp["tensor_core"])
+            issue = loop["instructions"] * warps // ki.SM90.schedulers
+            tensor = loop["tensor_flops"] * warps // ki.SM90.tensor_flops_per_cycle
+            rows.append(dict(shape=name, tile=tile, registers=r["registers_per_thread"],
+                             spill=r["local_bytes_per_thread"], blocks_per_sm=r["occupancy"]["blocks_per_sm"],
+                             instructions=loop["instructions"], issue_cycles=issue, tensor_cycles=tensor,
+                             issue_per_tensor=round(issue / tensor, 2), wait=" ".join(loop["waits"]),
+                             default=(block_m, block_n, warps, stages) == (default[0], *default[2:])))
+            rate = len(rows) / (time.time() - t0)
+            print(f"  [{len(rows)}/{total}, {rate * 60:.0f} tiles a minute, ETA {(total - len(rows)) / rate:.0f} s] "
+                  f"{name} {tile}: issue / tensor {rows[-1]['issue_per_tensor']:.2f}", flush=True)
+    print_table(rows, ["shape", "tile", "registers", "spill", "blocks_per_sm", "instructions", "issue_cycles",
+                       "tensor_cycles", "issue_per_tensor", "wait", "default"])
     return rows
 
 
@@ -214,7 +247,16 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and no launch-configuration sweep")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only the sweep of chunked-prefill launch configurations (it checks each one's output)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="with --prefill-sweep: the tiles compiled for sm_90 and read, no GPU needed (no timing)")
     args = parser.parse_args()
+    if args.compiled:
+        out_dir = Path(os.environ.get("OUT", "out"))
+        rows = model_paged_prefill(out_dir / "prefill_tiles")
+        path = out_dir / "attention_prefill_model.json"
+        path.write_text(json.dumps({"triton": triton.__version__, "tiles": rows}, indent=1))
+        print(f"\nwrote {path}")
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

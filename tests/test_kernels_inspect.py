@@ -16,6 +16,7 @@ import pytest
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import inspect as ki
+from nanoforge.kernels import paged_attention as pa
 from conftest import raises_bug
 
 # (threads, regs, smem) -> (blocks/SM, limiter)
@@ -323,3 +324,39 @@ def test_the_swiglu_gemm_compiles_to_tma_loads_and_wgmma_without_spills(compiled
     assert r["local_bytes_per_thread"] == 0 and r["registers_per_thread"] < 255
     sass = (out / "matmul_swiglu.sass").read_text()
     assert "HGMMA" in sass and "UTMALDG" in sass
+
+
+_PREFILL_MODEL = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import gpu_kernels_attention as bench
+from pathlib import Path
+print(json.dumps(bench.model_paged_prefill(Path(sys.argv[1]), tiles=[(64, 64, 4, 3), (128, 64, 8, 3)])))
+"""
+
+
+def test_the_prefill_sweep_compiled_reads_each_tiles_loop(tmp_path):
+    """`gpu_kernels_attention.py --prefill-sweep --compiled` without a GPU, two tiles: each tile's loop does the
+    tensor-core work its shape says (Q K^T and P V: 2 x 2 x BLOCK_M x BLOCK_N x head dim FLOPs a tile, at sm_90's
+    4,096 an SM a cycle), its issue cycles are a warp's instructions times the block's warps over 4 schedulers,
+    and the engine's default tile is marked once a shape."""
+    _need_cuda_tools()
+    script = tmp_path / "model.py"
+    script.write_text(_PREFILL_MODEL)
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
+    repo = Path(ki.__file__).parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, str(script), str(tmp_path), str(repo / "benchmarks")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [(r["shape"], r["tile"]) for r in rows] == [(s, t) for s in ("llama3-1b", "qwen3-0.6b")
+                                                       for t in ("64x64w4s3", "128x64w8s3")]
+    for r in rows:
+        block_m, block_n, warps, _ = pa._parse_tile(r["tile"])
+        d = 64 if r["shape"] == "llama3-1b" else 128
+        assert r["tensor_cycles"] == 2 * 2 * block_m * block_n * d // 4096
+        assert r["issue_cycles"] == r["instructions"] * warps // 4
+        assert r["issue_per_tensor"] == round(r["issue_cycles"] / r["tensor_cycles"], 2)
+        assert r["wait"] == "DEPBAR.LE SB0, 0x2" and r["spill"] == 0
+    assert [r["default"] for r in rows] == [True, False, True, False]

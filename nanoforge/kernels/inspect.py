@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -583,8 +583,9 @@ def sass_loops(sass: str) -> list[SassLoop]:
 # --------------------------------------------------------------------------- reporting
 
 
-def report(compiled: Compiled, out_dir: str | os.PathLike) -> dict:
-    """Resource usage + occupancy of a compiled kernel; writes NAME.ptx and NAME.sass; prints a table."""
+def report(compiled: Compiled, out_dir: str | os.PathLike, *, quiet: bool = False) -> dict:
+    """Resource usage + occupancy of a compiled kernel; writes NAME.ptx and NAME.sass; prints a table (unless
+    quiet)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     usage = _resource_usage(compiled.cubin, compiled.entry)
@@ -607,7 +608,8 @@ def report(compiled: Compiled, out_dir: str | os.PathLike) -> dict:
         "sass": str(sass_path),
         "loops": [asdict(loop) for loop in sass_loops(sass)],
     }
-    _print_report(result)
+    if not quiet:
+        _print_report(result)
     return result
 
 
@@ -646,6 +648,15 @@ def _loop_line(loop: dict, warps: int) -> str:
         tensor = loop["tensor_flops"] * warps / SM90.tensor_flops_per_cycle
         line += f"; a block's iteration: {issue:.0f} issue cycles, {tensor:.0f} tensor-core cycles"
     return line
+
+
+def inspect_variant(name: str, variant: str, out_dir: str | os.PathLike, *, num_warps: int, num_stages: int,
+                    **constexprs) -> dict:
+    """`TRITON_KERNELS[name]` compiled with other warps, stages and constexpr values (a launch configuration a
+    sweep tries), reported quietly as `<name>_<variant>`."""
+    spec = replace(TRITON_KERNELS[name], constexprs={**TRITON_KERNELS[name].constexprs, **constexprs},
+                   num_warps=num_warps, num_stages=num_stages)
+    return report(_compile_triton(f"{name}_{variant}", spec), out_dir, quiet=True)
 
 
 def inspect_kernel(name: str, out_dir: str | os.PathLike = "out") -> dict:
