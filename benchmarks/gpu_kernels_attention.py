@@ -207,8 +207,7 @@ def model_paged_prefill(out_dir: Path, tiles=PREFILL_TILES) -> list[dict]:
                                    num_stages=stages, GROUP=group, HEAD_D=d, BLOCK_D=d, BLOCK_M=block_m,
                                    BLOCK_Q=max(1, block_m // group), BLOCK_N=block_n)
             loop = next(lp for lp in r["loops"] if lp["tensor_core"])
-            issue = loop["instructions"] * warps // ki.SM90.schedulers
-            tensor = loop["tensor_flops"] * warps // ki.SM90.tensor_flops_per_cycle
+            issue, tensor = ki.loop_cycles(loop, warps)
             rows.append(dict(shape=name, tile=tile, registers=r["registers_per_thread"],
                              spill=r["local_bytes_per_thread"], blocks_per_sm=r["occupancy"]["blocks_per_sm"],
                              instructions=loop["instructions"], issue_cycles=issue, tensor_cycles=tensor,

@@ -644,10 +644,16 @@ def _loop_line(loop: dict, warps: int) -> str:
     line = (f"{loop['instructions']} instructions a warp an iteration, {loop['tensor_core']} on tensor cores, "
             f"{loop['barriers']} block barriers; waits: {waits}")
     if loop["tensor_flops"]:
-        issue = loop["instructions"] * warps / SM90.schedulers
-        tensor = loop["tensor_flops"] * warps / SM90.tensor_flops_per_cycle
-        line += f"; a block's iteration: {issue:.0f} issue cycles, {tensor:.0f} tensor-core cycles"
+        issue, tensor = loop_cycles(loop, warps)
+        line += f"; a block's iteration: {issue} issue cycles, {tensor} tensor-core cycles"
     return line
+
+
+def loop_cycles(loop: dict, warps: int) -> tuple[int, int]:
+    """A block of `warps` warps' iteration of `loop` (a report's "loops" entry) in SM cycles: to issue its
+    instructions (one a cycle from each scheduler), and on the tensor cores for its 16-bit products."""
+    return (loop["instructions"] * warps // SM90.schedulers,
+            loop["tensor_flops"] * warps // SM90.tensor_flops_per_cycle)
 
 
 def inspect_variant(name: str, variant: str, out_dir: str | os.PathLike, *, num_warps: int, num_stages: int,
