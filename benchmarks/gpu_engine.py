@@ -19,8 +19,8 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     work); tok/s and MFU (forward FLOPs: 2 per weight per token, causal attention pairs; 989 TFLOP/s dense bf16
     on an H200). Targets: >= 1.5x HF on both shapes, MFU >= 55% on Llama-3.2-1B's.
     `--prefill-variants` runs (a) and (c) again with prefill levers: another tile of prefill attention
-    (NANOFORGE_ATTN_PREFILL_TILE, e.g. 128x64w8s3), `swiglu_epilogue` (gate-and-up's GEMM with SwiGLU in its
-    epilogue), or both (`128x64w8s3+swiglu_epilogue`).
+    (NANOFORGE_ATTN_PREFILL_TILE, e.g. 64x64w4s3), `swiglu_epilogue` (gate-and-up's GEMM with SwiGLU in its
+    epilogue), or both (`64x64w4s3+swiglu_epilogue`).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
     that hit the cache against the share of prefill time saved (target: saved >= 80% of the hit share).
@@ -57,7 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from nanoforge.errors import NanoforgeError  # noqa: E402
 from nanoforge.kernels import gemv  # noqa: E402
-from nanoforge.kernels.paged_attention import PREFILL_TILE_DEFAULT, _parse_tile  # noqa: E402
+from nanoforge.kernels.paged_attention import PREFILL_TILE_BY_HEAD_DIM, PREFILL_TILE_DEFAULT, _parse_tile  # noqa: E402
 from nanoforge.serve import layer_kernel  # noqa: E402
 from nanoforge.kernels.rope import apply_rope_ref  # noqa: E402  (the reference in plain PyTorch)
 from nanoforge.model.config import preset  # noqa: E402
@@ -364,12 +364,11 @@ DECODE_VARIANTS = {
     "persistent_pf6": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "6"},
     # launched as a plain kernel, not a cooperative one
     "persistent_plain": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_COOPERATIVE": "0"},
-    # its barriers polled by one thread a program; its attention's first key tile loaded before the barrier in
-    # front of attention; both (session 28's switches, `benchmarks/decode_layers.py --variants` times them alone)
-    "persistent_poll_one": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "one"},
+    # its barriers polled by every thread (one thread a program polls by default, since session 30); its
+    # attention's first key tile loaded before the barrier in front of attention (session 28's switches,
+    # `benchmarks/decode_layers.py --variants` times them alone)
+    "persistent_poll_all": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "all"},
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
-    "persistent_both": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "one",
-                        "NANOFORGE_DECODE_PRELOAD_KV": "1"},
 }
 
 
@@ -627,7 +626,8 @@ def main(argv=None) -> int:
                    help=f"(b): the engine also run with these levers off or forced, of {','.join(DECODE_VARIANTS)}")
     p.add_argument("--prefill-variants", default="",
                    help="(a) and (c): the engine also run with these, comma-separated; each '+'-joined parts, a "
-                        f"prefill attention tile (ROWSxKEYSwWARPSsSTAGES, default {PREFILL_TILE_DEFAULT}) or one of "
+                        f"prefill attention tile (ROWSxKEYSwWARPSsSTAGES; default {PREFILL_TILE_DEFAULT}, at head dim "
+                        f"{', '.join(f'{d} {t}' for d, t in PREFILL_TILE_BY_HEAD_DIM.items())}) or one of "
                         f"{', '.join(PREFILL_LEVERS)}"),
     p.add_argument("--presets", help="comma-separated model shapes for (b) and (c) (default: both)")
     args = p.parse_args(argv)

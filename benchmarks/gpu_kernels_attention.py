@@ -106,7 +106,7 @@ def sweep_paged_decode() -> list[dict]:
     ctx = torch.randint(4096, 32769, (64,), generator=gen).tolist()
     b = pa.make_paged_batch(ctx, [1] * 64, 32, 8, 128, 16, torch.bfloat16, "cuda")
     kv = pa._kv_bytes(ctx, 8, 128, torch.bfloat16)
-    block_m, block_q, block_n, warps, stages = pa._tile_config(1, 4)
+    block_m, block_q, block_n, warps, stages = pa._tile_config(1, 4, 128)
     default_splits = pa._num_splits(64 * 8, 64 * 8, b["block_tables"].shape[1] * 16, b["q"].device)
     rows = []
 
@@ -150,7 +150,7 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
         group = hq // hkv
         b = pa.make_paged_batch([length] * prompts, [length] * prompts, hq, hkv, d, 16, torch.bfloat16, device)
         flops = 4 * d * hq * prompts * length * (length + 1) // 2
-        default = pa._tile_config(length, group)
+        default = pa._tile_config(length, group, d)
         tile_starts = None
         want = pa.paged_attention_ref(**b, scale=1 / math.sqrt(d)).double() if device == "cpu" else None
         print(f"paged prefill sweep, {name} shape ({hq}/{hkv} heads, head dim {d}), {prompts} x {length} tokens; "
@@ -200,7 +200,7 @@ def model_paged_prefill(out_dir: Path, tiles=PREFILL_TILES) -> list[dict]:
     rows, t0, total = [], time.time(), len(PREFILL_SHAPES) * len(tiles)
     for name, hq, hkv, d in PREFILL_SHAPES:
         group = hq // hkv
-        default = pa._tile_config(2000, group)
+        default = pa._tile_config(2000, group, d)
         for block_m, block_n, warps, stages in tiles:
             tile = f"{block_m}x{block_n}w{warps}s{stages}"
             r = ki.inspect_variant("paged_attention_prefill", f"{name}_{tile}", out_dir, num_warps=warps,

@@ -344,7 +344,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     # (each switch set is a kernel compiled for each shape: three more than the default's six, the launches per
     # phase being five; the phased launches with the preload are checked interpreted, on the CPU)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
-                (True, {"NANOFORGE_DECODE_POLL": "one"}),
+                (True, {"NANOFORGE_DECODE_POLL": "all"}),
                 (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
                 (True, {"NANOFORGE_DECODE_POLL": "one", "NANOFORGE_DECODE_PREFETCH_KV": "1",
                         "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
@@ -438,18 +438,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "poll_one+prefetch_kv1,preload_kv", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "poll_all+prefetch_kv1,preload_kv", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["poll_one+prefetch_kv1", "preload_kv"] and all(
+    assert all(list(r["variants"]) == ["poll_all+prefetch_kv1", "preload_kv"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not poll_one, preload_kv or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not poll_all, preload_kv or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):
@@ -489,5 +489,5 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4"):
         dl.prefetch_kv_tiles()
     monkeypatch.setenv("NANOFORGE_DECODE_POLL", "some")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL must be all or one, not 'some'"):
+    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL must be one or all, not 'some'"):
         dl.poll_one()

@@ -111,7 +111,7 @@ def test_decode_matches_float64(poisoned, ctx, hq, hkv, d, bs, splits, fused):
     """fused: the last split of each tile to finish combines the splits (NANOFORGE_ATTN_COMBINE=fused), and
     leaves its arrival count at zero for the next kernel on the stream."""
     b = batch(ctx, [1] * len(ctx), hq, hkv, d, bs, seed=len(ctx))
-    check(b, launch(b, 1, pa._tile_config(1, hq // hkv), splits, fused))
+    check(b, launch(b, 1, pa._tile_config(1, hq // hkv, d), splits, fused))
     assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
@@ -125,7 +125,7 @@ def test_decode_with_its_first_tile_loaded_before_the_wait_takes_the_same_sums(p
     default's output (a masked tile takes the same sums), and the float64 reference's. Also with RoPE and the
     KV write inside the kernel (the token's key from registers)."""
     b = batch(ctx, [1] * len(ctx), hq, hkv, d, bs, seed=len(ctx))
-    tile = pa._tile_config(1, hq // hkv)
+    tile = pa._tile_config(1, hq // hkv, d)
     want = launch(b, 1, tile, splits, fused)
     monkeypatch.setenv("NANOFORGE_ATTN_PRELOAD", "1")
     got = launch(b, 1, tile, splits, fused)
@@ -169,7 +169,7 @@ def test_chunked_prefill_with_split_contexts_matches_float64(poisoned, splits, f
     whole prompt and a decode, beside padding sequences (whose tiles exit at once and count nothing)."""
     ctx, qlens = [90, 20, 9, 70, 1], [3, 20, 1, 17, 0]
     b = batch(ctx, qlens, 4, 2, 16, 8, seed=splits)
-    check(b, launch(b, 20, pa._tile_config(20, 2), splits, fused))
+    check(b, launch(b, 20, pa._tile_config(20, 2, 16), splits, fused))
     assert all(not c.any() for c in dispatch._COUNTERS.values())
 
 
@@ -183,10 +183,10 @@ def test_block_table_chunks_held_in_registers_cover_every_tile(poisoned, monkeyp
 
     monkeypatch.setattr(pa, "_TABLE_TILES", tl.constexpr(2))
     b = batch([170, 97, 33], [60, 1, 33], 4, 2, 16, bs, seed=bs)
-    check(b, launch(b, 60, pa._tile_config(60, 2)))
+    check(b, launch(b, 60, pa._tile_config(60, 2, 16)))
     d = batch([170, 97, 33, 250], [1] * 4, 4, 2, 16, bs, seed=bs + 1)
     for splits in (1, 3):
-        check(d, launch(d, 1, pa._tile_config(1, 2), splits))
+        check(d, launch(d, 1, pa._tile_config(1, 2, 16), splits))
 
 
 @interpreter
@@ -202,19 +202,23 @@ def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
 
 def test_the_prefill_tile_comes_from_the_environment(monkeypatch):
     """NANOFORGE_ATTN_PREFILL_TILE sets prefill steps' launch (decode keeps its own), rows widened to a group's
-    heads; a malformed value is one line naming the setting."""
+    heads; unset, the tile depends on the head dim (two warpgroups over 128 rows at 64, session 30's sweep); a
+    malformed value is one line naming the setting."""
     monkeypatch.setattr(pa, "interpreting", lambda: False)
-    assert pa._tile_config(100, 4) == (64, 16, 64, 4, 3)  # the default
+    assert pa._tile_config(100, 2, 128) == (64, 32, 64, 4, 3)  # the default (Qwen3's head dim)
+    assert pa._tile_config(100, 4, 64) == (128, 32, 64, 8, 3)  # the default at Llama-3.2-1B's head dim
+    assert pa._tile_config(1, 4, 64) == (16, 1, 64, 4, 3)  # decode
     monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", "128X128w8s2")
-    assert pa._tile_config(100, 4) == (128, 32, 128, 8, 2)
-    assert pa._tile_config(2, 2) == (128, 64, 128, 8, 2)
-    assert pa._tile_config(1, 4) == (16, 1, 64, 4, 3)  # decode
+    for d in (64, 128):
+        assert pa._tile_config(100, 4, d) == (128, 32, 128, 8, 2)
+    assert pa._tile_config(2, 2, 128) == (128, 64, 128, 8, 2)
+    assert pa._tile_config(1, 4, 128) == (16, 1, 64, 4, 3)  # decode
     monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", "16x64w4s3")
-    assert pa._tile_config(100, 32)[:2] == (32, 1)  # 32 query heads a kv head: one token's rows at least
+    assert pa._tile_config(100, 32, 128)[:2] == (32, 1)  # 32 query heads a kv head: one token's rows at least
     for bad in ("128x64", "96x64w4s3", "128x64w3s2", "128x512w8s2", "128x64w8s0"):
         monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", bad)
         with pytest.raises(NanoforgeError, match=f"NANOFORGE_ATTN_PREFILL_TILE must be .* not '{bad}'"):
-            pa._tile_config(100, 4)
+            pa._tile_config(100, 4, 64)
 
 
 def test_the_combine_switch_takes_two_values(monkeypatch):
@@ -242,7 +246,7 @@ def test_ragged_tiles_with_padding_sequences_and_shared_starts(poisoned):
     b = batch(ctx, qlens, 4, 2, 16, 8, seed=7)
     check(b, pa.paged_attention(**b, max_q_len=37))
     starts = pa.query_tile_starts(b["q"], b["k_cache"], b["cu_seqlens_q"], 37)
-    block_q = pa._tile_config(37, 2)[1]
+    block_q = pa._tile_config(37, 2, 16)[1]
     want = [0]
     for n in qlens:
         want.append(want[-1] + -(-n // block_q))
@@ -429,7 +433,7 @@ def test_rope_and_kv_write_inside_attention_equal_the_parts(poisoned, hq, hkv, d
     with torch.no_grad():
         q_rot = rope_qkv_and_write_kv(q, k, v, cos, sin, want_k, want_v, slots, qk_norm)  # Triton's own kernel
         want = pa.paged_attention_ref(**as_float64({**b, "q": q_rot, "k_cache": want_k, "v_cache": want_v}))
-        out = launch({**b, "q": q}, 1, pa._tile_config(1, hq // hkv), splits, fused,
+        out = launch({**b, "q": q}, 1, pa._tile_config(1, hq // hkv, d), splits, fused,
                      new_kv=(k, v, cos, sin, slots, qk_norm))
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
     tol = dict(rtol=1e-5, atol=1e-5) if norm else dict(rtol=0, atol=0)  # a norm's sum in another order

@@ -363,7 +363,7 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
     ),
     "paged_attention_prefill": _paged(GROUP=2, HEAD_D=128, BLOCK_M=64, BLOCK_Q=32, SPLIT=False, VARLEN=True,
                                       num_warps=4),  # the default tile at Qwen3-0.6B's heads
-    "paged_attention_prefill_wide": _paged(  # NANOFORGE_ATTN_PREFILL_TILE=128x64w8s3 at Llama-3.2-1B's heads
+    "paged_attention_prefill_wide": _paged(  # the default tile at head dim 64, 128x64w8s3: Llama-3.2-1B's heads
         GROUP=4, HEAD_D=64, BLOCK_M=128, BLOCK_Q=32, SPLIT=False, VARLEN=True, num_warps=8),
     "prefetch_ahead": TritonKernel(  # a decode layer's next weights into L2 under its attention, with PDL
         "nanoforge.kernels.prefetch:_prefetch_kernel",

@@ -81,7 +81,8 @@ def paged_attention(
 
 def _launch_plan(q, k_cache, block_tables, seq_lens, max_q_len: int) -> dict:
     """The tile configuration and split count of a launch, from shapes only."""
-    block_m, block_q, block_n, num_warps, num_stages = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2])
+    block_m, block_q, block_n, num_warps, num_stages = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2],
+                                                                    q.shape[2])
     varlen, hkv = max_q_len > 1, k_cache.shape[2]
     num_splits = _num_splits(_busy_tiles(q.shape[0], seq_lens.shape[0], block_q, varlen) * hkv,
                              _grid_tiles(q.shape[0], seq_lens.shape[0], block_q, varlen) * hkv,
@@ -142,7 +143,7 @@ def query_tile_starts(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torc
     sequence) or where the kernel does not run. Depends on tensor values: compute it once per step."""
     if max_q_len <= 1 or not use_fast(q, k_cache):
         return None
-    block_q = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2])[1]
+    block_q = _tile_config(max_q_len, q.shape[1] // k_cache.shape[2], q.shape[2])[1]
     return _tile_starts(cu_seqlens_q, block_q)
 
 
@@ -245,17 +246,23 @@ _SPLITS_P2 = triton.next_power_of_2(_MAX_SPLITS)  # the combine kernel's lanes: 
 
 
 # Prefill and mixed steps' tile, NANOFORGE_ATTN_PREFILL_TILE = "{rows}x{keys}w{warps}s{stages}": BLOCK_M rows of
-# (token, head) pairs x BLOCK_N keys, num_warps, num_stages. The default is one warpgroup over 64 rows (the
-# smallest wgmma tile); session 7's profile had it at ~190 TFLOP/s in gpu_engine (c)'s step (D 64).
-# `benchmarks/gpu_kernels_attention.py --prefill-sweep` times 24 tiles at that step and prints the setting of
-# the fastest; `gpu_engine.py --prefill-variants` runs (a) and (c) again with others. Compiled for sm_90 (Triton
-# 3.9, `nanoforge kernels inspect`), 64x64w4s3, 128x64w8s3 and 128x128w8s2 spill nothing at D 64 or D 128.
+# (token, head) pairs x BLOCK_N keys, num_warps, num_stages. Unset, the tile depends on the head dim: at 64
+# (Llama-3.2-1B, GPT-2) two warpgroups over 128 rows, the fastest of `benchmarks/gpu_kernels_attention.py
+# --prefill-sweep`'s 24 tiles at Llama's heads in session 30 (H100: 286 TFLOP/s, 1.13x 64x64w4s3; gpu_engine's
+# (c) 1.02x), and where a loop of 64 keys issues fewer instructions per product (`--prefill-sweep --compiled`);
+# elsewhere one warpgroup over 64 rows (the smallest wgmma tile), which the sweep found fastest at Qwen3's head
+# dim of 128 (128x64w8s3: 0.88x there). `gpu_engine.py --prefill-variants` runs (a) and (c) again with others.
+# Compiled for sm_90 (`nanoforge kernels inspect`), 64x64w4s3, 128x64w8s3 and 128x128w8s2 spill nothing at D 64
+# or D 128.
 PREFILL_TILE_DEFAULT = "64x64w4s3"
+PREFILL_TILE_BY_HEAD_DIM = {64: "128x64w8s3"}
 
 
-def prefill_tile() -> tuple[int, int, int, int]:
-    """(rows, keys, warps, stages) of prefill and mixed steps' attention tiles (NANOFORGE_ATTN_PREFILL_TILE)."""
-    return _parse_tile(os.environ.get("NANOFORGE_ATTN_PREFILL_TILE", PREFILL_TILE_DEFAULT))
+def prefill_tile(head_dim: int) -> tuple[int, int, int, int]:
+    """(rows, keys, warps, stages) of prefill and mixed steps' attention tiles at this head dim
+    (NANOFORGE_ATTN_PREFILL_TILE, else the default for the head dim)."""
+    default = PREFILL_TILE_BY_HEAD_DIM.get(head_dim, PREFILL_TILE_DEFAULT)
+    return _parse_tile(os.environ.get("NANOFORGE_ATTN_PREFILL_TILE", default))
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,7 +278,7 @@ def _parse_tile(value: str) -> tuple[int, int, int, int]:
     return tile
 
 
-def _tile_config(max_q_len: int, group: int) -> tuple[int, int, int, int, int]:
+def _tile_config(max_q_len: int, group: int, head_dim: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_Q, BLOCK_N keys, num_warps, num_stages)."""
     if interpreting():
         block_m = max(16, triton.next_power_of_2(group))
@@ -279,7 +286,7 @@ def _tile_config(max_q_len: int, group: int) -> tuple[int, int, int, int, int]:
     if max_q_len == 1:  # decode: one token's heads; memory-bound, so small tiles and deep pipelining
         block_m = max(16, triton.next_power_of_2(group))
         return block_m, 1, 64, 4, 3
-    rows, block_n, warps, stages = prefill_tile()  # chunked prefill: compute-bound, big tiles
+    rows, block_n, warps, stages = prefill_tile(head_dim)  # chunked prefill: compute-bound, big tiles
     block_m = max(rows, triton.next_power_of_2(group))
     return block_m, block_m // group, block_n, warps, stages
 
