@@ -520,12 +520,12 @@ def test_compile_in_parallel_steps_aside_with_one_thread_or_on_an_error(monkeypa
     assert not dispatch.compile_in_parallel(fn, configs, (), {}) and not fn.calls
 
 
-@pytest.mark.parametrize("value", ["0", "two", "-1"])
+@pytest.mark.parametrize("value", ["0", "two", "-1", "257"])
 def test_compile_threads_setting_is_checked(monkeypatch, value):
     from nanoforge.errors import NanoforgeError
 
     monkeypatch.setenv("NANOFORGE_COMPILE_THREADS", value)
-    with pytest.raises(NanoforgeError, match="NANOFORGE_COMPILE_THREADS must be a positive number"):
+    with pytest.raises(NanoforgeError, match="NANOFORGE_COMPILE_THREADS must be a whole number from 1 to 256"):
         dispatch.compile_threads()
     monkeypatch.delenv("NANOFORGE_COMPILE_THREADS")
     assert 1 <= dispatch.compile_threads() <= 16

@@ -153,18 +153,10 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def compile_threads() -> int:
-    """NANOFORGE_COMPILE_THREADS: threads that compile an autotuner's candidates at once (default: this process's
-    CPUs, up to 16; 1 compiles them one after another, as the autotuner does by itself)."""
-    value = os.environ.get("NANOFORGE_COMPILE_THREADS")
-    if value is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return min(16, cpus)
-    if not value.isdigit() or int(value) < 1:
-        from nanoforge.errors import NanoforgeError
-
-        raise NanoforgeError(f"NANOFORGE_COMPILE_THREADS must be a positive number of threads, not {value!r}",
-                             param="NANOFORGE_COMPILE_THREADS")
-    return int(value)
+    """NANOFORGE_COMPILE_THREADS: threads that compile an autotuner's candidates at once, 1 to 256 (default: this
+    process's CPUs, up to 16; 1 compiles them one after another, as the autotuner does by itself)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return env_count("NANOFORGE_COMPILE_THREADS", min(16, cpus), 1, 256)
 
 
 _COMPILE_FAILED: list[str] = []  # why a parallel compile fell back, once (a warning says it the first time)
