@@ -140,6 +140,12 @@ PREFILL_SHAPES = (("llama3-1b", 32, 8, 64), ("qwen3-0.6b", 16, 8, 128))
 PREFILL_TILES = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
 
 
+def default_prefill_tile(group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """The engine's prefill tile at these heads (`_tile_config`), as a PREFILL_TILES entry."""
+    block_m, _, block_n, warps, stages = pa._tile_config(2000, group, head_dim)
+    return block_m, block_n, warps, stages
+
+
 def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cuda", timer=None) -> list[dict]:
     """TFLOP/s of chunked-prefill attention (`prompts` fresh prompts of `length` tokens in one step, causal, as a
     16K-token engine step holds them) across launch configurations, per model shape; the engine's default
@@ -150,11 +156,11 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
         group = hq // hkv
         b = pa.make_paged_batch([length] * prompts, [length] * prompts, hq, hkv, d, 16, torch.bfloat16, device)
         flops = 4 * d * hq * prompts * length * (length + 1) // 2
-        default = pa._tile_config(length, group, d)
+        default = default_prefill_tile(group, d)
         tile_starts = None
         want = pa.paged_attention_ref(**b, scale=1 / math.sqrt(d)).double() if device == "cpu" else None
         print(f"paged prefill sweep, {name} shape ({hq}/{hkv} heads, head dim {d}), {prompts} x {length} tokens; "
-              f"default BLOCK_M {default[0]} BLOCK_N {default[2]} warps {default[3]} stages {default[4]}")
+              f"default BLOCK_M {default[0]} BLOCK_N {default[1]} warps {default[2]} stages {default[3]}")
         for block_m, block_n, warps, stages in PREFILL_TILES:
             block_q = max(1, block_m // group)
 
@@ -175,7 +181,7 @@ def sweep_paged_prefill(prompts: int = 8, length: int = 2000, device: str = "cud
                 continue
             row = dict(shape=name, block_m=block_m, block_n=block_n, warps=warps, stages=stages, ms=ms,
                        tflops=flops / ms / 1e9, rel_error=err, ok=err < 1e-2,
-                       default=(block_m, block_n, warps, stages) == (default[0], *default[2:]))
+                       default=(block_m, block_n, warps, stages) == default)
             print(f"  BLOCK_M {block_m:3d} BLOCK_N {block_n:3d} warps {warps} stages {stages}: {ms:.3f} ms "
                   f"{row['tflops']:.0f} TFLOP/s, rel. error {err:.1e}" + ("  (default)" if row["default"] else "")
                   + ("" if row["ok"] else "  WRONG"), flush=True)
@@ -200,7 +206,7 @@ def model_paged_prefill(out_dir: Path, tiles=PREFILL_TILES) -> list[dict]:
     rows, t0, total = [], time.time(), len(PREFILL_SHAPES) * len(tiles)
     for name, hq, hkv, d in PREFILL_SHAPES:
         group = hq // hkv
-        default = pa._tile_config(2000, group, d)
+        default = default_prefill_tile(group, d)
         for block_m, block_n, warps, stages in tiles:
             tile = f"{block_m}x{block_n}w{warps}s{stages}"
             r = ki.inspect_variant("paged_attention_prefill", f"{name}_{tile}", out_dir, num_warps=warps,
@@ -212,7 +218,7 @@ def model_paged_prefill(out_dir: Path, tiles=PREFILL_TILES) -> list[dict]:
                              spill=r["local_bytes_per_thread"], blocks_per_sm=r["occupancy"]["blocks_per_sm"],
                              instructions=loop["instructions"], issue_cycles=issue, tensor_cycles=tensor,
                              issue_per_tensor=round(issue / tensor, 2), wait=" ".join(loop["waits"]),
-                             default=(block_m, block_n, warps, stages) == (default[0], *default[2:])))
+                             default=(block_m, block_n, warps, stages) == default))
             rate = len(rows) / (time.time() - t0)
             print(f"  [{len(rows)}/{total}, {rate * 60:.0f} tiles a minute, ETA {(total - len(rows)) / rate:.0f} s] "
                   f"{name} {tile}: issue / tensor {rows[-1]['issue_per_tensor']:.2f}", flush=True)

@@ -193,9 +193,11 @@ def test_block_table_chunks_held_in_registers_cover_every_tile(poisoned, monkeyp
 @pytest.mark.parametrize("tile", ["128x64w8s3", "128x128w8s2", "64x32w4s2"])
 def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
     """The tiles NANOFORGE_ATTN_PREFILL_TILE can pick (rows of (token, head) pairs x keys): whole prompts longer
-    than a tile, chunks after cached prefixes, a decode, padding; group 2 and group 3 (rows left unused)."""
+    than a tile, chunks after cached prefixes, a decode, padding; group 2, group 3 and Qwen2-0.5B's 7 (rows left
+    unused), and GPT-2's 1 (a query head a kv head)."""
     rows, keys, warps, stages = pa._parse_tile(tile)
-    for ctx, qlens, hq, hkv in (([150, 20, 9, 170, 1], [150, 20, 1, 37, 0], 4, 2), ([75, 3], [40, 3], 6, 2)):
+    for ctx, qlens, hq, hkv in (([150, 20, 9, 170, 1], [150, 20, 1, 37, 0], 4, 2), ([75, 3], [40, 3], 6, 2),
+                                ([90, 1], [60, 1], 14, 2), ([140, 5], [140, 1], 2, 2)):
         b = batch(ctx, qlens, hq, hkv, 16, 8, seed=rows + keys)
         check(b, launch(b, max(qlens), (rows, rows // (hq // hkv), keys, warps, stages)))
 
@@ -306,12 +308,14 @@ def test_gpu_full_size_bf16(poisoned, monkeypatch, ctx, qlens, combine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["64x64w4s3", "128x64w8s3", "128x64w8s2", "128x128w8s2"])
-@pytest.mark.parametrize("hq,d", [(32, 64), (16, 128)])  # Llama-3.2-1B's and Qwen3-0.6B's heads (8 kv heads)
-def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, d):
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (16, 8, 128), (12, 12, 64), (14, 2, 64)],
+                         ids=["llama3-1b", "qwen3-0.6b", "gpt2", "qwen2-0.5b"])  # each family's heads
+def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, hkv, d):
     """Each prefill tile the sweep and gpu_engine.py --prefill-variants try, through the public entry point: whole
     prompts, a chunk after a long cached prefix and decodes in one step."""
     monkeypatch.setenv("NANOFORGE_ATTN_PREFILL_TILE", tile)
-    b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, 8, d, 16, torch.bfloat16, "cuda")
+    b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, hkv, d, 16, torch.bfloat16,
+                            "cuda")
     out = pa.paged_attention(**b, max_q_len=2000)
     assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
 
