@@ -369,7 +369,6 @@ DECODE_VARIANTS = {
     # `benchmarks/decode_layers.py --variants` times them alone)
     "persistent_poll_all": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "all"},
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
-    "persistent_combine_out": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_COMBINE": "out_phase"},
 }
 
 

@@ -58,16 +58,12 @@ def run_step(model: Transformer, case: dict, kernel) -> tuple[torch.Tensor, torc
 
 
 @interpreter
-# the first token; one split; three splits of four with full key tiles (the fourth empty); the last with the
-# splits combined in the attention-out phase
-@pytest.mark.parametrize("name,ctx,combine", [(n, c, "last_split") for n in FAMILIES for c in (1, 37, 70)]
-                         + [(n, 70, "out_phase") for n in FAMILIES])
-def test_layers_in_one_kernel_equal_the_layer_by_layer_forward(monkeypatch, name, ctx, combine):
+@pytest.mark.parametrize("ctx", [1, 37, 70])  # the first token; one split; three splits with full key tiles
+@pytest.mark.parametrize("name", FAMILIES)
+def test_layers_in_one_kernel_equal_the_layer_by_layer_forward(monkeypatch, name, ctx):
     """Every layer of a one-token decode step in the kernel (one launch of one program, interpreted) gives the
-    final hidden state of the model's own forward and writes the same K and V into the same slots, fp32, with
-    the context's splits combined where NANOFORGE_DECODE_COMBINE says."""
+    final hidden state of the model's own forward and writes the same K and V into the same slots, fp32."""
     monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
-    monkeypatch.setenv("NANOFORGE_DECODE_COMBINE", combine)
     torch.manual_seed(0)
     model = Transformer(preset(name, max_seq_len=256)).eval()
     with torch.no_grad():
@@ -95,17 +91,14 @@ def kernel_inputs(model: Transformer, case: dict):
 
 
 @interpreter
-@pytest.mark.parametrize("name,switch", [(n, None) for n in FAMILIES] + [
-    ("tiny-llama", "PRELOAD_KV"), ("tiny-qwen3", "PRELOAD_KV"), ("tiny-llama", "COMBINE"), ("tiny-qwen2", "COMBINE")])
-def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name, switch):
+@pytest.mark.parametrize("name,preload", [(n, "0") for n in FAMILIES] + [("tiny-llama", "1"), ("tiny-qwen3", "1")])
+def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name, preload):
     """The persistent launch's own code (each phase's first weight tile loaded before the barrier in front of it,
     the next layer's before the last one, every barrier, the count reset at the end), interpreted with one
     program, which passes each barrier at its own arrival: bit for bit the launches per phase of three programs,
     the barrier's counts back at zero after it and none given up, twice (the second launch counts from zero).
     With NANOFORGE_DECODE_PRELOAD_KV=1 (each program's first attention tile loaded before the barrier in front of
-    attention; two tiles a split here), both ways equal the launches per phase without it, bit for bit. With
-    NANOFORGE_DECODE_COMBINE=out_phase (the splits combined in the attention-out phase, in another order of
-    sums), both ways equal each other bit for bit and the launches per phase without it within fp32 rounding."""
+    attention; two tiles a split here), both ways equal the launches per phase without it, bit for bit."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -117,19 +110,11 @@ def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatc
     with torch.inference_mode():
         args = kernel_inputs(model, case)
         want = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
-        if switch is not None:
-            monkeypatch.setenv(f"NANOFORGE_DECODE_{switch}", "out_phase" if switch == "COMBINE" else "1")
+        monkeypatch.setenv("NANOFORGE_DECODE_PRELOAD_KV", preload)
+        if preload == "1":
             args = kernel_inputs(model, case)
-            combined = []  # (the interpreter looks the kernel's helpers up as it runs: a spy sees each call)
-            monkeypatch.setattr(dl, "_combined", lambda *a, f=dl._combined: combined.append(1) or f(*a))
             got = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
-            if switch == "COMBINE":
-                assert len(combined) == 3 * model.cfg.n_layers  # each program of each phase C combined them
-                for a, b in zip(got, want):
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-                want = got
-            else:
-                assert all(torch.equal(a, b) for a, b in zip(got, want))
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
         for _ in range(2):
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
@@ -339,9 +324,9 @@ GPU_SHAPES = {  # two layers at the real widths of the models issue 14 measures,
 def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx, monkeypatch):
     """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain; with one
     thread a program polling at the barriers; with phase B's context asked of L2 ahead, or its first tile
-    loaded ahead; traced) gives exactly the phase-at-a-time launches' result (the same code and order of sums:
-    any difference is a barrier that did not hold), and so do the two with the splits combined in phase C,
-    each other's; all stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul,
+    loaded ahead; traced) gives exactly
+    the phase-at-a-time launches' result (the same code and order of sums: any difference is a barrier that did
+    not hold), and both stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul,
     paged attention). The traced launch's phase B parts add up to its work."""
     from nanoforge.kernels import decode_layers as dl
 
@@ -362,9 +347,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
                 (True, {"NANOFORGE_DECODE_POLL": "all"}),
                 (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
                 (True, {"NANOFORGE_DECODE_POLL": "one", "NANOFORGE_DECODE_PREFETCH_KV": "1",
-                        "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace}),
-                # the splits combined in phase C (another order of sums): one launch and launches per phase agree
-                (True, {"NANOFORGE_DECODE_COMBINE": "out_phase"}), (False, {"NANOFORGE_DECODE_COMBINE": "out_phase"})]
+                        "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
     for persistent, env in launches:
         with monkeypatch.context() as m:
             for key, value in env.items():
@@ -373,13 +356,8 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
             k, v = case["k"].clone(), case["v"].clone()
             outs.append(dl.decode_layers(kernel.layers, x, torch.stack(cs), k, v, case["table"][0], case["seq_lens"],
                                          case["slot"], persistent=persistent, trace=env.get("trace")) + (k,))
-    combined = outs[-2:]
-    outs = outs[:-2]
     for got in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
-    assert all(torch.equal(a, b) for a, b in zip(*combined))
-    for a, b in zip(combined[0], outs[0]):  # the last split's combine and phase C's: bf16 rounding apart
-        assert (a.float() - b.float()).abs().max().item() <= 0.05 * b.float().abs().max().item()
     assert dl.barrier_timeouts(x.device) == 0
     steps = dl.PHASES * model.cfg.n_layers  # each layer's phase B marks lie between its barriers A and B
     marks = trace[1 + 2 * steps:].view(model.cfg.n_layers, dl.B_MARKS, programs)
@@ -460,18 +438,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "poll_all+prefetch_kv1,combine_out", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "poll_all+prefetch_kv1,preload_kv", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["poll_all+prefetch_kv1", "combine_out"] and all(
+    assert all(list(r["variants"]) == ["poll_all+prefetch_kv1", "preload_kv"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not poll_all, preload_kv, combine_out or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not poll_all, preload_kv or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):
@@ -513,9 +491,3 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     monkeypatch.setenv("NANOFORGE_DECODE_POLL", "some")
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL must be one or all, not 'some'"):
         dl.poll_one()
-    assert not dl.combine_out()  # the last split combines unless asked
-    monkeypatch.setenv("NANOFORGE_DECODE_COMBINE", "out_phase")
-    assert dl.combine_out()
-    monkeypatch.setenv("NANOFORGE_DECODE_COMBINE", "later")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_COMBINE must be last_split or out_phase, not 'later'"):
-        dl.combine_out()

@@ -154,17 +154,6 @@ def preload_kv() -> bool:
     return env_choice("NANOFORGE_DECODE_PRELOAD_KV", ("0", "1")) == "1"
 
 
-def combine_out() -> bool:
-    """NANOFORGE_DECODE_COMBINE: where a head's context splits are combined. `last_split` (the default): in the
-    attention phase, by the last of a kv head's splits to finish (an atomic count, then the partials loaded and
-    the heads' outputs stored); `out_phase`: in the attention-out phase, by every program, as it reads the
-    attention output it projects (`_combined`: the non-empty splits' partials, ~48 KB from L2 at Llama's or
-    Qwen3's widths and a context of 384), so that the count and the combine (~4.6 us of the attention phase's
-    ~10.5 a layer, session 30's trace) leave the chain of work in front of a barrier for loads the programs
-    issue behind one, next to their first weight tile's. Not yet timed on a GPU."""
-    return env_choice("NANOFORGE_DECODE_COMBINE", ("last_split", "out_phase")) == "out_phase"
-
-
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
@@ -220,8 +209,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
-                POLL_ONE=poll_one(), PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
-                COMBINE_OUT=combine_out())
+                POLL_ONE=poll_one(), PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv())
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -380,32 +368,6 @@ def _vector(X, K, KP: tl.constexpr):
 
 
 @triton.jit
-def _combined(O_PART, LSE_PART, ATT, K, KP: tl.constexpr, DH: tl.constexpr, SPLITS: tl.constexpr):
-    """The attention output (K = heads x DH, in fp32, padded to KP) from every split's partials (head h's split s
-    at part h * SPLITS + s, as `_attention` stores them; .cg: other programs wrote them), rounded to ATT's type as
-    phase B's combine stores it. The splits are added as they come, rescaled to the largest lse so far (an
-    online softmax), so that only the accumulator lives across them and each split's loads depend on nothing
-    before them: the lse, then the partial where the split saw a key (empty splits load nothing)."""
-    j = tl.arange(0, KP)
-    first = (j // DH) * SPLITS
-    d = j % DH
-    top = tl.full([KP], float("-inf"), dtype=tl.float32)
-    acc = tl.zeros([KP], dtype=tl.float32)
-    total = tl.zeros([KP], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        lse = tl.load(LSE_PART + first + s, mask=j < K, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(O_PART + (first + s) * DH + d, mask=lse > float("-inf"), other=0.0, cache_modifier=".cg")
-        new_top = tl.maximum(top, lse)
-        base = tl.where(new_top > float("-inf"), new_top, 0.0)  # (no split seen yet: every weight 0)
-        scale = tl.exp2(top - base)
-        w = tl.exp2(lse - base)
-        acc = acc * scale + w * o
-        total = total * scale + w
-        top = new_top
-    return (acc / tl.where(total > 0, total, 1.0)).to(ATT.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
 def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr, HAS_A: tl.constexpr = True):
     """rms_norm(x + a) with weight G, as `rmsnorm.add_rms_norm` rounds it (x alone where not HAS_A); the sum
     stored to S by program 0 (every program computes the same one)."""
@@ -528,14 +490,13 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
-               TRACE: tl.constexpr, kt0, v0, PRELOAD: tl.constexpr, COMBINE_OUT: tl.constexpr):  # fmt: skip
+               TRACE: tl.constexpr, kt0, v0, PRELOAD: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
     query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
     rows MARKS + m * programs (a program's last item's). PRELOAD: the first item's first key tile is (kt0, v0),
-    loaded by `_first_keys` (attended masked, as the last tile of a span is: the same sums). COMBINE_OUT: the
-    partials are left for phase C to combine (`_combined`): no count, no combine (marks 2 and 3 follow mark 1)."""
+    loaded by `_first_keys` (attended masked, as the last tile of a span is: the same sums)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -572,16 +533,13 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         part = head * SPLITS + split
         tl.store(O_PART + part[:, None] * DH + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
         tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
-        if COMBINE_OUT:  # (the barrier after this phase releases the partials)
-            _mark(MARKS, 2, TRACE)
-        else:
-            tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
-            last = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1
-            _mark(MARKS, 2, TRACE)
-            if last:
-                tl.atomic_xchg(COUNTS + hk, 0)
-                combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH,
-                              BLOCK_D, GROUP_P2, SPLITS_P2)
+        tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
+        last = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1
+        _mark(MARKS, 2, TRACE)
+        if last:
+            tl.atomic_xchg(COUNTS + hk, 0)
+            combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH, BLOCK_D,
+                          GROUP_P2, SPLITS_P2)
         _mark(MARKS, 3, TRACE)
 
 
@@ -599,7 +557,6 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, POLL_ONE: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-    COMBINE_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -651,7 +608,7 @@ def _decode_layers_kernel(
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
-                       kt0, v0, PRELOAD_KV, COMBINE_OUT)
+                       kt0, v0, PRELOAD_KV)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
@@ -659,11 +616,7 @@ def _decode_layers_kernel(
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            if COMBINE_OUT:
-                a = _combined(O_PART, LSE_PART, ATT, AQ, AP, DH, SPLITS)
-            else:
-                a = _vector(ATT, AQ, AP)
-            _project(a, wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
+            _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _sync(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL_ONE)
