@@ -7,7 +7,11 @@
 #   bash benchmarks/gpu_first_run.sh          # files under $OUT (default ./out)
 #
 # The machine's own torch is kept (the README's torch==2.13.0 pin is for CPU machines); with no network, the
-# serve extras (fastapi, uvicorn, pydantic, ...) come from wheels in ./.whl, installed offline.
+# serve extras (fastapi, uvicorn, pydantic, ...) come from wheels in ./.whl, installed offline. Fill it where
+# the package registry can be reached, dependencies included (fastapi 0.165 needs opentelemetry-api and
+# annotated-doc, openai 3.63 httpx2: a folder of the direct wheels alone fails the install, as in session 31):
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+#       fastapi uvicorn prometheus_client httpx openai
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
