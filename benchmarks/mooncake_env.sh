@@ -2,7 +2,8 @@
 # Mooncake Store (and, with SERVE_EXTRAS=1, the serve extras) importable from what the caller carries, where the
 # machine lacks them: ./.whl (mooncake_transfer_engine_non_cuda-*-cp312-*.whl; fastapi, uvicorn, ... wheels) and
 # ./.deb (libibverbs1, libnl-3-200, libnl-route-3-200 .deb files, unpacked under /tmp, no root needed). Keeps all
-# of Mooncake's traffic on loopback (MC_TCP_BIND_ADDRESS=127.0.0.1).
+# of Mooncake's traffic on loopback (MC_TCP_BIND_ADDRESS=127.0.0.1). A device call carries 64 MiB with the tree:
+# slim the Mooncake wheel first (benchmarks/slim_wheel.py, 46 -> 31 MB).
 if [[ "${SERVE_EXTRAS:-0}" == 1 ]] && ! $PY -c "import fastapi, uvicorn, prometheus_client, httpx" 2>/dev/null; then
     $PY -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client httpx
 fi
