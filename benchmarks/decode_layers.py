@@ -10,7 +10,8 @@ the model's forward to its final hidden state, layer by layer (the default: each
 and the skinny matmul, paged attention, PDL between the kernels) and with `NANOFORGE_DECODE_LAYERS=persistent`'s
 kernel (serve/layer_kernel.py), each replayed from a CUDA graph; microseconds a step, the ratio, and the share of
 HBM bandwidth that reading the layers' weights and KV in that time comes to. Then one traced launch of the kernel:
-where its time goes, phase by phase, summed over the layers (`decode_layers.phase_times`). The LM head and
+where its time goes, phase by phase, summed over the layers (`decode_layers.phase_times`), each phase's work
+with the rate it read its weights (phase B: the context's K and V) at. The LM head and
 sampling are left out (the same in both ways). --splits times the kernel again with its attention phase cut into
 other numbers of pieces a kv head (the default's 16 leave most of them empty at short contexts, and each kv
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
@@ -51,6 +52,27 @@ def layer_bytes(model: Transformer, ctx: int) -> int:
     cfg = model.cfg
     weights = sum(p.numel() * p.element_size() for p in model.layers.parameters())
     return weights + 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * model.embed.weight.element_size()
+
+
+def phase_bytes(model: Transformer, ctx: int) -> dict[str, int]:
+    """What each of the kernel's phases reads at least over all layers: A W_qkv, B the context's K and V, C W_o,
+    D W_gate and W_up, E W_down (`decode_layers`' phases)."""
+    a = model.layers[0].attn
+    mlp = model.layers[0].mlp
+    size = model.embed.weight.element_size()
+    kv = 2 * ctx * model.cfg.n_kv_heads * model.cfg.head_dim * size
+    one = {"A": a.wqkv.weight.numel() * size, "B": kv, "C": a.wo.weight.numel() * size,
+           "D": mlp.w_in.weight.numel() * size, "E": mlp.w_out.weight.numel() * size}
+    return {k: v * model.cfg.n_layers for k, v in one.items()}
+
+
+def phase_line(ph: dict, nbytes: dict[str, int]) -> str:
+    """A trace's phases in words: each phase's work with the rate it read its bytes at, then the barriers'
+    waits (phase B's parts are `attention_parts`')."""
+    work = ", ".join(f"{k} work {ph[f'{k} work']:.1f} ({nbytes[k] / ph[f'{k} work'] / 1e6:.2f} TB/s)"
+                     if ph[f"{k} work"] > 0 else f"{k} work {ph[f'{k} work']:.1f}" for k in nbytes)
+    waits = ", ".join(f"{k} wait {ph[f'{k} wait']:.1f}" for k in nbytes)
+    return f"{work}; {waits}; total {ph['total']:.1f}"
 
 
 def decode_inputs(model: Transformer, ctx: int) -> dict:
@@ -247,8 +269,11 @@ def main() -> None:
               f"{100 * r['baseline_hbm_fraction']:>10.1f}%")
         if device.type == "cuda":  # one traced launch: the phases' time
             r["phases_us"] = traced_phases(model, kernel, c, device)
-            print("   phases (us over all layers): " + ", ".join(
-                f"{p} {t:.1f}" for p, t in r["phases_us"].items() if not p.startswith("B ")))
+            nbytes = phase_bytes(model, ctx)
+            r["phase_tb_s"] = {k: nbytes[k] / r["phases_us"][f"{k} work"] / 1e6 for k in nbytes
+                               if r["phases_us"][f"{k} work"] > 0}
+            print("   phases (us over all layers, the rate each read its weights or K/V at): "
+                  + phase_line(r["phases_us"], nbytes))
             print("   attention phase's parts: " + attention_parts(r["phases_us"]))
         runs = [("splits", n, {"splits": n}) for n in splits]
         runs += [("variants", v, {"env": e}) for v, e in variants.items()]

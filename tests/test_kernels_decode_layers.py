@@ -452,6 +452,30 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
         "--variants: 'poll_two' is not poll_all, preload_kv or prefetch_kv1 .. prefetch_kv4"]
 
 
+def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
+    """`decode_layers.py`'s phase line: each phase's bytes over all layers at Qwen3-0.6B's shape (bf16, written
+    out from the config: W_qkv 4,096 x 1,024, W_o 1,024 x 2,048, W_gate and W_up 2 x 3,072 x 1,024, W_down
+    1,024 x 3,072, K and V of 384 tokens x 8 heads x 128), and each phase's work with its rate, B's included."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.decode_layers import phase_bytes, phase_line
+
+    with torch.device("meta"):
+        model = Transformer(preset("qwen3-0.6b")).to(torch.bfloat16)
+    got = phase_bytes(model, 384)
+    per_layer = {"A": 4096 * 1024 * 2, "B": 2 * 384 * 8 * 128 * 2, "C": 1024 * 2048 * 2, "D": 2 * 3072 * 1024 * 2,
+                 "E": 1024 * 3072 * 2}
+    assert got == {k: 28 * v for k, v in per_layer.items()}
+    ph = {f"{k} {w}": t for k, (work, wait) in zip("ABCDE", [(90.5, 35.5), (294.5, 39.8), (76.5, 51.5),
+                                                            (211.8, 42.2), (116.5, 34.0)])
+          for w, t in (("work", work), ("wait", wait))} | {"total": 992.8}
+    line = phase_line(ph, got)
+    assert line.startswith("A work 90.5 (2.60 TB/s), B work 294.5 (0.15 TB/s), C work 76.5 (1.54 TB/s), ")
+    assert "D work 211.8 (1.66 TB/s)" in line and "B wait 39.8" in line and line.endswith("total 992.8")
+
+
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):
     """`phase_times` on a made-up trace of 2 programs and one layer (clock in ns): each phase's work runs from
     the last departure before it to the last arrival after it, its barrier from that arrival to the last
