@@ -2,7 +2,7 @@
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
     python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
-    python benchmarks/decode_layers.py --variants poll_all,preload_kv,prefetch_kv1   # A/B
+    python benchmarks/decode_layers.py --variants thread0,poll_all,preload_kv        # A/B
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -16,7 +16,8 @@ sampling are left out (the same in both ways). --splits times the kernel again w
 other numbers of pieces a kv head (the default's 16 leave most of them empty at short contexts, and each kv
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
 same layer-by-layer baseline: `poll_all` (NANOFORGE_DECODE_POLL=all: every thread polls at a barrier, where
-one thread a program does by default),
+one thread a program does by default), `thread0` (NANOFORGE_DECODE_POLL=thread0: thread 0 does the whole
+barrier, as cooperative groups' grid sync does),
 `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles asked of L2 before its barrier),
 `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1: each program's first key tile loaded into registers there), joined
 with `+`. Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
@@ -159,14 +160,15 @@ def variant_env(name: str) -> dict[str, str]:
     """The switches of a --variants entry (parts joined with +), or ValueError naming the part it cannot read."""
     env = {}
     for part in name.split("+"):
-        if part == "poll_all":
-            env["NANOFORGE_DECODE_POLL"] = "all"
+        if part in ("poll_all", "thread0"):
+            env["NANOFORGE_DECODE_POLL"] = "all" if part == "poll_all" else "thread0"
         elif part == "preload_kv":
             env["NANOFORGE_DECODE_PRELOAD_KV"] = "1"
         elif part.startswith("prefetch_kv") and part[11:].isdigit() and 1 <= int(part[11:]) <= 4:
             env["NANOFORGE_DECODE_PREFETCH_KV"] = part[11:]
         else:
-            raise ValueError(f"--variants: {part!r} is not poll_all, preload_kv or prefetch_kv1 .. prefetch_kv4")
+            raise ValueError(f"--variants: {part!r} is not poll_all, thread0, preload_kv or prefetch_kv1 .. "
+                             "prefetch_kv4")
     return env
 
 
@@ -221,7 +223,8 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "poll_all, preload_kv, prefetch_kvN (N 1-4), joined with + (e.g. poll_all+preload_kv)")
+                    "poll_all, thread0, preload_kv, prefetch_kvN (N 1-4), joined with + (e.g. "
+                    "thread0+preload_kv)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

@@ -154,6 +154,34 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
     assert dl.barrier_timeouts(cpu) == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("poll", ["one", "thread0"])
+def test_gpu_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(monkeypatch, poll):
+    """A plain (not cooperative) persistent launch of one program more than there are SMs, at a Llama width whose
+    registers allow one program an SM: the last program cannot start until another ends, so the others give up
+    at the first barrier after the spin limit (each counting it) and lift the rest; the launch ends, and the next
+    one, of a program an SM, computes what the launches per phase do with none given up."""
+    from nanoforge.kernels import decode_layers as dl
+
+    monkeypatch.setenv("NANOFORGE_DECODE_POLL", poll)
+    monkeypatch.setenv("NANOFORGE_DECODE_COOPERATIVE", "0")
+    monkeypatch.setattr(dl, "SPIN_LIMIT", 4000)
+    torch.manual_seed(0)
+    model = Transformer(preset("llama3-1b", n_layers=2, max_seq_len=512)).cuda().bfloat16().eval()
+    case = decode_case(model, 300)
+    kernel = layer_kernel.LayerKernel(model)
+    dev = torch.device("cuda")
+    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    with torch.inference_mode():
+        want = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=False)
+        dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True, programs=programs + 1)
+        torch.cuda.synchronize()
+        assert dl.barrier_timeouts(dev) >= 1
+        got = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert dl.barrier_timeouts(dev) == 0
+
+
 @interpreter
 @pytest.mark.parametrize("name", FAMILIES)
 def test_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, monkeypatch, name):
@@ -323,11 +351,11 @@ GPU_SHAPES = {  # two layers at the real widths of the models issue 14 measures,
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx, monkeypatch):
     """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain; with one
-    thread a program polling at the barriers; with phase B's context asked of L2 ahead, or its first tile
-    loaded ahead; traced) gives exactly
-    the phase-at-a-time launches' result (the same code and order of sums: any difference is a barrier that did
-    not hold), and both stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul,
-    paged attention). The traced launch's phase B parts add up to its work."""
+    thread a program polling at the barriers, every thread, or thread 0 doing the whole barrier; with phase B's
+    context asked of L2 ahead, or its first tile loaded ahead; traced) gives exactly the phase-at-a-time
+    launches' result (the same code and order of sums: any difference is a barrier that did not hold), and both
+    stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul, paged attention). The
+    traced launch's phase B parts add up to its work."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -344,7 +372,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     # (each switch set is a kernel compiled for each shape: three more than the default's six, the launches per
     # phase being five; the phased launches with the preload are checked interpreted, on the CPU)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
-                (True, {"NANOFORGE_DECODE_POLL": "all"}),
+                (True, {"NANOFORGE_DECODE_POLL": "all"}), (True, {"NANOFORGE_DECODE_POLL": "thread0"}),
                 (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
                 (True, {"NANOFORGE_DECODE_POLL": "one", "NANOFORGE_DECODE_PREFETCH_KV": "1",
                         "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
@@ -438,18 +466,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "poll_all+prefetch_kv1,preload_kv", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "poll_all+prefetch_kv1,thread0", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["poll_all+prefetch_kv1", "preload_kv"] and all(
+    assert all(list(r["variants"]) == ["poll_all+prefetch_kv1", "thread0"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not poll_all, preload_kv or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not poll_all, thread0, preload_kv or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
@@ -513,5 +541,5 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4"):
         dl.prefetch_kv_tiles()
     monkeypatch.setenv("NANOFORGE_DECODE_POLL", "some")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL must be one or all, not 'some'"):
-        dl.poll_one()
+    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL must be one, all or thread0, not 'some'"):
+        dl.poll_mode()

@@ -287,7 +287,7 @@ def _decode_layers(**shape) -> TritonKernel:
                              dl.CONTEXT_SPLITS),
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
-        POLL_ONE=dl.poll_one, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
+        POLL=dl.poll_mode, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
