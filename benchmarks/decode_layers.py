@@ -67,12 +67,17 @@ def phase_bytes(model: Transformer, ctx: int) -> dict[str, int]:
     return {k: v * model.cfg.n_layers for k, v in one.items()}
 
 
-def phase_line(ph: dict, nbytes: dict[str, int]) -> str:
-    """A trace's phases in words: each phase's work with the rate it read its bytes at, then the barriers'
-    waits (phase B's parts are `attention_parts`')."""
-    work = ", ".join(f"{k} work {ph[f'{k} work']:.1f} ({nbytes[k] / ph[f'{k} work'] / 1e6:.2f} TB/s)"
-                     if ph[f"{k} work"] > 0 else f"{k} work {ph[f'{k} work']:.1f}" for k in nbytes)
-    waits = ", ".join(f"{k} wait {ph[f'{k} wait']:.1f}" for k in nbytes)
+def phase_rates(ph: dict, nbytes: dict[str, int]) -> dict[str, float]:
+    """TB/s at which each phase of a trace (`phase_times`) read its bytes (`phase_bytes`), where it took time."""
+    return {k: n / ph[f"{k} work"] / 1e6 for k, n in nbytes.items() if ph[f"{k} work"] > 0}
+
+
+def phase_line(ph: dict, rates: dict[str, float]) -> str:
+    """A trace's phases in words: each phase's work with its rate (`phase_rates`), then the barriers' waits
+    (phase B's parts are `attention_parts`')."""
+    work = ", ".join(f"{k} work {ph[f'{k} work']:.1f}" + (f" ({rates[k]:.2f} TB/s)" if k in rates else "")
+                     for k in "ABCDE")
+    waits = ", ".join(f"{k} wait {ph[f'{k} wait']:.1f}" for k in "ABCDE")
     return f"{work}; {waits}; total {ph['total']:.1f}"
 
 
@@ -156,14 +161,16 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
+SWITCHES = {"poll_all": {"NANOFORGE_DECODE_POLL": "all"}, "thread0": {"NANOFORGE_DECODE_POLL": "thread0"},
+            "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts, but for prefetch_kvN
+
+
 def variant_env(name: str) -> dict[str, str]:
     """The switches of a --variants entry (parts joined with +), or ValueError naming the part it cannot read."""
     env = {}
     for part in name.split("+"):
-        if part in ("poll_all", "thread0"):
-            env["NANOFORGE_DECODE_POLL"] = "all" if part == "poll_all" else "thread0"
-        elif part == "preload_kv":
-            env["NANOFORGE_DECODE_PRELOAD_KV"] = "1"
+        if part in SWITCHES:
+            env.update(SWITCHES[part])
         elif part.startswith("prefetch_kv") and part[11:].isdigit() and 1 <= int(part[11:]) <= 4:
             env["NANOFORGE_DECODE_PREFETCH_KV"] = part[11:]
         else:
@@ -272,11 +279,9 @@ def main() -> None:
               f"{100 * r['baseline_hbm_fraction']:>10.1f}%")
         if device.type == "cuda":  # one traced launch: the phases' time
             r["phases_us"] = traced_phases(model, kernel, c, device)
-            nbytes = phase_bytes(model, ctx)
-            r["phase_tb_s"] = {k: nbytes[k] / r["phases_us"][f"{k} work"] / 1e6 for k in nbytes
-                               if r["phases_us"][f"{k} work"] > 0}
+            r["phase_tb_s"] = phase_rates(r["phases_us"], phase_bytes(model, ctx))
             print("   phases (us over all layers, the rate each read its weights or K/V at): "
-                  + phase_line(r["phases_us"], nbytes))
+                  + phase_line(r["phases_us"], r["phase_tb_s"]))
             print("   attention phase's parts: " + attention_parts(r["phases_us"]))
         runs = [("splits", n, {"splits": n}) for n in splits]
         runs += [("variants", v, {"env": e}) for v, e in variants.items()]

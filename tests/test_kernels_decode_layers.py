@@ -488,7 +488,7 @@ def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.decode_layers import phase_bytes, phase_line
+    from benchmarks.decode_layers import phase_bytes, phase_line, phase_rates
 
     with torch.device("meta"):
         model = Transformer(preset("qwen3-0.6b")).to(torch.bfloat16)
@@ -499,7 +499,7 @@ def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
     ph = {f"{k} {w}": t for k, (work, wait) in zip("ABCDE", [(90.5, 35.5), (294.5, 39.8), (76.5, 51.5),
                                                             (211.8, 42.2), (116.5, 34.0)])
           for w, t in (("work", work), ("wait", wait))} | {"total": 992.8}
-    line = phase_line(ph, got)
+    line = phase_line(ph, phase_rates(ph, got))
     assert line.startswith("A work 90.5 (2.60 TB/s), B work 294.5 (0.15 TB/s), C work 76.5 (1.54 TB/s), ")
     assert "D work 211.8 (1.66 TB/s)" in line and "B wait 39.8" in line and line.endswith("total 992.8")
 

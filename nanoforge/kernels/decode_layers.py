@@ -81,9 +81,7 @@ def _cooperative() -> dict:
 
 
 SPIN_LIMIT = 1 << 22  # a barrier's polls (~0.5 us each) before it gives up: a bug, not a state (waits take us)
-# a barrier's count after a program gave up: past every target of the launch (`_thread0_barrier`'s PTX spells
-# it out: 1073741824)
-_GAVE_UP = tl.constexpr(1 << 30)
+_GAVE_UP = tl.constexpr(1 << 30)  # a barrier's count after a program gave up: past every target of the launch
 _TIMEOUTS: dict[str, torch.Tensor] = {}  # per device: programs that gave up waiting at a barrier, since last read
 
 
@@ -135,6 +133,7 @@ def prefetch_tiles() -> int:
 
 
 POLL_MODES = ("one", "all", "thread0")
+_POLL_ONE, _POLL_ALL, _POLL_THREAD0 = (tl.constexpr(POLL_MODES.index(m)) for m in POLL_MODES)  # the kernel's POLL
 
 
 def poll_mode() -> int:
@@ -337,10 +336,11 @@ def _thread0_barrier(BAR, target, TIMEOUTS, spin_limit):
         setp.lt.s32 nfMore, nfSpins, $3;
         @nfMore bra NF_T0_AGAIN;
         red.relaxed.gpu.global.add.s32 [$4], 1;
-        red.relaxed.gpu.global.max.s32 [$1], 1073741824;
+        red.relaxed.gpu.global.max.s32 [$1], $5;
         NF_T0_DONE:
         }""",
-        "=r,l,r,r,l", [BAR, target, spin_limit, TIMEOUTS], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r,r,l,r", [BAR, target, spin_limit, TIMEOUTS, tl.full((), _GAVE_UP, tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1)
     tl.debug_barrier()
 
 
@@ -351,12 +351,12 @@ def _grid_barrier(BAR, target, TIMEOUTS, spin_limit, POLL: tl.constexpr):
     lift BAR past every target of the launch, so that no barrier of it waits again. POLL (an index into
     POLL_MODES): `one`, one thread of the program polls (`_poll_one_thread`), the others wait for it at the CTA
     barrier and read the count once; `all`, every thread polls; `thread0`, `_thread0_barrier`."""
-    if POLL == 2:
+    if POLL == _POLL_THREAD0:
         _thread0_barrier(BAR, target, TIMEOUTS, spin_limit)
     else:
         tl.debug_barrier()  # every thread's stores made before the count (the atomic releases them)
         tl.atomic_add(BAR, 1, sem="release")
-        if POLL == 0:
+        if POLL == _POLL_ONE:
             _poll_one_thread(BAR, target, spin_limit)
             tl.debug_barrier()
             seen = tl.load(BAR, volatile=True)  # the count only grows: at least what thread 0 saw
