@@ -157,10 +157,11 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("poll", ["one", "thread0"])
 def test_gpu_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(monkeypatch, poll):
-    """A plain (not cooperative) persistent launch of one program more than there are SMs, at a Llama width whose
-    registers allow one program an SM: the last program cannot start until another ends, so the others give up
-    at the first barrier after the spin limit (each counting it) and lift the rest; the launch ends, and the next
-    one, of a program an SM, computes what the launches per phase do with none given up."""
+    """A plain (not cooperative) persistent launch of one program more than an SM's threads allow resident at
+    once, whatever its registers: the last program cannot start until another ends, so the others give up at the
+    first barrier after the spin limit (each counting it) and lift the rest; the launch ends, and the next one,
+    of a program an SM, computes what the launches per phase do with none given up. The count is read for
+    `cuda`, the launches ran on `cuda:0`: the same device (session 32's run read another key and saw 0)."""
     from nanoforge.kernels import decode_layers as dl
 
     monkeypatch.setenv("NANOFORGE_DECODE_POLL", poll)
@@ -171,10 +172,11 @@ def test_gpu_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_end
     case = decode_case(model, 300)
     kernel = layer_kernel.LayerKernel(model)
     dev = torch.device("cuda")
-    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    props = torch.cuda.get_device_properties(dev)
+    resident = props.multi_processor_count * (props.max_threads_per_multi_processor // (32 * dl.WARPS))
     with torch.inference_mode():
         want = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=False)
-        dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True, programs=programs + 1)
+        dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True, programs=resident + 1)
         torch.cuda.synchronize()
         assert dl.barrier_timeouts(dev) >= 1
         got = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True)

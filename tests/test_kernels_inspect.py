@@ -268,6 +268,22 @@ def test_the_persistent_decode_kernel_fits_one_program_an_sm_and_its_barriers_re
     assert "prefetch.global.L2" in ptx
 
 
+@pytest.mark.parametrize("name", ["decode_layers_qwen3", "gemv_decode_split", "paged_attention_decode_fused"])
+def test_an_arrival_count_is_zeroed_for_the_next_use_without_a_fence_or_a_wait(compiled, name):
+    """The last program to arrive at a count (a split-K GEMV's tile, a decode head's splits, the persistent
+    kernel's barrier) zeroes it for the next launch or layer with a relaxed exchange: what orders it before the
+    next use is the kernel's end or the grid barrier, and the sums it reads next were acquired by its arrival. An
+    acq_rel exchange (Triton's default) compiled to MEMBAR.ALL.GPU, the atomic, then CCTL.IVALL and a CTA barrier:
+    a round trip to L2 in front of the combine's loads (session 32: every EXCH in the SASS now stands alone)."""
+    results, out = compiled
+    _report(results, name)
+    ptx = (out / f"{name}.ptx").read_text()
+    assert re.search(r"atom\.global\.gpu\.relaxed\.exch", ptx) and "acq_rel.exch" not in ptx
+    sass = [line for line in (out / f"{name}.sass").read_text().splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    exch = [i for i, line in enumerate(sass) if "ATOMG.E.EXCH" in line]
+    assert exch and not any("MEMBAR" in line or "CCTL.IVALL" in line for i in exch for line in sass[i - 3:i + 2])
+
+
 def test_the_thread0_barrier_arrives_with_a_release_and_polls_with_acquires_in_thread_0(tmp_path):
     """NANOFORGE_DECODE_POLL=thread0 (`decode_layers._thread0_barrier`), compiled for sm_90 by ptxas (which
     checks its PTX): at each of a layer's five barriers, thread 0's arrival is a release reduction and its poll

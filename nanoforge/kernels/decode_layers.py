@@ -67,6 +67,7 @@ TILE_ELEMENTS = 16384  # of W a program loads at once (32 KB of bf16): rows x K
 CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 programs busy on 132 SMs)
 ATTN_BLOCK_N = 64  # keys a step of attention's loop
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: each takes more than one tile, as on a GPU
+WARPS = 8  # a program's warps on a GPU (one under the interpreter)
 INTERPRET_SPLITS = 4
 # A persistent launch is cooperative where Triton can ask for it (NANOFORGE_DECODE_COOPERATIVE=1, the default):
 # the driver then starts every program at once or fails the launch, so that two such kernels on one GPU (two
@@ -85,8 +86,15 @@ _GAVE_UP = tl.constexpr(1 << 30)  # a barrier's count after a program gave up: p
 _TIMEOUTS: dict[str, torch.Tensor] = {}  # per device: programs that gave up waiting at a barrier, since last read
 
 
+def _device_key(device: torch.device) -> str:
+    """One name a device: `cuda` is the current CUDA device's `cuda:N`."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 def _timeouts(device: torch.device) -> torch.Tensor:
-    key = str(device)
+    key = _device_key(device)
     if key not in _TIMEOUTS:  # made at a device's first launch, which is eager (the engine warms up first), as a
         if capturing(device):  # normal tensor (`barrier_timeouts` resets it in any mode); never from a graph's pool
             raise RuntimeError("decode_layers: first launched inside a CUDA graph capture; launch it eagerly first")
@@ -98,7 +106,7 @@ def _timeouts(device: torch.device) -> torch.Tensor:
 def barrier_timeouts(device: torch.device) -> int:
     """How many times a persistent launch's program gave up waiting at a barrier on this device since the last
     call (reset here; it syncs): anything but 0 means those launches computed wrong numbers."""
-    have = _TIMEOUTS.get(str(device))
+    have = _TIMEOUTS.get(_device_key(torch.device(device)))
     if have is None:
         return 0
     n = int(have.item())
@@ -229,7 +237,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
             *k_cache.stride()[:4], *v_cache.stride()[:4], float(w.eps), dh ** -0.5 * LOG2E,
             trace if trace is not None else counts, SPIN_LIMIT)
-    warps = 1 if interp else 8
+    warps = 1 if interp else WARPS
     if persistent:
         _decode_layers_kernel[(programs,)](*args, 0, n_layers, PHASE=-1, **meta, num_warps=warps,
                                            **_cooperative())
@@ -585,7 +593,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         last = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1
         _mark(MARKS, 2, TRACE)
         if last:
-            tl.atomic_xchg(COUNTS + hk, 0)
+            tl.atomic_xchg(COUNTS + hk, 0, sem="relaxed")  # (ordered before the next layer's count by the barrier)
             combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH, BLOCK_D,
                           GROUP_P2, SPLITS_P2)
         _mark(MARKS, 3, TRACE)
@@ -690,5 +698,5 @@ def _decode_layers_kernel(
             _sync(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL)
     if PERSISTENT:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(BAR, 0)
-            tl.atomic_xchg(BAR + 1, 0)
+            tl.atomic_xchg(BAR, 0, sem="relaxed")
+            tl.atomic_xchg(BAR + 1, 0, sem="relaxed")

@@ -449,7 +449,7 @@ def _gemv_kernel(
                 acc += tl.load(sums + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
                 if SWIGLU:
                     up += tl.load(sums + s * stride_ps + N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(C + pid, 0)
+            tl.atomic_xchg(C + pid, 0, sem="relaxed")  # zero again for the next launch (no wait on it)
             _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU, HAS_BIAS, ty)
 
 

@@ -481,7 +481,7 @@ def _paged_attn_kernel(
             tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
             count = C + pid * tl.num_programs(1) + hk
             if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-                tl.atomic_xchg(count, 0)
+                tl.atomic_xchg(count, 0, sem="relaxed")  # zero again for the next launch (no wait on it)
                 o = combine_parts(O_PART, LSE_PART, part - split, num_splits, row_ok, io_mask, offs_d, HEAD_D,
                                   BLOCK_M, BLOCK_D, SPLITS_P2)
                 tl.store(O + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
