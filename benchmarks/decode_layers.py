@@ -2,7 +2,7 @@
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
     python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
-    python benchmarks/decode_layers.py --variants thread0,poll_all,preload_kv        # A/B
+    python benchmarks/decode_layers.py --variants preload_kv,prefetch_kv2           # A/B
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -15,12 +15,9 @@ with the rate it read its weights (phase B: the context's K and V) at. The LM he
 sampling are left out (the same in both ways). --splits times the kernel again with its attention phase cut into
 other numbers of pieces a kv head (the default's 16 leave most of them empty at short contexts, and each kv
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
-same layer-by-layer baseline: `poll_all` (NANOFORGE_DECODE_POLL=all: every thread polls at a barrier, where
-one thread a program does by default), `thread0` (NANOFORGE_DECODE_POLL=thread0: thread 0 does the whole
-barrier, as cooperative groups' grid sync does),
-`prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles asked of L2 before its barrier),
-`preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1: each program's first key tile loaded into registers there), joined
-with `+`. Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
+same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
+asked of L2 before its barrier), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1: each program's first key tile
+loaded into registers there), joined with `+`. Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
 
@@ -161,8 +158,7 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
-SWITCHES = {"poll_all": {"NANOFORGE_DECODE_POLL": "all"}, "thread0": {"NANOFORGE_DECODE_POLL": "thread0"},
-            "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts, but for prefetch_kvN
+SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts, but for prefetch_kvN
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -174,8 +170,7 @@ def variant_env(name: str) -> dict[str, str]:
         elif part.startswith("prefetch_kv") and part[11:].isdigit() and 1 <= int(part[11:]) <= 4:
             env["NANOFORGE_DECODE_PREFETCH_KV"] = part[11:]
         else:
-            raise ValueError(f"--variants: {part!r} is not poll_all, thread0, preload_kv or prefetch_kv1 .. "
-                             "prefetch_kv4")
+            raise ValueError(f"--variants: {part!r} is not preload_kv or prefetch_kv1 .. prefetch_kv4")
     return env
 
 
@@ -230,8 +225,7 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "poll_all, thread0, preload_kv, prefetch_kvN (N 1-4), joined with + (e.g. "
-                    "thread0+preload_kv)")
+                    "preload_kv, prefetch_kvN (N 1-4), joined with + (e.g. prefetch_kv1+preload_kv)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

@@ -367,8 +367,6 @@ DECODE_VARIANTS = {
     # its barriers polled by every thread (one thread a program polls by default, since session 30); its
     # attention's first key tile loaded before the barrier in front of attention (session 28's switches,
     # `benchmarks/decode_layers.py --variants` times them alone)
-    "persistent_poll_all": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "all"},
-    "persistent_thread0": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_POLL": "thread0"},
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
 }
 

@@ -155,8 +155,7 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("poll", ["one", "thread0"])
-def test_gpu_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(monkeypatch, poll):
+def test_gpu_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(monkeypatch):
     """A plain (not cooperative) persistent launch of one program more than an SM's threads allow resident at
     once, whatever its registers: the last program cannot start until another ends, so the others give up at the
     first barrier after the spin limit (each counting it) and lift the rest; the launch ends, and the next one,
@@ -164,7 +163,6 @@ def test_gpu_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_end
     `cuda`, the launches ran on `cuda:0`: the same device (session 32's run read another key and saw 0)."""
     from nanoforge.kernels import decode_layers as dl
 
-    monkeypatch.setenv("NANOFORGE_DECODE_POLL", poll)
     monkeypatch.setenv("NANOFORGE_DECODE_COOPERATIVE", "0")
     monkeypatch.setattr(dl, "SPIN_LIMIT", 4000)
     torch.manual_seed(0)
@@ -371,13 +369,11 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     outs = []
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count
     trace = torch.zeros(dl.trace_rows(model.cfg.n_layers), programs, dtype=torch.int64, device=x.device)
-    # (each switch set is a kernel compiled for each shape: three more than the default's six, the launches per
-    # phase being five; the phased launches with the preload are checked interpreted, on the CPU)
+    # (each switch set is one more kernel compiled for each shape, beside the default's six, the launches per phase
+    # being five; the phased launches with the preload are checked interpreted, on the CPU)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
-                (True, {"NANOFORGE_DECODE_POLL": "all"}), (True, {"NANOFORGE_DECODE_POLL": "thread0"}),
                 (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
-                (True, {"NANOFORGE_DECODE_POLL": "one", "NANOFORGE_DECODE_PREFETCH_KV": "1",
-                        "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
+                (True, {"NANOFORGE_DECODE_PREFETCH_KV": "1", "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
     for persistent, env in launches:
         with monkeypatch.context() as m:
             for key, value in env.items():
@@ -468,18 +464,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "poll_all+prefetch_kv1,thread0", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "prefetch_kv1+preload_kv,preload_kv", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["poll_all+prefetch_kv1", "thread0"] and all(
+    assert all(list(r["variants"]) == ["prefetch_kv1+preload_kv", "preload_kv"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not poll_all, thread0, preload_kv or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not preload_kv or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
@@ -542,6 +538,3 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_KV", "5")
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4"):
         dl.prefetch_kv_tiles()
-    monkeypatch.setenv("NANOFORGE_DECODE_POLL", "some")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL must be one, all or thread0, not 'some'"):
-        dl.poll_mode()

@@ -284,27 +284,6 @@ def test_an_arrival_count_is_zeroed_for_the_next_use_without_a_fence_or_a_wait(c
     assert exch and not any("MEMBAR" in line or "CCTL.IVALL" in line for i in exch for line in sass[i - 3:i + 2])
 
 
-def test_the_thread0_barrier_arrives_with_a_release_and_polls_with_acquires_in_thread_0(tmp_path):
-    """NANOFORGE_DECODE_POLL=thread0 (`decode_layers._thread0_barrier`), compiled for sm_90 by ptxas (which
-    checks its PTX): at each of a layer's five barriers, thread 0's arrival is a release reduction and its poll
-    an acquire load, with none of the other ways' atomics left; the acquire load invalidates the SM's L1
-    (CCTL.IVALL), which is what lets the program's other threads, past the CTA barrier, read what other
-    programs stored. Still one program an SM, nothing spilled."""
-    _need_cuda_tools()
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
-    env |= {"NANOFORGE_DECODE_POLL": "thread0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(ki.__file__).parents[2]), env.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "nanoforge", "kernels", "inspect", "decode_layers_llama", "--out",
-                           str(tmp_path)], env=env, check=True, capture_output=True, text=True)
-    ptx = (tmp_path / "decode_layers_llama.ptx").read_text()
-    assert ptx.count("red.release.gpu.global.add.s32") == 5 and ptx.count("ld.acquire.gpu.global.s32") == 5
-    assert "red.global.gpu.release.add" not in ptx and "ld.global.gpu.acquire" not in ptx
-    sass = (tmp_path / "decode_layers_llama.sass").read_text().splitlines()
-    polls = [i for i, line in enumerate(sass) if "LDG.E.STRONG.GPU" in line]
-    assert sum(any("CCTL.IVALL" in line for line in sass[i + 1:i + 4]) for i in polls) == 5
-    assert re.search(r"local memory / thread\s+0 B", done.stdout) and re.search(r"occupancy\s+1 blocks/SM", done.stdout)
-
-
 def test_the_prefetch_ahead_kernel_waits_for_its_predecessor_before_it_asks_l2(compiled):
     """kernels/prefetch.py: with PDL the kernel lets its successor launch, waits for its predecessor (so the
     chain keeps its order and the Q/K/V projection keeps the bandwidth), and only then issues Hopper's bulk L2

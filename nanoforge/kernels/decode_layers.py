@@ -140,24 +140,6 @@ def prefetch_tiles() -> int:
     return env_count("NANOFORGE_DECODE_PREFETCH_TILES", 2, 0, 16)
 
 
-POLL_MODES = ("one", "all", "thread0")
-_POLL_ONE, _POLL_ALL, _POLL_THREAD0 = (tl.constexpr(POLL_MODES.index(m)) for m in POLL_MODES)  # the kernel's POLL
-
-
-def poll_mode() -> int:
-    """NANOFORGE_DECODE_POLL: how a program waits at a barrier, as an index into POLL_MODES. `one` (the default):
-    thread 0 polls the count (`_poll_one_thread`), then every thread reads it and acquires with an atomic of its
-    own; `all`: every thread polls; `thread0`: thread 0 does the whole barrier, as cooperative groups' grid sync
-    does (`_thread0_barrier`: its release arrival, acquire loads polling, the give-up), the others waiting at
-    the CTA barriers around it, two L2 round trips a barrier fewer than `one` (session 31; not yet timed on a
-    GPU: 140 barriers a Qwen3-0.6B step, whose last-arrival-to-departure waits came to ~1.2 us each in session
-    31's trace). Session 30 (H100, `benchmarks/decode_layers.py`): the layers alone 1.10x the layer-by-layer
-    path on Qwen3-0.6B with `one`, 1.05x with `all`; Llama-3.2-1B 0.95x and 0.92x. Under the interpreter,
-    which cannot run PTX, `all` either way."""
-    mode = env_choice("NANOFORGE_DECODE_POLL", POLL_MODES)
-    return POLL_MODES.index("all" if interpreting() else mode)
-
-
 def prefetch_kv_tiles() -> int:
     """NANOFORGE_DECODE_PREFETCH_KV (default 0, off; not yet timed on a GPU): how many 64-key tiles of each
     attention item's K and V every program asks L2 for before the barrier in front of attention (from 0 to 4)."""
@@ -226,7 +208,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
-                POLL=poll_mode(), PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv())
+                ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv())
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -318,79 +300,44 @@ def _poll_one_thread(BAR, target, spin_limit):
 
 
 @triton.jit
-def _thread0_barrier(BAR, target, TIMEOUTS, spin_limit):
-    """The grid barrier in thread 0 (`_grid_barrier` with POLL `thread0`): the CTA barrier (the program's stores
-    made before it), thread 0's arrival with release semantics, its polls with acquire loads until `target` or
-    `spin_limit` polls (then it counts the give-up at TIMEOUTS and lifts BAR to _GAVE_UP itself), and the CTA
-    barrier that holds the other threads until it is through: what cooperative groups' grid sync does. PTX,
-    with its labels in a scope of their own (the barrier is inlined at every phase)."""
-    tl.debug_barrier()
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred nfSkip, nfDone, nfMore;
-        .reg .u32 nfTid;
-        .reg .s32 nfSpins, nfSeen;
-        mov.u32 nfTid, %tid.x;
-        mov.s32 $0, 0;
-        setp.ne.u32 nfSkip, nfTid, 0;
-        @nfSkip bra NF_T0_DONE;
-        red.release.gpu.global.add.s32 [$1], 1;
-        mov.s32 nfSpins, 0;
-        NF_T0_AGAIN:
-        ld.acquire.gpu.global.s32 nfSeen, [$1];
-        setp.ge.s32 nfDone, nfSeen, $2;
-        @nfDone bra NF_T0_DONE;
-        add.s32 nfSpins, nfSpins, 1;
-        setp.lt.s32 nfMore, nfSpins, $3;
-        @nfMore bra NF_T0_AGAIN;
-        red.relaxed.gpu.global.add.s32 [$4], 1;
-        red.relaxed.gpu.global.max.s32 [$1], $5;
-        NF_T0_DONE:
-        }""",
-        "=r,l,r,r,l,r", [BAR, target, spin_limit, TIMEOUTS, tl.full((), _GAVE_UP, tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _grid_barrier(BAR, target, TIMEOUTS, spin_limit, POLL: tl.constexpr):
+def _grid_barrier(BAR, target, TIMEOUTS, spin_limit, ONE_POLLER: tl.constexpr):
     """Wait until `target` arrivals have been counted at BAR (this program's included): every program's stores
     before its arrival are visible after the wait. After `spin_limit` polls, give up: count it at TIMEOUTS and
-    lift BAR past every target of the launch, so that no barrier of it waits again. POLL (an index into
-    POLL_MODES): `one`, one thread of the program polls (`_poll_one_thread`), the others wait for it at the CTA
-    barrier and read the count once; `all`, every thread polls; `thread0`, `_thread0_barrier`."""
-    if POLL == _POLL_THREAD0:
-        _thread0_barrier(BAR, target, TIMEOUTS, spin_limit)
-    else:
-        tl.debug_barrier()  # every thread's stores made before the count (the atomic releases them)
-        tl.atomic_add(BAR, 1, sem="release")
-        if POLL == _POLL_ONE:
-            _poll_one_thread(BAR, target, spin_limit)
-            tl.debug_barrier()
-            seen = tl.load(BAR, volatile=True)  # the count only grows: at least what thread 0 saw
-        else:
-            seen = tl.load(BAR, volatile=True)
-            spins = 0
-            while (seen < target) & (spins < spin_limit):
-                seen = tl.load(BAR, volatile=True)
-                spins += 1
-        gave_up = seen < target  # (masked atomics, not a branch: no thread may skip the CTA barriers around them)
-        tl.atomic_add(TIMEOUTS, 1, mask=gave_up)
-        tl.atomic_max(BAR, _GAVE_UP, mask=gave_up)
-        tl.atomic_add(BAR, 0, sem="acquire")
+    lift BAR past every target of the launch, so that no barrier of it waits again. ONE_POLLER (on a GPU): one
+    thread of the program polls (`_poll_one_thread`), the others wait for it at the CTA barrier and read the
+    count once; else (the interpreter, which runs no PTX) every thread polls. Session 32 (H100) timed the other
+    ways and took them out: every thread polling (NANOFORGE_DECODE_POLL=all, the layers alone 1,056 us against
+    966 at Qwen3-0.6B's shape) and the whole barrier in thread 0 as cooperative groups' grid sync does (a release
+    reduction, acquire loads, the give-up in PTX: 968 us, no faster)."""
+    tl.debug_barrier()  # every thread's stores made before the count (the atomic releases them)
+    tl.atomic_add(BAR, 1, sem="release")
+    if ONE_POLLER:
+        _poll_one_thread(BAR, target, spin_limit)
         tl.debug_barrier()
+        seen = tl.load(BAR, volatile=True)  # the count only grows: at least what thread 0 saw
+    else:
+        seen = tl.load(BAR, volatile=True)
+        spins = 0
+        while (seen < target) & (spins < spin_limit):
+            seen = tl.load(BAR, volatile=True)
+            spins += 1
+    gave_up = seen < target  # (masked atomics, not a branch: no thread may skip the CTA barriers around them)
+    tl.atomic_add(TIMEOUTS, 1, mask=gave_up)
+    tl.atomic_max(BAR, _GAVE_UP, mask=gave_up)
+    tl.atomic_add(BAR, 0, sem="acquire")
+    tl.debug_barrier()
 
 
 @triton.jit
 def _sync(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr, TRACE: tl.constexpr,
-          POLL: tl.constexpr):
+          ONE_POLLER: tl.constexpr):
     """The grid barrier after phase `step` of this launch (a no-op when each phase is its own launch); TRACE:
     this program's clock at its arrival and at its departure stored at rows 1 + 2 step and 2 + 2 step."""
     if PERSISTENT:
         programs = tl.num_programs(0)
         if TRACE:
             tl.store(TRACE_AT + (1 + 2 * step) * programs, tl.extra.cuda.globaltimer())
-        _grid_barrier(BAR, (step + 1) * programs, TIMEOUTS, spin_limit, POLL)
+        _grid_barrier(BAR, (step + 1) * programs, TIMEOUTS, spin_limit, ONE_POLLER)
         if TRACE:
             tl.store(TRACE_AT + (2 + 2 * step) * programs, tl.extra.cuda.globaltimer())
 
@@ -612,7 +559,7 @@ def _decode_layers_kernel(
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
-    TRACE: tl.constexpr, POLL: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
+    TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -650,7 +597,7 @@ def _decode_layers_kernel(
                 kt0, v0 = _first_keys(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
                                       stride_kh, stride_vb, stride_vs, stride_vh, HKV, DH, BLOCK_D, SPLITS, BLOCK_N,
                                       BLOCK_SIZE)
-            _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL)
+            _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
             if not PRELOAD_KV:
                 kt0, v0 = 0, 0  # (not read)
@@ -667,7 +614,7 @@ def _decode_layers_kernel(
                        kt0, v0, PRELOAD_KV)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
-            _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL)
+            _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
@@ -675,7 +622,7 @@ def _decode_layers_kernel(
             _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
-            _sync(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL)
+            _sync(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
@@ -684,7 +631,7 @@ def _decode_layers_kernel(
             _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
             if PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
-            _sync(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL)
+            _sync(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
             if not PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
@@ -695,7 +642,7 @@ def _decode_layers_kernel(
                      AHEAD)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
-            _sync(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, POLL)
+            _sync(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
     if PERSISTENT:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(BAR, 0, sem="relaxed")

@@ -278,8 +278,8 @@ _DECODE_LAYERS_SIGNATURE = {
 
 def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
-    one launch, barriers between the phases, the L2 prefetch on, no trace; the barrier's poll and phase B's
-    context prefetch as NANOFORGE_DECODE_POLL and NANOFORGE_DECODE_PREFETCH_KV say (read when compiled)."""
+    one launch, barriers between the phases, the L2 prefetch on, no trace; phase B's context prefetch and
+    preload as NANOFORGE_DECODE_PREFETCH_KV and NANOFORGE_DECODE_PRELOAD_KV say (read when compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -287,7 +287,7 @@ def _decode_layers(**shape) -> TritonKernel:
                              dl.CONTEXT_SPLITS),
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
-        POLL=dl.poll_mode, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
+        ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
