@@ -147,9 +147,13 @@ def prefetch_kv_tiles() -> int:
 
 
 def preload_kv() -> bool:
-    """NANOFORGE_DECODE_PRELOAD_KV (0, the default, or 1; not yet timed on a GPU): each program loads the first key
-    tile of its first attention item (K and V, into registers) before the barrier in front of attention, as it
-    does the first tile of each phase's weights, so that the table -> K -> V loads leave attention's path."""
+    """NANOFORGE_DECODE_PRELOAD_KV (0, the default, or 1; session 32's, not yet timed on a GPU): each attention
+    item loads its first key tile, K and V at once, before its query's loads, norm and rotation, which the HBM
+    loads then overlap (by default the tiles are loaded in `attend_span`'s loop, after the query is rotated, and
+    each V after its scores). Session 28's
+    version loaded the tile before the barrier in front of attention; session 30 timed it on an H100: the keys
+    part fell 124 -> 85 us over Qwen3-0.6B's layers and the barrier waits grew by as much, as a barrier's release
+    fence waits for the loads the program has in flight."""
     return env_choice("NANOFORGE_DECODE_PRELOAD_KV", ("0", "1")) == "1"
 
 
@@ -450,21 +454,6 @@ def _mark(MARKS, m, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _first_keys(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                HKV: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The first key tile (K transposed, V) of this program's first phase-B item, `_attention`'s preload."""
-    item = tl.program_id(0)
-    lo, hi, _ = split_span(tl.load(SEQ_LEN), item % SPLITS, SPLITS, BLOCK_N, True)
-    mine = item < HKV * SPLITS  # (a program past the last item loads nothing: an empty span of kv head 0)
-    hi = tl.where(mine, hi, lo)
-    hk = tl.where(mine, item // SPLITS, 0)
-    offs_d = tl.arange(0, BLOCK_D)
-    return load_key_tile(KC + hk * stride_kh, VC + hk * stride_vh, TABLE, lo, hi, offs_d, offs_d < DH, stride_kb,
-                         stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE)
-
-
-@triton.jit
 def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                       HKV: tl.constexpr, SPLITS: tl.constexpr, DH: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr):
@@ -493,13 +482,14 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
-               TRACE: tl.constexpr, kt0, v0, PRELOAD: tl.constexpr):  # fmt: skip
+               TRACE: tl.constexpr, PRELOAD: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
     query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
-    rows MARKS + m * programs (a program's last item's). PRELOAD: the first item's first key tile is (kt0, v0),
-    loaded by `_first_keys` (attended masked, as the last tile of a span is: the same sums)."""
+    rows MARKS + m * programs (a program's last item's). PRELOAD: each item's first key tile (K and V) is loaded
+    before its query, so that the HBM loads of the one overlap the L2 loads and the norm and rotation of the
+    other (`load_key_tile`; attended masked, as the last tile of a span is: the same sums)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -511,18 +501,20 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         hk = item // SPLITS
         split = item % SPLITS
         head = hk * GROUP + rows
-        q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
-        _mark(MARKS, 0, TRACE)
         lo, hi, new_here = split_span(seq_len, split, SPLITS, BLOCK_N, True)
         K = KC + hk * stride_kh
         V = VC + hk * stride_vh
+        if PRELOAD:
+            kt0, v0 = load_key_tile(K, V, TABLE, lo, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
+                                    BLOCK_N, BLOCK_SIZE)
+        q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
+        _mark(MARKS, 0, TRACE)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
         if PRELOAD:
-            if item == tl.program_id(0):
-                acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
-                lo += BLOCK_N
+            acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
+            lo += BLOCK_N
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D, 0)
@@ -593,25 +585,15 @@ def _decode_layers_kernel(
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
                                   stride_kh, stride_vb, stride_vs, stride_vh, HKV, SPLITS, DH, BLOCK_N, BLOCK_SIZE,
                                   PREFETCH_KV)
-            if PERSISTENT and PRELOAD_KV:  # (the context's first tile, as the weights' before each phase)
-                kt0, v0 = _first_keys(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
-                                      stride_kh, stride_vb, stride_vs, stride_vh, HKV, DH, BLOCK_D, SPLITS, BLOCK_N,
-                                      BLOCK_SIZE)
             _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
-            if not PRELOAD_KV:
-                kt0, v0 = 0, 0  # (not read)
-            elif not PERSISTENT:
-                kt0, v0 = _first_keys(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
-                                      stride_kh, stride_vb, stride_vs, stride_vh, HKV, DH, BLOCK_D, SPLITS, BLOCK_N,
-                                      BLOCK_SIZE)
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
-                       kt0, v0, PRELOAD_KV)
+                       PRELOAD_KV)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)

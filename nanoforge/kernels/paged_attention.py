@@ -553,9 +553,9 @@ def combine_heads(O_PART, LSE_PART, O, first, num_splits, n_heads, stride_oh, HE
     part = first + g * num_splits + s
     ok = (s < num_splits) & (g < n_heads)
     lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)[None])  # (a head no split saw: masked below)
     o = tl.load(O_PART + part * HEAD_D + d, mask=ok & (d < HEAD_D), other=0.0, cache_modifier=".cg")
+    top = tl.max(lse, 0)  # (after both loads: the max's CTA barrier would hold the partials' loads behind it)
+    w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)[None])  # (a head no split saw: masked below)
     total = tl.sum(w, 0)
     out = tl.sum(w * o, 0) / tl.where(total > 0, total, 1.0)
     heads = tl.arange(0, HEADS_P2)[:, None]
