@@ -304,44 +304,49 @@ def _poll_one_thread(BAR, target, spin_limit):
 
 
 @triton.jit
-def _grid_barrier(BAR, target, TIMEOUTS, spin_limit, ONE_POLLER: tl.constexpr):
-    """Wait until `target` arrivals have been counted at BAR (this program's included): every program's stores
-    before its arrival are visible after the wait. After `spin_limit` polls, give up: count it at TIMEOUTS and
-    lift BAR past every target of the launch, so that no barrier of it waits again. ONE_POLLER (on a GPU): one
-    thread of the program polls (`_poll_one_thread`), the others wait for it at the CTA barrier and read the
-    count once; else (the interpreter, which runs no PTX) every thread polls. Session 32 (H100) timed the other
-    ways and took them out: every thread polling (NANOFORGE_DECODE_POLL=all, the layers alone 1,056 us against
-    966 at Qwen3-0.6B's shape) and the whole barrier in thread 0 as cooperative groups' grid sync does (a release
-    reduction, acquire loads, the give-up in PTX: 968 us, no faster)."""
-    tl.debug_barrier()  # every thread's stores made before the count (the atomic releases them)
-    tl.atomic_add(BAR, 1, sem="release")
-    if ONE_POLLER:
-        _poll_one_thread(BAR, target, spin_limit)
+def _arrive(BAR, step, TRACE_AT, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
+    """This program's arrival at the grid barrier after phase `step` of the launch (a no-op when each phase is its
+    own launch): every thread's stores made (the CTA barrier), then counted at BAR with a release. The release's
+    fence (MEMBAR.ALL.GPU on sm_90) waits for every access the warp has in flight, loads included, so the next
+    phase's first weight tile is asked for after it, between `_arrive` and `_depart` (session 32; before, the
+    arrival waited for that tile to come from HBM). TRACE: this program's clock at row 1 + 2 step."""
+    if PERSISTENT:
+        if TRACE:
+            tl.store(TRACE_AT + (1 + 2 * step) * tl.num_programs(0), tl.extra.cuda.globaltimer())
         tl.debug_barrier()
-        seen = tl.load(BAR, volatile=True)  # the count only grows: at least what thread 0 saw
-    else:
-        seen = tl.load(BAR, volatile=True)
-        spins = 0
-        while (seen < target) & (spins < spin_limit):
-            seen = tl.load(BAR, volatile=True)
-            spins += 1
-    gave_up = seen < target  # (masked atomics, not a branch: no thread may skip the CTA barriers around them)
-    tl.atomic_add(TIMEOUTS, 1, mask=gave_up)
-    tl.atomic_max(BAR, _GAVE_UP, mask=gave_up)
-    tl.atomic_add(BAR, 0, sem="acquire")
-    tl.debug_barrier()
+        tl.atomic_add(BAR, 1, sem="release")
 
 
 @triton.jit
-def _sync(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr, TRACE: tl.constexpr,
-          ONE_POLLER: tl.constexpr):
-    """The grid barrier after phase `step` of this launch (a no-op when each phase is its own launch); TRACE:
-    this program's clock at its arrival and at its departure stored at rows 1 + 2 step and 2 + 2 step."""
+def _depart(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr, TRACE: tl.constexpr,
+            ONE_POLLER: tl.constexpr):
+    """Wait at the grid barrier after phase `step` until all programs have arrived ((step + 1) x programs counted
+    at BAR): every program's stores before its arrival are visible after it. After `spin_limit` polls, give up:
+    count it at TIMEOUTS and lift BAR past every target of the launch, so that no barrier of it waits again.
+    ONE_POLLER (on a GPU): one thread of the program polls (`_poll_one_thread`), the others wait for it at the
+    CTA barrier and read the count once; else (the interpreter, which runs no PTX) every thread polls. Session 32
+    (H100) timed the other ways and took them out: every thread polling (NANOFORGE_DECODE_POLL=all, the layers
+    alone 1,056 us against 966 at Qwen3-0.6B's shape) and the whole barrier in thread 0 as cooperative groups'
+    grid sync does (a release reduction, acquire loads, the give-up in PTX: 968 us, no faster). TRACE: this
+    program's clock at row 2 + 2 step."""
     if PERSISTENT:
         programs = tl.num_programs(0)
-        if TRACE:
-            tl.store(TRACE_AT + (1 + 2 * step) * programs, tl.extra.cuda.globaltimer())
-        _grid_barrier(BAR, (step + 1) * programs, TIMEOUTS, spin_limit, ONE_POLLER)
+        target = (step + 1) * programs
+        if ONE_POLLER:
+            _poll_one_thread(BAR, target, spin_limit)
+            tl.debug_barrier()
+            seen = tl.load(BAR, volatile=True)  # the count only grows: at least what thread 0 saw
+        else:
+            seen = tl.load(BAR, volatile=True)
+            spins = 0
+            while (seen < target) & (spins < spin_limit):
+                seen = tl.load(BAR, volatile=True)
+                spins += 1
+        gave_up = seen < target  # (masked atomics, not a branch: no thread may skip the CTA barriers around them)
+        tl.atomic_add(TIMEOUTS, 1, mask=gave_up)
+        tl.atomic_max(BAR, _GAVE_UP, mask=gave_up)
+        tl.atomic_add(BAR, 0, sem="acquire")
+        tl.debug_barrier()
         if TRACE:
             tl.store(TRACE_AT + (2 + 2 * step) * programs, tl.extra.cuda.globaltimer())
 
@@ -394,8 +399,8 @@ def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr, HAS_A: tl.constexpr = True):
 
 @triton.jit
 def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
-    """This program's first tile of W for `_project` (its loads issued: a persistent launch issues them before the
-    barrier in front of the phase, as no phase writes W)."""
+    """This program's first tile of W for `_project` (its loads issued: a persistent launch issues them while it
+    waits at the barrier in front of the phase, after its arrival, as no phase writes W)."""
     k = tl.arange(0, KP)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = (n < N)[:, None] & (k < K)[None, :]
@@ -562,7 +567,7 @@ def _decode_layers_kernel(
     trace_at = TRACE_T + tl.program_id(0)
     if TRACE:
         tl.store(trace_at, tl.extra.cuda.globaltimer())
-    if PERSISTENT:  # each phase's first tile of weights is loaded before the barrier in front of it
+    if PERSISTENT:  # each phase's first tile of weights is loaded during the wait at the barrier in front of it
         wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
     for i in range(0, n_layers):
         layer = first_layer + i
@@ -585,7 +590,8 @@ def _decode_layers_kernel(
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
                                   stride_kh, stride_vb, stride_vs, stride_vh, HKV, SPLITS, DH, BLOCK_N, BLOCK_SIZE,
                                   PREFETCH_KV)
-            _sync(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _arrive(BAR, step, trace_at, PERSISTENT, TRACE)
+            _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
@@ -594,26 +600,29 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV)
+            _arrive(BAR, step + 1, trace_at, PERSISTENT, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
-            _sync(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
+            _arrive(BAR, step + 2, trace_at, PERSISTENT, TRACE)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
-            _sync(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
             _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
+            _arrive(BAR, step + 3, trace_at, PERSISTENT, TRACE)
             if PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
-            _sync(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
             if not PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
@@ -622,9 +631,10 @@ def _decode_layers_kernel(
                             PREFETCH)
             _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                      AHEAD)
+            _arrive(BAR, step + 4, trace_at, PERSISTENT, TRACE)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
-            _sync(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
     if PERSISTENT:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(BAR, 0, sem="relaxed")
