@@ -141,8 +141,9 @@ def prefetch_tiles() -> int:
 
 
 def prefetch_kv_tiles() -> int:
-    """NANOFORGE_DECODE_PREFETCH_KV (default 0, off; not yet timed on a GPU): how many 64-key tiles of each
-    attention item's K and V every program asks L2 for before the barrier in front of attention (from 0 to 4)."""
+    """NANOFORGE_DECODE_PREFETCH_KV (default 0, off: session 30's H100 saw it move nothing, asked for before the
+    arrival; since session 32 after it, not yet timed): how many 64-key tiles of each attention item's K and V
+    every program asks L2 for while it waits at the barrier in front of attention (from 0 to 4)."""
     return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
 
 
@@ -464,7 +465,8 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
                       BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr):
     """Ask L2 for the K and V rows of the first TILES key tiles of each of this program's phase-B items (as
     `_attention` shares them out): the context is in the cache before the launch, so these can be asked for
-    before the barrier in front of attention, and its loads then find them in L2 instead of HBM."""
+    while the program waits at the barrier in front of attention (after its arrival, whose release would wait
+    for the table's loads), and its loads then find them in L2 instead of HBM."""
     seq_len = tl.load(SEQ_LEN)
     n = tl.arange(0, TILES * BLOCK_N)
     lines = tl.arange(0, triton.next_power_of_2(triton.cdiv(DH, 64))) * 64  # a 128-byte line: 64 bf16
@@ -586,11 +588,11 @@ def _decode_layers_kernel(
             else:
                 h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
             _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD)
+            _arrive(BAR, step, trace_at, PERSISTENT, TRACE)
             if PERSISTENT and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
                                   stride_kh, stride_vb, stride_vs, stride_vh, HKV, SPLITS, DH, BLOCK_N, BLOCK_SIZE,
                                   PREFETCH_KV)
-            _arrive(BAR, step, trace_at, PERSISTENT, TRACE)
             _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
