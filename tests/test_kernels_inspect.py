@@ -257,7 +257,8 @@ def test_project_triton_kernels_compile_at_their_inspect_configuration(compiled,
 def test_the_persistent_decode_kernel_fits_one_program_an_sm_and_its_barriers_release_and_acquire(compiled, name):
     """kernels/decode_layers.py as a GPU launch compiles it for sm_90: what its grid-wide barriers rely on. One
     program of 8 warps fits an SM without spilling (its grid is one program an SM, all resident at once), and
-    each of its five barriers a layer counts arrivals with a release and leaves after an acquire."""
+    each of its five barriers a layer counts arrivals with a release and leaves after an acquire; the next
+    phase's first weight tile is asked for between the arrival and the poll."""
     results, out = compiled
     r = _report(results, name)
     assert r["threads_per_block"] == 256 and r["local_bytes_per_thread"] == 0
@@ -266,6 +267,15 @@ def test_the_persistent_decode_kernel_fits_one_program_an_sm_and_its_barriers_re
     ptx = (out / f"{name}.ptx").read_text()
     assert ptx.count("red.global.gpu.release.add") == 5 and ptx.count("ld.global.gpu.acquire") >= 5
     assert "prefetch.global.L2" in ptx
+    # the next phase's first weight tile (evict-first loads) is asked for after the arrival, before the poll:
+    # an arrival's release fence waits for the loads its warp has in flight (session 32); phase A's has none
+    sass = [line for line in (out / f"{name}.sass").read_text().splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    arrivals = [i for i, line in enumerate(sass) if "REDG.E.ADD.STRONG.GPU" in line]
+    tiles = []
+    for i in arrivals:
+        poll = next(j for j in range(i + 1, len(sass)) if "LDG.E.STRONG.GPU" in sass[j])
+        tiles.append(sum("LDG.E.EF" in line for line in sass[i + 1:poll]))
+    assert len(arrivals) == 5 and tiles[0] == 0 and all(n > 0 for n in tiles[1:]), tiles
 
 
 @pytest.mark.parametrize("name", ["decode_layers_qwen3", "gemv_decode_split", "paged_attention_decode_fused"])
