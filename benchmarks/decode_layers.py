@@ -16,8 +16,9 @@ sampling are left out (the same in both ways). --splits times the kernel again w
 other numbers of pieces a kv head (the default's 16 leave most of them empty at short contexts, and each kv
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
 same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
-asked of L2 before its barrier), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1: each program's first key tile
-loaded into registers there), joined with `+`. Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
+asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
+each attention item's first K and V tile loaded before its query), joined with `+`. Each traced launch also
+cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
 

@@ -364,9 +364,8 @@ DECODE_VARIANTS = {
     "persistent_pf6": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "6"},
     # launched as a plain kernel, not a cooperative one
     "persistent_plain": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_COOPERATIVE": "0"},
-    # its barriers polled by every thread (one thread a program polls by default, since session 30); its
-    # attention's first key tile loaded before the barrier in front of attention (session 28's switches,
-    # `benchmarks/decode_layers.py --variants` times them alone)
+    # each attention item's first K and V tile loaded before its query (session 32's preload;
+    # `benchmarks/decode_layers.py --variants` times it alone)
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
 }
 

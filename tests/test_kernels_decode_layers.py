@@ -97,9 +97,8 @@ def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatc
     front of it, the next layer's before the last one, every barrier, the count reset at the end), interpreted
     with one program, which passes each barrier at its own arrival: bit for bit the launches per phase of three
     programs, the barrier's counts back at zero after it and none given up, twice (the second launch counts from
-    zero).
-    With NANOFORGE_DECODE_PRELOAD_KV=1 (each attention item's first key tile loaded before its query; two tiles a
-    split here), both ways equal the launches per phase without it, bit for bit."""
+    zero). With NANOFORGE_DECODE_PRELOAD_KV=1 (each attention item's first key tile loaded before its query; two
+    tiles a split here), both ways equal the launches per phase without it, bit for bit."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 

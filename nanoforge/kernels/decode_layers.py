@@ -151,10 +151,9 @@ def preload_kv() -> bool:
     """NANOFORGE_DECODE_PRELOAD_KV (0, the default, or 1; session 32's, not yet timed on a GPU): each attention
     item loads its first key tile, K and V at once, before its query's loads, norm and rotation, which the HBM
     loads then overlap (by default the tiles are loaded in `attend_span`'s loop, after the query is rotated, and
-    each V after its scores). Session 28's
-    version loaded the tile before the barrier in front of attention; session 30 timed it on an H100: the keys
-    part fell 124 -> 85 us over Qwen3-0.6B's layers and the barrier waits grew by as much, as a barrier's release
-    fence waits for the loads the program has in flight."""
+    each V after its scores). Session 28's version loaded the tile before the barrier in front of attention;
+    session 30 timed it on an H100: the keys part fell 124 -> 85 us over Qwen3-0.6B's layers and the barrier
+    waits grew by as much, as a barrier's release fence waits for the loads the program has in flight."""
     return env_choice("NANOFORGE_DECODE_PRELOAD_KV", ("0", "1")) == "1"
 
 
@@ -326,7 +325,7 @@ def _depart(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr,
     count it at TIMEOUTS and lift BAR past every target of the launch, so that no barrier of it waits again.
     ONE_POLLER (on a GPU): one thread of the program polls (`_poll_one_thread`), the others wait for it at the
     CTA barrier and read the count once; else (the interpreter, which runs no PTX) every thread polls. Session 32
-    (H100) timed the other ways and took them out: every thread polling (NANOFORGE_DECODE_POLL=all, the layers
+    (H100) timed the other ways and took them out: every thread polling (then NANOFORGE_DECODE_POLL=all, the layers
     alone 1,056 us against 966 at Qwen3-0.6B's shape) and the whole barrier in thread 0 as cooperative groups'
     grid sync does (a release reduction, acquire loads, the give-up in PTX: 968 us, no faster). TRACE: this
     program's clock at row 2 + 2 step."""
