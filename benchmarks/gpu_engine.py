@@ -87,7 +87,8 @@ OTHER = not GRAPH_PREFILL_DEFAULT  # the prefill-step mode each section also mea
 OTHER_NAME = "graphed" if OTHER else "eager"
 # Prefill levers (--prefill-variants): a variant is '+'-joined parts, each a name here or a prefill attention tile
 # (NANOFORGE_ATTN_PREFILL_TILE, kernels/paged_attention.py)
-PREFILL_LEVERS = {"swiglu_epilogue": {"NANOFORGE_SWIGLU_EPILOGUE": "1"}}  # gate-and-up + SwiGLU in one GEMM
+PREFILL_LEVERS = {"swiglu_epilogue": {"NANOFORGE_SWIGLU_EPILOGUE": "1"},  # gate-and-up + SwiGLU in one GEMM
+                  "scalar_ids": {"NANOFORGE_ATTN_TABLE_IDS": "scalar"}}  # attention's block ids, no gather
 
 
 def prefill_env(variant: str) -> dict[str, str]:
@@ -367,6 +368,7 @@ DECODE_VARIANTS = {
     # each attention item's first K and V tile loaded before its query (session 32's preload;
     # `benchmarks/decode_layers.py --variants` times it alone)
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
+    "scalar_ids": {"NANOFORGE_ATTN_TABLE_IDS": "scalar"},  # attention's block ids loaded by each thread
 }
 
 
