@@ -705,7 +705,10 @@ def _tile_blocks(TABLE, n0, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def _load_id(P):
     """The int32 at P: on a GPU a plain `ld.global` in PTX, which Triton's pipeliner does not turn into an
-    asynchronous copy (a `tl.load` in the loop became one, and the loop's copy wait then waited for them all)."""
+    asynchronous copy (a `tl.load` in the loop became one, and the loop's copy wait then waited for them all).
+    Pure, so that the compiler schedules it as a value (as side-effecting asm the wide tile took 134 registers,
+    one block an SM, and 349 instructions): the block table is written before a step's first kernel, never by
+    a kernel of the step, so no ordering against the PDL wait is needed."""
     if _ASM_IDS:
         return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [P], dtype=tl.int32, is_pure=True,
                                          pack=1)
