@@ -136,8 +136,9 @@ def scalar_ids() -> bool:
     blocks in `attend_span`. `gather` takes them from a chunk of the block table held in registers (`tl.gather`,
     which moves the chunk through shared memory: 3 of the wide prefill tile's 5 CTA barriers a key tile, twice a
     store and shared loads, for K's layout and V's); `scalar` has every thread load the tile's few ids itself
-    (at 16 tokens a block a 64-key tile spans 4), with a plain load the pipeliner leaves alone, from L1 (the
-    chunk's load brought the lines in) and selects each key's. Compiled for sm_90 (session 32): the wide tile's
+    (at 16 tokens a block a 64-key tile spans 4), with a plain load the pipeliner leaves alone, from L1 (each
+    chunk of tiles asks L1 for its entries and the next chunk's) and selects each key's. Compiled for sm_90
+    (session 32): the wide tile's
     loop 350 -> 335 instructions a warp and 5 -> 3 barriers, Qwen3's 531 -> 485 and 4 -> 2, both still keeping
     two tiles' copies in flight; not yet timed on a GPU."""
     return env_choice("NANOFORGE_ATTN_TABLE_IDS", ("gather", "scalar")) == "scalar"
@@ -648,7 +649,12 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     for c0 in range(lo, full_hi, chunk):
         first = c0 // BLOCK_SIZE
         ids = first + tl.arange(0, entries)
-        table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
+        if SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0:  # this chunk's and the next one's entries into L1
+            lines = first + tl.arange(0, triton.cdiv(2 * entries, 32)) * 32  # (32 int32 entries a 128-byte line)
+            if _ASM_IDS:
+                pdl.prefetch_l1(TABLE + tl.where(lines * BLOCK_SIZE < full_hi, lines, first))
+        else:
+            table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
         for n0 in range(c0, tl.minimum(c0 + chunk, full_hi), BLOCK_N):
             if SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0:  # (n0 is a multiple of BLOCK_N: spans start on tiles)
                 block = _tile_blocks(TABLE, n0, BLOCK_N, BLOCK_SIZE)
