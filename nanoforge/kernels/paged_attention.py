@@ -140,7 +140,8 @@ def scalar_ids() -> bool:
     chunk of tiles asks L1 for its entries and the next chunk's) and selects each key's. Compiled for sm_90
     (session 32): the wide tile's
     loop 350 -> 335 instructions a warp and 5 -> 3 barriers, Qwen3's 531 -> 485 and 4 -> 2, both still keeping
-    two tiles' copies in flight; not yet timed on a GPU."""
+    two tiles' copies in flight; the masked tiles too (the diagonal: wide 490 -> 505 and 5 -> 3, Qwen3's 787 ->
+    697 and 4 -> 2; decode's ragged tile now keeps its copies in flight); not yet timed on a GPU."""
     return env_choice("NANOFORGE_ATTN_TABLE_IDS", ("gather", "scalar")) == "scalar"
 
 
@@ -657,14 +658,16 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
             table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
         for n0 in range(c0, tl.minimum(c0 + chunk, full_hi), BLOCK_N):
             if SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0:  # (n0 is a multiple of BLOCK_N: spans start on tiles)
-                block = _tile_blocks(TABLE, n0, BLOCK_N, BLOCK_SIZE)
+                block = _tile_blocks(TABLE, n0, full_hi, BLOCK_N, BLOCK_SIZE, False)
             else:
                 block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
                                          stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
                                          False)
     for n0 in range(full_hi, hi, BLOCK_N):
-        if TAIL_KEYS > 0:
+        if SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0:
+            block = _tile_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
+        elif TAIL_KEYS > 0:
             keys = n0 + tl.arange(0, BLOCK_N)
             block = tl.gather(tail_table, tl.where(keys < hi, keys // BLOCK_SIZE - tail_first, 0), 0).to(tl.int64)
         else:
@@ -698,13 +701,17 @@ def _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_sc
 
 
 @triton.jit
-def _tile_blocks(TABLE, n0, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _tile_blocks(TABLE, n0, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
     """The cache block of each key n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_SIZE, which divides BLOCK_N), int64:
-    the tile's BLOCK_N / BLOCK_SIZE table entries loaded by every thread (`_load_id`), each key's selected."""
+    the tile's BLOCK_N / BLOCK_SIZE table entries loaded by every thread (`_load_id`), each key's selected.
+    MASKED: entries from key `hi` on are not read (entry 0 is, in their place: those keys are masked)."""
     which = tl.arange(0, BLOCK_N) // BLOCK_SIZE
     block = tl.zeros([BLOCK_N], dtype=tl.int64)
     for r in tl.static_range(BLOCK_N // BLOCK_SIZE):
-        block = tl.where(which == r, _load_id(TABLE + n0 // BLOCK_SIZE + r).to(tl.int64), block)
+        entry = n0 // BLOCK_SIZE + r
+        if MASKED:
+            entry = tl.where(entry * BLOCK_SIZE < hi, entry, 0)
+        block = tl.where(which == r, _load_id(TABLE + entry).to(tl.int64), block)
     return block
 
 
