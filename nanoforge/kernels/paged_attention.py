@@ -138,10 +138,10 @@ def scalar_ids() -> bool:
     store and shared loads, for K's layout and V's); `scalar` has every thread load the tile's few ids itself
     (at 16 tokens a block a 64-key tile spans 4), with a plain load the pipeliner leaves alone, from L1 (each
     chunk of tiles asks L1 for its entries and the next chunk's) and selects each key's. Compiled for sm_90
-    (session 32): the wide tile's
-    loop 350 -> 335 instructions a warp and 5 -> 3 barriers, Qwen3's 531 -> 485 and 4 -> 2, both still keeping
-    two tiles' copies in flight; the masked tiles too (the diagonal: wide 490 -> 505 and 5 -> 3, Qwen3's 787 ->
-    697 and 4 -> 2; decode's ragged tile now keeps its copies in flight); not yet timed on a GPU."""
+    (session 32): the wide tile's loop 350 -> 335 instructions a warp and 5 -> 3 barriers, Qwen3's 531 -> 485
+    and 4 -> 2, both still keeping two tiles' copies in flight; the masked tiles too (the diagonal: wide 490 ->
+    505 and 5 -> 3, Qwen3's 787 -> 697 and 4 -> 2; decode's ragged tile now keeps its copies in flight); not yet
+    timed on a GPU."""
     return env_choice("NANOFORGE_ATTN_TABLE_IDS", ("gather", "scalar")) == "scalar"
 
 
@@ -627,7 +627,7 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
 @triton.jit
 def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr, SCALAR_IDS: tl.constexpr = False):
+                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr, SCALAR_IDS: tl.constexpr):
     """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
     without a mask, the rest masked (`_attend_keys`): the diagonal of a tile's query tokens, a split's ragged end.
 
@@ -639,8 +639,10 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     (`nanoforge kernels inspect` shows the wait). TAIL_KEYS > 0 (prefill: BLOCK_N + the tile's query tokens, more
     than there are masked keys): the masked tiles' entries are loaded before the unmasked loop too, so their K/V
     loads wait on no table load once it drains; 0 (decode, where that costs Triton 3.6 27 registers): a load a
-    masked tile."""
-    if TAIL_KEYS > 0:
+    masked tile. SCALAR_IDS (`scalar_ids`; where BLOCK_SIZE divides BLOCK_N): every tile, masked or not, takes its
+    few ids from plain loads instead (`_tile_blocks`), no table chunk gathered."""
+    scalar: tl.constexpr = SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0
+    if TAIL_KEYS > 0 and not scalar:
         tail_entries: tl.constexpr = triton.next_power_of_2(TAIL_KEYS // BLOCK_SIZE + 2)
         tail_first = full_hi // BLOCK_SIZE
         tail_ids = tail_first + tl.arange(0, tail_entries)
@@ -649,15 +651,15 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     entries: tl.constexpr = triton.next_power_of_2(chunk // BLOCK_SIZE + 1)
     for c0 in range(lo, full_hi, chunk):
         first = c0 // BLOCK_SIZE
-        ids = first + tl.arange(0, entries)
-        if SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0:  # this chunk's and the next one's entries into L1
+        if scalar:  # this chunk's and the next one's entries into L1
             lines = first + tl.arange(0, triton.cdiv(2 * entries, 32)) * 32  # (32 int32 entries a 128-byte line)
             if _ASM_IDS:
                 pdl.prefetch_l1(TABLE + tl.where(lines * BLOCK_SIZE < full_hi, lines, first))
         else:
+            ids = first + tl.arange(0, entries)
             table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
         for n0 in range(c0, tl.minimum(c0 + chunk, full_hi), BLOCK_N):
-            if SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0:  # (n0 is a multiple of BLOCK_N: spans start on tiles)
+            if scalar:  # (n0 is a multiple of BLOCK_N: spans start on tiles)
                 block = _tile_blocks(TABLE, n0, full_hi, BLOCK_N, BLOCK_SIZE, False)
             else:
                 block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
@@ -665,7 +667,7 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
                                          stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
                                          False)
     for n0 in range(full_hi, hi, BLOCK_N):
-        if SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0:
+        if scalar:
             block = _tile_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
         elif TAIL_KEYS > 0:
             keys = n0 + tl.arange(0, BLOCK_N)
