@@ -19,8 +19,10 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     work); tok/s and MFU (forward FLOPs: 2 per weight per token, causal attention pairs; 989 TFLOP/s dense bf16
     on an H200). Targets: >= 1.5x HF on both shapes, MFU >= 55% on Llama-3.2-1B's.
     `--prefill-variants` runs (a) and (c) again with prefill levers: another tile of prefill attention
-    (NANOFORGE_ATTN_PREFILL_TILE, e.g. 64x64w4s3), `swiglu_epilogue` (gate-and-up's GEMM with SwiGLU in its
-    epilogue), or both (`64x64w4s3+swiglu_epilogue`).
+    (NANOFORGE_ATTN_PREFILL_TILE, e.g. 64x64w4s3); gate-and-up's GEMM and SwiGLU as cuBLAS + the SwiGLU
+    kernel (`swiglu_off`) or one GEMM with SwiGLU in its epilogue on the tiled schedule (`swiglu_tiled`) or the
+    persistent one (`swiglu_persistent`: the default from 1,024 rows on Hopper); `scalar_ids`; or several at once
+    (`64x64w4s3+swiglu_off`).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
     that hit the cache against the share of prefill time saved (target: saved >= 80% of the hit share).
@@ -87,7 +89,9 @@ OTHER = not GRAPH_PREFILL_DEFAULT  # the prefill-step mode each section also mea
 OTHER_NAME = "graphed" if OTHER else "eager"
 # Prefill levers (--prefill-variants): a variant is '+'-joined parts, each a name here or a prefill attention tile
 # (NANOFORGE_ATTN_PREFILL_TILE, kernels/paged_attention.py)
-PREFILL_LEVERS = {"swiglu_epilogue": {"NANOFORGE_SWIGLU_EPILOGUE": "1"},  # gate-and-up + SwiGLU in one GEMM
+PREFILL_LEVERS = {"swiglu_off": {"NANOFORGE_SWIGLU_EPILOGUE": "0"},  # gate-and-up by cuBLAS, then the SwiGLU kernel
+                  "swiglu_tiled": {"NANOFORGE_SWIGLU_EPILOGUE": "tiled"},  # ... in one GEMM, a program a tile
+                  "swiglu_persistent": {"NANOFORGE_SWIGLU_EPILOGUE": "persistent"},  # ... programs loop over tiles
                   "scalar_ids": {"NANOFORGE_ATTN_TABLE_IDS": "scalar"}}  # attention's block ids, no gather
 
 

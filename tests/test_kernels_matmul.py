@@ -93,19 +93,23 @@ def swiglu_want(a, b, bias, dtype):
 
 
 @interpreter
-@pytest.mark.parametrize("dtype,use_bias", [(torch.bfloat16, True), (torch.float16, False)])
+@pytest.mark.parametrize("dtype,use_bias,schedule", [(torch.bfloat16, True, "tiled"), (torch.float16, False, "tiled"),
+                                                     (torch.bfloat16, False, "persistent")])
 @pytest.mark.parametrize("M,N,K,tma", [(64, 96, 64, True), (40, 48, 72, True), (37, 90, 70, False),
                                        (150, 34, 33, False)])  # F = 17: the last tile's gate half runs past F
-def test_swiglu_epilogue_matches_silu_mul_of_the_product(force_triton, dtype, use_bias, M, N, K, tma):
+def test_swiglu_epilogue_matches_silu_mul_of_the_product(force_triton, dtype, use_bias, schedule, M, N, K, tma):
     """activation="swiglu": each tile computes its gate columns and the up columns F further on, and writes
     silu(gate) * up, (M, N / 2), through TMA descriptors (b a 3-D view whose block holds a tile's gate and up
     columns, one product a K tile; c's block half a tile wide) and through pointers; every output element
-    written (NaN in `out` before), the (M, N) product never. Then as a model's (2F, K) weight (`linear`)."""
+    written (NaN in `out` before), the (M, N) product never; by one program a tile ("tiled") or by programs
+    that loop over tiles ("persistent": 4 programs under the interpreter, so most take several). Then as a
+    model's (2F, K) weight (`linear`)."""
     a, b, bias = _inputs(M, N, K, dtype, seed=M)
     bias = bias if use_bias else None
     out = torch.full((M, N // 2), float("nan"), dtype=dtype)
-    assert mm.matmul(a, b, bias=bias, activation="swiglu", out=out) is out
-    assert list(mm._PLANS.values())[-1].use_tma == tma
+    assert mm.matmul(a, b, bias=bias, activation="swiglu", schedule=schedule, out=out) is out
+    plan = list(mm._PLANS.values())[-1]
+    assert (plan.use_tma, plan.schedule) == (tma, schedule)
     want = swiglu_want(a, b, bias, dtype)
     # three roundings to the dtype, each a full ulp where the interpreter truncates bfloat16 (RTOL's note); a
     # gate or up column off by one, or the halves swapped, is off by O(1)
@@ -132,24 +136,32 @@ def test_swiglu_through_tma_needs_halves_of_16_bytes(force_triton):
 
 
 def test_the_swiglu_epilogue_switch_and_its_reference(monkeypatch):
-    """Off by default (cuBLAS, then the SwiGLU kernel); the reference path (here the CPU) is silu_mul's."""
-    assert not mm.swiglu_epilogue()
-    monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", "1")
-    assert mm.swiglu_epilogue()
+    """`auto` by default: off on the CPU whatever the rows (cuBLAS's stand-in, then the SwiGLU kernel; a GPU
+    test checks it on); the other values whatever the input; the reference path (here the CPU) is silu_mul's."""
+    x = torch.zeros(mm.SWIGLU_EPILOGUE_MIN_ROWS, 8, dtype=torch.bfloat16)
+    assert mm.swiglu_epilogue(x) is None
+    for value, schedule in (("1", "auto"), ("tiled", "tiled"), ("Persistent", "persistent"), ("0", None),
+                            ("auto", None)):
+        monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", value)
+        assert mm.swiglu_epilogue(x[:1]) == schedule
     monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", "yes")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_SWIGLU_EPILOGUE must be 0 or 1, not 'yes'"):
-        mm.swiglu_epilogue()
+    with pytest.raises(NanoforgeError, match="NANOFORGE_SWIGLU_EPILOGUE must be auto, 0, 1, tiled or persistent, "
+                                             "not 'yes'"):
+        mm.swiglu_epilogue(x)
     a, b = torch.randn(3, 8), torch.randn(8, 10)
     h = a @ b
     assert torch.equal(mm.matmul(a, b, activation="swiglu"), F.silu(h[:, :5]) * h[:, 5:])
 
 
 @interpreter
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-def test_a_prefills_gate_and_up_take_the_swiglu_epilogue_when_enabled(force_triton, monkeypatch, name):
-    """NANOFORGE_SWIGLU_EPILOGUE=1: a bf16 forward of a prompt outside autograd runs every block's gate-and-up as
-    one GEMM with SwiGLU in its epilogue and gives the logits of the forward without it (cuBLAS's stand-in and
-    the SwiGLU kernel) to bf16 rounding; a decode's few rows keep the skinny matmul's way, autograd nn.Linear."""
+@pytest.mark.parametrize("name,switch,schedule", [("tiny-llama", "1", "auto"), ("tiny-qwen3", "persistent",
+                                                                                 "persistent")])
+def test_a_prefills_gate_and_up_take_the_swiglu_epilogue_when_enabled(force_triton, monkeypatch, name, switch,
+                                                                        schedule):
+    """NANOFORGE_SWIGLU_EPILOGUE=1 (or a schedule): a bf16 forward of a prompt outside autograd runs every block's
+    gate-and-up as one GEMM with SwiGLU in its epilogue, on that schedule, and gives the logits of the forward
+    without it (cuBLAS's stand-in and the SwiGLU kernel) to bf16 rounding; a decode's few rows keep the skinny
+    matmul's way, autograd nn.Linear."""
     from nanoforge.model.config import preset
     from nanoforge.model.transformer import Transformer
 
@@ -157,14 +169,14 @@ def test_a_prefills_gate_and_up_take_the_swiglu_epilogue_when_enabled(force_trit
     model = Transformer(preset(name)).bfloat16().eval()
     ids = torch.randint(0, model.cfg.vocab_size, (2, 20))
     calls, real = [], mm._matmul_triton
-    monkeypatch.setattr(mm, "_matmul_triton", lambda a, b, bias, act, *rest: calls.append(act) or real(a, b, bias,
-                                                                                                      act, *rest))
+    monkeypatch.setattr(mm, "_matmul_triton", lambda a, b, bias, act, sched, out: calls.append((act, sched))
+                        or real(a, b, bias, act, sched, out))
     with torch.no_grad():
         want = model(ids).double()
         assert calls == []
-        monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", "1")
+        monkeypatch.setenv("NANOFORGE_SWIGLU_EPILOGUE", switch)
         got = model(ids).double()
-        assert calls == ["swiglu"] * model.cfg.n_layers
+        assert calls == [("swiglu", schedule)] * model.cfg.n_layers
         model(ids[:1, :3])  # 3 rows: the decode's way
         assert len(calls) == model.cfg.n_layers
     # bf16 rounding apart (~0.4% here, the interpreter truncating); the halves swapped or offset by a column
@@ -336,7 +348,8 @@ def test_empty_k_gives_bias(force_triton):
     (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), out=torch.zeros(5, 2)), "out"),
     (lambda: mm.linear(torch.zeros(2, 3), torch.zeros(3, 5)), "weight"),
     (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 5), activation="swiglu"), "even N"),
-    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 6), activation="swiglu", schedule="hybrid"), "tiled"),
+    (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 6), activation="swiglu", schedule="hybrid"),
+     "tiled or persistent"),
     (lambda: mm.matmul(torch.zeros(2, 3), torch.zeros(3, 6), activation="swiglu", out=torch.zeros(2, 6)), "(2, 3)"),
 ])
 def test_bad_arguments_raise_clear_errors(call, words):
@@ -404,8 +417,14 @@ def test_gpu_swiglu_epilogue_full_size(M, F, K):  # one whose last tile's halves
     g = torch.Generator().manual_seed(5)
     x = torch.randn(M, K, generator=g).bfloat16().cuda()
     w = (torch.randn(2 * F, K, generator=g) / K**0.5).bfloat16().cuda()
-    got = mm.linear(x, w, activation="swiglu")
-    torch.testing.assert_close(got.double(), swiglu_want(x, w.t(), None, torch.bfloat16), rtol=2**-6, atol=1e-2)
+    want = swiglu_want(x, w.t(), None, torch.bfloat16)
+    torch.testing.assert_close(mm.linear(x, w, activation="swiglu").double(), want, rtol=2**-6, atol=1e-2)
+    assert list(mm._PLANS.values())[-1].schedule == "persistent"  # "auto"'s
+    # a Hopper GPU's default for a prefill's rows (NANOFORGE_SWIGLU_EPILOGUE=auto)
+    assert mm.swiglu_epilogue(x) == ("persistent" if M >= mm.SWIGLU_EPILOGUE_MIN_ROWS else None)
+    for schedule in ("tiled", "persistent"):  # each autotuned on its own
+        got = mm.matmul(x, w.t(), activation="swiglu", schedule=schedule)
+        torch.testing.assert_close(got.double(), want, rtol=2**-6, atol=1e-2, msg=schedule)
 
 
 @pytest.mark.gpu

@@ -107,7 +107,8 @@ def test_gpu_engine_with_other_prefill_tiles_equals_the_reference_fp32(tok, name
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_engine_greedy_in_bf16_parts_from_the_reference_only_at_near_ties(tok, name, monkeypatch):
     """bf16, the serving dtype, step by step and a step ahead; and with NANOFORGE_SWIGLU_EPILOGUE=1 (a prefill's
-    gate-and-up and SwiGLU in one GEMM, `kernels.matmul`; GPT-2's GELU MLP keeps its way)."""
+    gate-and-up and SwiGLU in one GEMM, `kernels.matmul`'s persistent schedule, at any row count, where the
+    default takes it from 1,024 rows; GPT-2's GELU MLP keeps its way)."""
     model32 = make_model(tok, name).cuda()
     model = make_model(tok, name).cuda().to(torch.bfloat16)
     ps = workload(2)

@@ -329,6 +329,15 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
          "USE_TMA": True, "B_NK": True},
         num_warps=8,
     ),
+    "matmul_swiglu_persistent": TritonKernel(  # the same tile, one program an SM looping over tiles (the next
+        "nanoforge.kernels.matmul:_matmul_persistent_kernel",  # tile's loads in flight during the epilogue)
+        {"a": "tensordesc<bf16[128, 64]>", "b": "tensordesc<bf16[2, 128, 64]>", "c": "tensordesc<bf16[128, 128]>",
+         "bias": "*bf16", "partials": "*fp32", "flags": "*i32", **_i32("M", "N", "K", "M_BUCKET", "NUM_SMS"),
+         **_i32("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")},
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "SK_ITERS": 16, "MODE": "persistent",
+         "FIXUP": "owner", "WS_TILE": 0, "HAS_BIAS": False, "ACTIVATION": "swiglu", "USE_TMA": True, "B_NK": True},
+        num_warps=8,
+    ),
     "flash_attention_fwd": TritonKernel(
         "nanoforge.kernels.flash_attention:_attn_fwd",
         {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "STARTS": "*i32", "ENDS": "*i32",

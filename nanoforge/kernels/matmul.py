@@ -115,8 +115,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
 
     activation: None, "gelu_tanh", "silu", "relu" or "swiglu". "swiglu" takes b's columns as SwiGLU's
     [gate | up] halves and returns (M, N / 2) = silu(gate) * up, rounded as `swiglu.silu_mul` rounds the
-    GEMM's output (gate and up to a's dtype, silu, the product): the epilogue of the "tiled" schedule, which
-    it always takes, computes each tile's gate and up columns, so the (M, N) product is never written.
+    GEMM's output (gate and up to a's dtype, silu, the product): the epilogue of the "tiled" or "persistent"
+    schedule ("auto": persistent) computes each tile's gate and up columns, so the (M, N) product is never
+    written.
     schedule: "auto", "tiled", "persistent", "streamk" or "hybrid" (ignored on the reference path).
     `out`, if given, is a tensor of a's dtype and the result's shape that receives it.
     """
@@ -130,21 +131,35 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           activation: str | None = None) -> torch.Tensor:
+           activation: str | None = None, schedule: str = "auto") -> torch.Tensor:
     """act(x @ weight.T + bias) for torch-layout weights (out_features, in_features); any leading dims of x
     ("swiglu": half the out_features)."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear: x has shape {tuple(x.shape)} but weight has shape {tuple(weight.shape)}; "
             f"expected x (..., in_features) and weight (out_features, in_features)")
-    y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias, activation=activation)
+    y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias, activation=activation, schedule=schedule)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def swiglu_epilogue() -> bool:
-    """NANOFORGE_SWIGLU_EPILOGUE=1: a prefill step's gate-and-up projection runs this GEMM with SwiGLU in its
-    epilogue (`linear(..., activation="swiglu")`); 0 (the default): cuBLAS, then the SwiGLU kernel."""
-    return env_choice("NANOFORGE_SWIGLU_EPILOGUE", ("0", "1")) == "1"
+# Rows from which gate-and-up takes SwiGLU in this GEMM's epilogue by default. Session 33's H100, 16K-token rows
+# down to 32 (docs/results/issue14/session33/): the persistent schedule 1.09-1.18x cuBLAS + the SwiGLU kernel
+# at Llama-3.2-1B's width from 64 rows, 1.15-1.29x at Qwen3-0.6B's from 1,024, 0.78-1.05x there below.
+SWIGLU_EPILOGUE_MIN_ROWS = 1024
+
+
+def swiglu_epilogue(x: torch.Tensor) -> str | None:
+    """The schedule that gate-and-up's projection of x runs this GEMM on, SwiGLU in its epilogue
+    (`linear(..., activation="swiglu")`), or None: cuBLAS, then the SwiGLU kernel. NANOFORGE_SWIGLU_EPILOGUE:
+    `auto` (the default) "persistent" for bf16/fp16 x of SWIGLU_EPILOGUE_MIN_ROWS rows or more on a GPU with
+    TMA (Hopper and newer: where it was measured), else None; `0` None; `1` this module's choice ("auto");
+    or the schedule itself, `tiled` or `persistent`."""
+    choice = env_choice("NANOFORGE_SWIGLU_EPILOGUE", ("auto", "0", "1", "tiled", "persistent"))
+    if choice == "auto":
+        rows = x.numel() // max(1, x.shape[-1])
+        return ("persistent" if x.is_cuda and x.dtype in _TRITON_DTYPES and rows >= SWIGLU_EPILOGUE_MIN_ROWS
+                and not interpreting() and _cuda_info(x.device)[1] else None)
+    return {"0": None, "1": "auto"}.get(choice, choice)
 
 
 def _check_args(a, b, bias, activation, schedule, out) -> None:
@@ -161,9 +176,9 @@ def _check_args(a, b, bias, activation, schedule, out) -> None:
         raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, not {activation!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"matmul: schedule must be one of {SCHEDULES}, not {schedule!r}")
-    if activation == "swiglu" and (b.shape[1] % 2 or schedule not in ("auto", "tiled")):
-        raise ValueError(f"matmul: swiglu needs an even N ([gate | up]) and the tiled schedule, got N {b.shape[1]} "
-                         f"and {schedule!r}")
+    if activation == "swiglu" and (b.shape[1] % 2 or schedule not in ("auto", "tiled", "persistent")):
+        raise ValueError(f"matmul: swiglu needs an even N ([gate | up]) and the tiled or persistent schedule, got "
+                         f"N {b.shape[1]} and {schedule!r}")
     n_out = b.shape[1] // 2 if activation == "swiglu" else b.shape[1]
     if out is not None and (out.shape != (a.shape[0], n_out) or out.dtype != a.dtype or out.device != a.device):
         raise ValueError(f"matmul: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
@@ -401,10 +416,16 @@ def _matmul_persistent_kernel(a, b, c, bias, partials, flags, M, N, K, M_BUCKET,
     # flatten: one pipelined loop over (tile, k), so the next tile's loads overlap this tile's epilogue
     for tile in tl.range(pid, dp_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = _mac(a, b, pid_m, pid_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                   BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
-        _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
-                        ACTIVATION, USE_TMA)
+        if ACTIVATION == "swiglu":  # MODE "persistent" only (`_check_args`): the tiled kernel's tile, in turn
+            gate, up = _mac_swiglu(a, b, pid_m, pid_n, k_tiles, M, N // 2, K, stride_am, stride_ak, stride_bk,
+                                   stride_bn, BLOCK_M, BLOCK_N // 2, BLOCK_K, USE_TMA, B_NK)
+            _swiglu_store(c, bias, gate, up, pid_m, pid_n, M, N // 2, stride_cm, stride_cn, BLOCK_M, BLOCK_N // 2,
+                          HAS_BIAS, USE_TMA)
+        else:
+            acc = _mac(a, b, pid_m, pid_n, 0, k_tiles, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_NK)
+            _epilogue_store(c, bias, acc, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, HAS_BIAS,
+                            ACTIVATION, USE_TMA)
 
     if MODE != "persistent":
         sk_tiles = num_tiles - dp_tiles
@@ -661,8 +682,9 @@ _MAX_PLANS = 4096  # one per distinct (shape, strides, ...) seen; a serving engi
 
 def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned) -> _Plan:
     (M, K), N = a.shape, b.shape[1]
-    if schedule == "auto":
-        schedule = "tiled" if activation == "swiglu" else _pick_schedule(M, N, num_sms)
+    if schedule == "auto":  # SwiGLU: persistent (programs loop over tiles, the next one's loads in flight during
+        # this one's epilogue; session 33's H100, 16K rows: 1.05x the tiled at Llama-3.2-1B's, 1.13x at Qwen3's)
+        schedule = "persistent" if activation == "swiglu" else _pick_schedule(M, N, num_sms)
     use_tma = operands_aligned and _tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c_strides)
     if activation == "swiglu" and b.stride(1) == 1:  # its 3-D view of a (K, N) b strides N / 2 between halves
         use_tma = use_tma and N // 2 * a.element_size() % 16 == 0

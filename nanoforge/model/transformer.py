@@ -175,14 +175,14 @@ def linear(x, layer: nn.Module, *, swiglu: bool = False):
     """layer(x), then silu(gate) * up of its two halves with `swiglu`. A decode's few rows (`kernels.gemv.fits`)
     through a bypassable nn.Linear take the fastest way for their shape (`kernels.gemv.skinny_linear`: cuBLAS or
     the skinny matmul with SwiGLU in its epilogue, measured; NANOFORGE_GEMV); tensor-parallel serving's
-    row-parallel layers (not nn.Linear) never do. More rows with `swiglu` and NANOFORGE_SWIGLU_EPILOGUE=1 take
-    `kernels.matmul` with SwiGLU in its epilogue (the (rows, 2F) product never written); else cuBLAS, then the
-    SwiGLU kernel."""
+    row-parallel layers (not nn.Linear) never do. A prefill's rows with `swiglu` take `kernels.matmul` with SwiGLU
+    in its epilogue (the (rows, 2F) product never written) where `matmul.swiglu_epilogue` says so (by default
+    1,024 rows or more on a Hopper GPU); else cuBLAS, then the SwiGLU kernel."""
     if _our_linear(x, layer):
         if gemv.fits(x, layer.weight):  # a decode's few rows
             return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
-        if swiglu and swiglu_epilogue():  # a prefill's rows: one GEMM
-            return matmul.linear(x, layer.weight, layer.bias, activation="swiglu")
+        if swiglu and (schedule := swiglu_epilogue(x)):  # a prefill's rows: one GEMM
+            return matmul.linear(x, layer.weight, layer.bias, activation="swiglu", schedule=schedule)
     y = layer(x)
     return silu_mul(y) if swiglu else y
 
