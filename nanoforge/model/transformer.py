@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import gemv, matmul
-from nanoforge.kernels.dispatch import env_choice
 from nanoforge.kernels.matmul import swiglu_epilogue
 from nanoforge.kernels.prefetch import prefetch_ahead
 from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -89,12 +88,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope, attn: AttentionBackend, residual=None):
-        return self.attend(linear(x, self.wqkv), rope, attn, residual)
+    def forward(self, x, rope, attn: AttentionBackend):
+        return self.attend(linear(x, self.wqkv), rope, attn)
 
-    def attend(self, qkv, rope, attn: AttentionBackend, residual=None):
-        """The layer after its Q/K/V projection (which a decode step fuses with the norm before it); with
-        `residual`, residual + the layer's output, the add in attention-out's GEMM (`Block.adds_in_gemms`)."""
+    def attend(self, qkv, rope, attn: AttentionBackend):
+        """The layer after its Q/K/V projection (which a decode step fuses with the norm before it)."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
@@ -102,7 +100,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None  # Qwen3: applied by the backend
         o = attn.attend_rotary(self.layer_idx, q, k, v, rope, qk_norm)
-        return self.dropout(linear(o.reshape(B, T, -1), self.wo, residual=residual))
+        return self.dropout(linear(o.reshape(B, T, -1), self.wo))
 
 
 class MLP(nn.Module):
@@ -125,8 +123,8 @@ class MLP(nn.Module):
             return linear(x, self.w_in, swiglu=True)
         return F.gelu(linear(x, self.w_in), approximate="tanh")
 
-    def down(self, a, residual=None):
-        return self.dropout(linear(a, self.w_out, residual=residual))
+    def down(self, a):
+        return self.dropout(linear(a, self.w_out))
 
 
 class Block(nn.Module):
@@ -149,10 +147,6 @@ class Block(nn.Module):
             prefetch_ahead(self.attn.wo.weight, self.mlp.w_in.weight, self.mlp.w_out.weight)  # L2, under attention
             a, x = norm_linear(self.attn.attend(qkv, rope, attn), x, self.mlp_norm, self.mlp.w_in, swiglu=True)
             return x, self.mlp.down(a)
-        if defer and self.adds_in_gemms(x):
-            h, x = add_norm(pending, x, self.attn_norm)
-            x = self.attn(h, rope, attn, residual=x)
-            return self.mlp.down(self.mlp.activate(self.mlp_norm(x)), residual=x), None
         h, x = add_norm(pending, x, self.attn_norm)
         h, x = add_norm(self.attn(h, rope, attn), x, self.mlp_norm)
         m = self.mlp(h)
@@ -168,24 +162,6 @@ class Block(nn.Module):
                                                     self.attn.wqkv, self.mlp.w_in)))
 
 
-    def adds_in_gemms(self, x) -> bool:
-        """Whether a serving step may add attention-out's and MLP-down's outputs to the residual stream inside
-        those GEMMs (cuBLAS's epilogue, beta = 1: the sum rounded once, where the add after them rounds each
-        output first), so that each norm after them reads the stream alone: NANOFORGE_RESIDUAL_GEMM=1, a
-        prefill's rows (more than the skinny matmul takes), RMSNorm, no bias on either, modules that nothing
-        hooks into."""
-        return (residual_gemm() and isinstance(self.mlp_norm, RMSNorm)
-                and all(_our_linear(x, m) and m.bias is None and not gemv.fits(x, m.weight)
-                        for m in (self.attn.wo, self.mlp.w_out))
-                and all(_bypassable(m, x) for m in (self, self.attn, self.mlp, self.mlp_norm)))
-
-
-def residual_gemm() -> bool:
-    """NANOFORGE_RESIDUAL_GEMM=1: `Block.adds_in_gemms` may hold (0, the default: the add shares the norm's
-    launch after the GEMM)."""
-    return env_choice("NANOFORGE_RESIDUAL_GEMM", ("0", "1")) == "1"
-
-
 def _bypassable(module: nn.Module, *tensors: torch.Tensor) -> bool:
     """Whether a serving kernel may stand in for `module` on these tensors: outside autograd and torch.compile
     (which fuse on their own), a module without hooks, plain tensors (parallel training's DTensors and
@@ -195,17 +171,13 @@ def _bypassable(module: nn.Module, *tensors: torch.Tensor) -> bool:
             and all(type(t) is torch.Tensor for t in tensors))
 
 
-def linear(x, layer: nn.Module, *, swiglu: bool = False, residual=None):
+def linear(x, layer: nn.Module, *, swiglu: bool = False):
     """layer(x), then silu(gate) * up of its two halves with `swiglu`. A decode's few rows (`kernels.gemv.fits`)
     through a bypassable nn.Linear take the fastest way for their shape (`kernels.gemv.skinny_linear`: cuBLAS or
     the skinny matmul with SwiGLU in its epilogue, measured; NANOFORGE_GEMV); tensor-parallel serving's
     row-parallel layers (not nn.Linear) never do. A prefill's rows with `swiglu` take `kernels.matmul` with SwiGLU
     in its epilogue (the (rows, 2F) product never written) where `matmul.swiglu_epilogue` says so (by default
-    1,024 rows or more on a Hopper GPU); else cuBLAS, then the SwiGLU kernel. With `residual` (a prefill's rows,
-    `Block.adds_in_gemms`): residual + layer(x), the add in cuBLAS's epilogue."""
-    if residual is not None:
-        y = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), layer.weight.t())
-        return y.view(residual.shape)
+    1,024 rows or more on a Hopper GPU); else cuBLAS, then the SwiGLU kernel."""
     if _our_linear(x, layer):
         if gemv.fits(x, layer.weight):  # a decode's few rows
             return gemv.skinny_linear(x, layer.weight, layer.bias, swiglu=swiglu)
