@@ -18,7 +18,7 @@ def test_smoke_run_measures_every_section_against_its_reference(tmp_path, capsys
     spec = importlib.util.spec_from_file_location("gpu_engine", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--smoke", "--out", str(tmp_path), "--prefill-variants", "128x64w8s3+swiglu_epilogue"]) == 0
+    assert mod.main(["--smoke", "--out", str(tmp_path), "--prefill-variants", "128x64w8s3+swiglu_persistent"]) == 0
     r = json.loads((tmp_path / "gpu_engine.json").read_text())
     assert all("error" not in s and "skipped" not in s for s in r["sections"].values()), r["sections"]
     assert r["throughput"]["output_tokens"] == r["throughput"]["workload"]["output_tokens"]
@@ -28,9 +28,9 @@ def test_smoke_run_measures_every_section_against_its_reference(tmp_path, capsys
     assert set(r["prefill"]) == {"tiny-llama", "tiny-qwen3"}
     for name, pre in r["prefill"].items():  # HF's forward picks the engine's token
         assert pre["first_tokens_identical"] == 2 and not pre["truncated"], name
-        tile = pre["prefill_variants"]["128x64w8s3+swiglu_epilogue"]  # the engine again with prefill levers
+        tile = pre["prefill_variants"]["128x64w8s3+swiglu_persistent"]  # the engine again with prefill levers
         assert tile["first_tokens_identical_to_default"] == tile["prompts_timed"] == 4, name
-    assert set(r["throughput"]["prefill_variants"]) == {"128x64w8s3+swiglu_epilogue"}
+    assert set(r["throughput"]["prefill_variants"]) == {"128x64w8s3+swiglu_persistent"}
     fix = r["prefix"]
     # 2 system prompts of 64 tokens then 32 unique ones, 3 waves: waves 2 and 3 hit 64 of 96 tokens
     assert fix["hit_share"] == pytest.approx(2 * 2 * 64 / (6 * 96))
@@ -44,10 +44,10 @@ def test_an_unknown_prefill_variant_is_refused_in_one_line(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_engine", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--smoke", "--out", str(tmp_path), "--prefill-variants", "128x64w8s3,swiglu_epilogue+128x64"]) == 2
+    assert mod.main(["--smoke", "--out", str(tmp_path), "--prefill-variants", "128x64w8s3,swiglu_off+128x64"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("--prefill-variants: '128x64' (in 'swiglu_epilogue+128x64') is neither a lever "
-                          "(swiglu_epilogue, scalar_ids) nor a tile: NANOFORGE_ATTN_PREFILL_TILE must be")
+    assert err.startswith("--prefill-variants: '128x64' (in 'swiglu_off+128x64') is neither a lever (swiglu_off, "
+                          "swiglu_tiled, swiglu_persistent, scalar_ids) nor a tile: NANOFORGE_ATTN_PREFILL_TILE must be")
     assert "\n" not in err and not (tmp_path / "gpu_engine.json").exists()
 
 
