@@ -683,7 +683,7 @@ _MAX_PLANS = 4096  # one per distinct (shape, strides, ...) seen; a serving engi
 def _new_plan(a, b, c_strides, bias, activation, schedule, num_sms, tuned, operands_aligned) -> _Plan:
     (M, K), N = a.shape, b.shape[1]
     if schedule == "auto":  # SwiGLU: persistent (programs loop over tiles, the next one's loads in flight during
-        # this one's epilogue; session 33's H100, 16K rows: 1.05x the tiled at Llama-3.2-1B's, 1.13x at Qwen3's)
+        # this one's epilogue; session 33's H100, 16K rows: 1.05x the tiled at Llama-3.2-1B's, 1.12x at Qwen3's)
         schedule = "persistent" if activation == "swiglu" else _pick_schedule(M, N, num_sms)
     use_tma = operands_aligned and _tma_layout_ok(a.device, a.element_size(), a.stride(), b.stride(), c_strides)
     if activation == "swiglu" and b.stride(1) == 1:  # its 3-D view of a (K, N) b strides N / 2 between halves
