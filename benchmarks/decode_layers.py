@@ -17,9 +17,8 @@ other numbers of pieces a kv head (the default's 16 leave most of them empty at 
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
 same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
-each attention item's first K and V tile loaded before its query), `scalar_ids` (NANOFORGE_ATTN_TABLE_IDS=scalar:
-the key tiles' block ids loaded by every thread, not gathered), joined with `+`. Each traced launch also cuts
-the attention phase at its marks (`phase_times`' "B ..." parts).
+each attention item's first K and V tile loaded before its query), joined with `+`. Each traced launch also
+cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
 
@@ -160,8 +159,7 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
-SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts, but for prefetch_kvN
-            "scalar_ids": {"NANOFORGE_ATTN_TABLE_IDS": "scalar"}}
+SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts, but for prefetch_kvN
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -173,7 +171,7 @@ def variant_env(name: str) -> dict[str, str]:
         elif part.startswith("prefetch_kv") and part[11:].isdigit() and 1 <= int(part[11:]) <= 4:
             env["NANOFORGE_DECODE_PREFETCH_KV"] = part[11:]
         else:
-            raise ValueError(f"--variants: {part!r} is not preload_kv, scalar_ids or prefetch_kv1 .. prefetch_kv4")
+            raise ValueError(f"--variants: {part!r} is not preload_kv or prefetch_kv1 .. prefetch_kv4")
     return env
 
 
@@ -228,7 +226,7 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, scalar_ids, prefetch_kvN (N 1-4), joined with + (e.g. prefetch_kv1+preload_kv)")
+                    "preload_kv, prefetch_kvN (N 1-4), joined with + (e.g. prefetch_kv1+preload_kv)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

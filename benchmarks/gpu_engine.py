@@ -21,7 +21,7 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     `--prefill-variants` runs (a) and (c) again with prefill levers: another tile of prefill attention
     (NANOFORGE_ATTN_PREFILL_TILE, e.g. 64x64w4s3); gate-and-up's GEMM and SwiGLU as cuBLAS + the SwiGLU
     kernel (`swiglu_off`) or one GEMM with SwiGLU in its epilogue on the tiled schedule (`swiglu_tiled`) or the
-    persistent one (`swiglu_persistent`: the default from 1,024 rows on Hopper); `scalar_ids`; or several at once
+    persistent one (`swiglu_persistent`: the default from 1,024 rows on Hopper); or several at once
     (`64x64w4s3+swiglu_off`).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
@@ -91,8 +91,7 @@ OTHER_NAME = "graphed" if OTHER else "eager"
 # (NANOFORGE_ATTN_PREFILL_TILE, kernels/paged_attention.py)
 PREFILL_LEVERS = {"swiglu_off": {"NANOFORGE_SWIGLU_EPILOGUE": "0"},  # gate-and-up by cuBLAS, then the SwiGLU kernel
                   "swiglu_tiled": {"NANOFORGE_SWIGLU_EPILOGUE": "tiled"},  # ... in one GEMM, a program a tile
-                  "swiglu_persistent": {"NANOFORGE_SWIGLU_EPILOGUE": "persistent"},  # ... programs loop over tiles
-                  "scalar_ids": {"NANOFORGE_ATTN_TABLE_IDS": "scalar"}}  # attention's block ids, no gather
+                  "swiglu_persistent": {"NANOFORGE_SWIGLU_EPILOGUE": "persistent"}}  # ... programs loop over tiles
 
 
 def prefill_env(variant: str) -> dict[str, str]:
@@ -372,7 +371,6 @@ DECODE_VARIANTS = {
     # each attention item's first K and V tile loaded before its query (session 32's preload;
     # `benchmarks/decode_layers.py --variants` times it alone)
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
-    "scalar_ids": {"NANOFORGE_ATTN_TABLE_IDS": "scalar"},  # attention's block ids loaded by each thread
 }
 
 

@@ -342,27 +342,6 @@ def test_paged_attention_loops_keep_later_tiles_loads_in_flight(compiled, name, 
     assert loops[0]["tensor_flops"] * warps == 2 * 2 * spec["BLOCK_M"] * spec["BLOCK_N"] * spec["HEAD_D"]
 
 
-@pytest.mark.parametrize("name", ["paged_attention_prefill_wide", "paged_attention_prefill"])
-def test_block_ids_loaded_by_every_thread_take_the_gathers_barriers_out_and_keep_the_pipeline(compiled, tmp_path,
-                                                                                              name):
-    """NANOFORGE_ATTN_TABLE_IDS=scalar compiled for sm_90 (in a child: the switch is read at compile time): the
-    loop over whole key tiles keeps two tiles' copies in flight (its ids are plain loads the pipeliner leaves
-    alone; as `tl.load`s they became copies, and the wait then waited for them all) and has at least two CTA
-    barriers fewer than the gather's, which moves the table chunk through shared memory each tile."""
-    _need_cuda_tools()
-    results, _ = compiled
-    gathered = [loop for loop in _report(results, name)["loops"] if loop["tensor_core"]][0]
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
-    env |= {"NANOFORGE_ATTN_TABLE_IDS": "scalar", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(ki.__file__).parents[2]), env.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "nanoforge", "kernels", "inspect", name, "--out", str(tmp_path)],
-                          env=env, check=True, capture_output=True, text=True)
-    first = next(line for line in done.stdout.splitlines() if re.match(r"loop .* [1-9]\d* on tensor cores", line))
-    barriers = int(re.search(r"(\d+) block barriers", first).group(1))
-    assert "DEPBAR.LE SB0, 0x2" in first and barriers <= gathered["barriers"] - 2, (first, gathered)
-    assert int(re.search(r"(\d+) instructions a warp", first).group(1)) < gathered["instructions"], first
-
-
 def test_the_swiglu_gemm_compiles_to_tma_loads_and_wgmma_without_spills(compiled):
     """kernels/matmul.py's tiled GEMM with activation="swiglu" as a Hopper launch specializes it (TMA descriptors,
     a 128 x 256 tile: 128 gate and 128 up columns): both products on wgmma, the tiles through TMA, no local

@@ -190,31 +190,6 @@ def test_block_table_chunks_held_in_registers_cover_every_tile(poisoned, monkeyp
 
 
 @interpreter
-@pytest.mark.parametrize("bs", [4, 16, 32])  # cache blocks smaller than a key tile, equal, larger (the gather's)
-def test_each_whole_tiles_block_ids_loaded_by_every_thread_take_the_same_sums(poisoned, monkeypatch, bs):
-    """NANOFORGE_ATTN_TABLE_IDS=scalar: a whole key tile's few block ids loaded by each thread and each key's
-    selected, not gathered from the registers' chunk of the table. Prefill and decode (split contexts, several
-    chunks) give the gather's outputs bit for bit and the float64 reference's; blocks larger than a key tile keep
-    the gather."""
-    import triton.language as tl
-
-    monkeypatch.setattr(pa, "_TABLE_TILES", tl.constexpr(2))
-    runs = [(batch([170, 97, 33], [60, 1, 33], 4, 2, 16, bs, seed=bs), 60, 1),
-            (batch([170, 97, 33, 250], [1] * 4, 4, 2, 16, bs, seed=bs + 1), 1, 3)]
-    for b, max_q, splits in runs:
-        outs = []
-        for mode in ("gather", "scalar"):
-            monkeypatch.setenv("NANOFORGE_ATTN_TABLE_IDS", mode)
-            assert pa.scalar_ids() == (mode == "scalar")
-            outs.append(launch(b, max_q, pa._tile_config(max_q, 2, 16), splits))
-        assert torch.equal(outs[0], outs[1])
-        check(b, outs[1])
-    monkeypatch.setenv("NANOFORGE_ATTN_TABLE_IDS", "pointers")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_ATTN_TABLE_IDS must be gather or scalar, not 'pointers'"):
-        pa.scalar_ids()
-
-
-@interpreter
 @pytest.mark.parametrize("tile", ["128x64w8s3", "128x128w8s2", "64x32w4s2"])
 def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
     """The tiles NANOFORGE_ATTN_PREFILL_TILE can pick (rows of (token, head) pairs x keys): whole prompts longer
@@ -343,24 +318,6 @@ def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, hkv, 
                             "cuda")
     out = pa.paged_attention(**b, max_q_len=2000)
     assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (16, 8, 128), (12, 12, 64), (14, 2, 64)],
-                         ids=["llama3-1b", "qwen3-0.6b", "gpt2", "qwen2-0.5b"])  # each family's heads
-def test_gpu_block_ids_loaded_by_every_thread_take_the_gathers_sums_full_size_bf16(poisoned, monkeypatch, hq, hkv, d):
-    """NANOFORGE_ATTN_TABLE_IDS=scalar at each family's heads and the default tiles (its ids in PTX, which the
-    interpreter never runs): whole prompts, a chunk after a long cached prefix and decodes with split contexts
-    in one step, and a decode step alone, give the gather's outputs bit for bit."""
-    b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, hkv, d, 16, torch.bfloat16,
-                            "cuda")
-    dec = pa.make_paged_batch([4096, 777, 20000, 16], [1] * 4, hq, hkv, d, 16, torch.bfloat16, "cuda", seed=1)
-    outs = {}
-    for mode in ("gather", "scalar"):
-        monkeypatch.setenv("NANOFORGE_ATTN_TABLE_IDS", mode)
-        outs[mode] = (pa.paged_attention(**b, max_q_len=2000), pa.paged_attention(**dec, max_q_len=1))
-    assert all(torch.equal(x, y) for x, y in zip(outs["gather"], outs["scalar"]))
-    assert rel_error(outs["scalar"][0], pa.paged_attention_ref(**as_float64(b))) < 1e-2
 
 
 @pytest.mark.gpu

@@ -256,21 +256,13 @@ _PAGED_SIGNATURE = {  # paged attention's kernel: decode and prefill differ in c
 _PAGED_ALIGNED = tuple(a for a in _PAGED_SIGNATURE if a.startswith("stride_") and a != "stride_bt")
 
 
-def _scalar_ids() -> bool:
-    """NANOFORGE_ATTN_TABLE_IDS, read when a kernel is compiled (`paged_attention.scalar_ids`)."""
-    from nanoforge.kernels.paged_attention import scalar_ids
-
-    return scalar_ids()
-
-
 def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
     """Paged attention's kernel with these constants (BLOCK_D = HEAD_D, 16-token cache blocks, 64-key tiles and
     the optional parts off unless given)."""
     return TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel", _PAGED_SIGNATURE,
         {"BLOCK_D": constexprs["HEAD_D"], "BLOCK_SIZE": 16, "BLOCK_N": 64, "FUSE": False, "SPLITS_P2": 32,
-         "PDL": False, "ROPE": False, "HAS_NORM": False, "PRELOAD": False, "SCALAR_IDS": _scalar_ids,
-         **constexprs},
+         "PDL": False, "ROPE": False, "HAS_NORM": False, "PRELOAD": False, **constexprs},
         num_warps=num_warps, aligned=_PAGED_ALIGNED,
     )  # fmt: skip
 
@@ -295,8 +287,7 @@ def _decode_layers(**shape) -> TritonKernel:
                              dl.CONTEXT_SPLITS),
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
-        ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv,
-        SCALAR_IDS=_scalar_ids)
+        ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 

@@ -43,7 +43,6 @@ from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
 _TABLE_TILES = tl.constexpr(16)  # key tiles whose block-table entries a program holds in registers at once
-_ASM_IDS = tl.constexpr(not interpreting())  # `_load_id` in PTX (the interpreter runs none)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,20 +128,6 @@ def preload_mode() -> str:
     wait, while the RoPE and KV write kernel before it runs (`_preload_decode_tile`; the same sums; not yet timed
     on a GPU)."""
     return env_choice("NANOFORGE_ATTN_PRELOAD", ("0", "1"))
-
-
-def scalar_ids() -> bool:
-    """NANOFORGE_ATTN_TABLE_IDS: "gather" (the default) or "scalar": how a whole key tile's keys find their cache
-    blocks in `attend_span`. `gather` takes them from a chunk of the block table held in registers (`tl.gather`,
-    which moves the chunk through shared memory: 3 of the wide prefill tile's 5 CTA barriers a key tile, twice a
-    store and shared loads, for K's layout and V's); `scalar` has every thread load the tile's few ids itself
-    (at 16 tokens a block a 64-key tile spans 4), with a plain load the pipeliner leaves alone, from L1 (each
-    chunk of tiles asks L1 for its entries and the next chunk's) and selects each key's. Compiled for sm_90
-    (session 32): the wide tile's loop 350 -> 335 instructions a warp and 5 -> 3 barriers, Qwen3's 531 -> 485
-    and 4 -> 2, both still keeping two tiles' copies in flight; the masked tiles too (the diagonal: wide 490 ->
-    505 and 5 -> 3, Qwen3's 787 -> 697 and 4 -> 2; decode's ragged tile now keeps its copies in flight); not yet
-    timed on a GPU."""
-    return env_choice("NANOFORGE_ATTN_TABLE_IDS", ("gather", "scalar")) == "scalar"
 
 
 def combine_mode() -> str:
@@ -363,7 +348,6 @@ def _paged_attention_triton(
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, SPLIT=num_splits > 1, FUSE=fuse, SPLITS_P2=_SPLITS_P2, VARLEN=varlen, PDL=on,
         ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), PRELOAD=not varlen and preload_mode() == "1",
-        SCALAR_IDS=scalar_ids(),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(on),
     )  # fmt: skip
     if num_splits > 1 and not fuse:
@@ -397,7 +381,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     FUSE: tl.constexpr, SPLITS_P2: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PRELOAD: tl.constexpr, SCALAR_IDS: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if PRELOAD:  # decode: the split's first tile of cached keys, loaded while the kernel before this one runs
@@ -473,7 +457,7 @@ def _paged_attn_kernel(
     full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D,
-                                (BLOCK_N + BLOCK_Q) * VARLEN, SCALAR_IDS)
+                                (BLOCK_N + BLOCK_Q) * VARLEN)
     if ROPE:
         if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
             acc, l_i, m_i = attend_new_key(
@@ -627,7 +611,7 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
 @triton.jit
 def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr, SCALAR_IDS: tl.constexpr):
+                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr):
     """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
     without a mask, the rest masked (`_attend_keys`): the diagonal of a tile's query tokens, a split's ragged end.
 
@@ -639,10 +623,8 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     (`nanoforge kernels inspect` shows the wait). TAIL_KEYS > 0 (prefill: BLOCK_N + the tile's query tokens, more
     than there are masked keys): the masked tiles' entries are loaded before the unmasked loop too, so their K/V
     loads wait on no table load once it drains; 0 (decode, where that costs Triton 3.6 27 registers): a load a
-    masked tile. SCALAR_IDS (`scalar_ids`; where BLOCK_SIZE divides BLOCK_N): every tile, masked or not, takes its
-    few ids from plain loads instead (`_tile_blocks`), no table chunk gathered."""
-    scalar: tl.constexpr = SCALAR_IDS and BLOCK_N % BLOCK_SIZE == 0
-    if TAIL_KEYS > 0 and not scalar:
+    masked tile."""
+    if TAIL_KEYS > 0:
         tail_entries: tl.constexpr = triton.next_power_of_2(TAIL_KEYS // BLOCK_SIZE + 2)
         tail_first = full_hi // BLOCK_SIZE
         tail_ids = tail_first + tl.arange(0, tail_entries)
@@ -651,25 +633,15 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     entries: tl.constexpr = triton.next_power_of_2(chunk // BLOCK_SIZE + 1)
     for c0 in range(lo, full_hi, chunk):
         first = c0 // BLOCK_SIZE
-        if scalar:  # this chunk's and the next one's entries into L1
-            lines = first + tl.arange(0, triton.cdiv(2 * entries, 32)) * 32  # (32 int32 entries a 128-byte line)
-            if _ASM_IDS:
-                pdl.prefetch_l1(TABLE + tl.where(lines * BLOCK_SIZE < full_hi, lines, first))
-        else:
-            ids = first + tl.arange(0, entries)
-            table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
+        ids = first + tl.arange(0, entries)
+        table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
         for n0 in range(c0, tl.minimum(c0 + chunk, full_hi), BLOCK_N):
-            if scalar:  # (n0 is a multiple of BLOCK_N: spans start on tiles)
-                block = _tile_blocks(TABLE, n0, full_hi, BLOCK_N, BLOCK_SIZE, False)
-            else:
-                block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
+            block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
                                          stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
                                          False)
     for n0 in range(full_hi, hi, BLOCK_N):
-        if scalar:
-            block = _tile_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
-        elif TAIL_KEYS > 0:
+        if TAIL_KEYS > 0:
             keys = n0 + tl.arange(0, BLOCK_N)
             block = tl.gather(tail_table, tl.where(keys < hi, keys // BLOCK_SIZE - tail_first, 0), 0).to(tl.int64)
         else:
@@ -700,34 +672,6 @@ def _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_sc
         v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
-
-
-@triton.jit
-def _tile_blocks(TABLE, n0, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """The cache block of each key n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_SIZE, which divides BLOCK_N), int64:
-    the tile's BLOCK_N / BLOCK_SIZE table entries loaded by every thread (`_load_id`), each key's selected.
-    MASKED: entries from key `hi` on are not read (entry 0 is, in their place: those keys are masked)."""
-    which = tl.arange(0, BLOCK_N) // BLOCK_SIZE
-    block = tl.zeros([BLOCK_N], dtype=tl.int64)
-    for r in tl.static_range(BLOCK_N // BLOCK_SIZE):
-        entry = n0 // BLOCK_SIZE + r
-        if MASKED:
-            entry = tl.where(entry * BLOCK_SIZE < hi, entry, 0)
-        block = tl.where(which == r, _load_id(TABLE + entry).to(tl.int64), block)
-    return block
-
-
-@triton.jit
-def _load_id(P):
-    """The int32 at P: on a GPU a plain `ld.global` in PTX, which Triton's pipeliner does not turn into an
-    asynchronous copy (a `tl.load` in the loop became one, and the loop's copy wait then waited for them all).
-    Pure, so that the compiler schedules it as a value (as side-effecting asm the wide tile took 134 registers,
-    one block an SM, and 349 instructions): the block table is written before a step's first kernel, never by
-    a kernel of the step, so no ordering against the PDL wait is needed."""
-    if _ASM_IDS:
-        return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [P], dtype=tl.int32, is_pure=True,
-                                         pack=1)
-    return tl.load(P)
 
 
 @triton.jit

@@ -85,14 +85,6 @@ def leave(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l1(ptrs):
-    """Ask the SM's L1 for the lines at `ptrs` (one address per 128-byte line), not waiting for them: for small
-    tables that plain loads read a few entries at a time later (`paged_attention._tile_blocks`)."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the lines at `ptrs` (one address per 128-byte line is enough), not waiting for them: what a
     kernel launched early may do before `enter` with memory that no kernel writes (a decode step's weights), so
