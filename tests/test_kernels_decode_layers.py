@@ -373,6 +373,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     # being five; the phased launches with the preload are checked interpreted, on the CPU)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
                 (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+                (True, {"NANOFORGE_DECODE_UNDER_ATTN_MB": "24"}),  # (Qwen3's three phases whole, Llama's part)
                 (True, {"NANOFORGE_DECODE_PREFETCH_KV": "1", "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
     for persistent, env in launches:
         with monkeypatch.context() as m:
@@ -464,18 +465,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "prefetch_kv1+preload_kv,preload_kv", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "prefetch_kv1+preload_kv,under_attn24", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["prefetch_kv1+preload_kv", "preload_kv"] and all(
+    assert all(list(r["variants"]) == ["prefetch_kv1+preload_kv", "under_attn24"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not preload_kv, prefetch_kv1 .. prefetch_kv4 or under_attn1 .. under_attn48"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
@@ -538,3 +539,43 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_KV", "5")
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4"):
         dl.prefetch_kv_tiles()
+    assert dl.under_attention_mb() == 0  # off unless asked
+    monkeypatch.setenv("NANOFORGE_DECODE_UNDER_ATTN_MB", "49")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_UNDER_ATTN_MB must be a whole number from 0 to 48"):
+        dl.under_attention_mb()
+
+
+def test_the_weights_asked_of_l2_under_attention_fill_each_phase_before_the_next_within_the_budget():
+    """`under_attention_tiles`: each program's tiles of attention-out, gate-and-up and MLP-down, whole phases in
+    that order, as many as the MiB allow over all programs, counted from the tiles `_project` hands out (program
+    p takes tiles p, p + programs, ...)."""
+    import math
+
+    from nanoforge.kernels import decode_layers as dl
+
+    def phases(consts, programs):  # (tiles a program takes, bytes of one) per phase, from the shapes themselves
+        d, aq, f = consts["D"], consts["HQ"] * consts["DH"], consts["F"]
+        return [(math.ceil(math.ceil(rows / bn) / programs), size)
+                for rows, bn, size in ((d, consts["BN_O"], consts["BN_O"] * aq * 2),
+                                       (f, consts["BN_IN"], consts["BN_IN"] * 2 * d * 2),
+                                       (d, consts["BN_OUT"], consts["BN_OUT"] * f * 2))]
+
+    qwen3, llama = dl.shape_constants(1024, 4096, 16, 8, 128, 3072, 16), dl.shape_constants(2048, 3072, 32, 8, 64,
+                                                                                             8192, 16)
+    for consts in (qwen3, llama):
+        for programs in (132, 7):
+            want = phases(consts, programs)
+            everything = sum(n * size * programs for n, size in want)
+            assert dl.under_attention_tiles(consts, programs, 0) == (0, 0, 0)
+            for mib in range(1, 49):
+                got = dl.under_attention_tiles(consts, programs, mib)
+                spent = sum(n * size * programs for n, (_, size) in zip(got, want))
+                assert spent <= mib << 20 and all(0 <= n <= m for n, (m, _) in zip(got, want))
+                first_short = next((i for i, (n, (m, _)) in enumerate(zip(got, want)) if n < m), 3)
+                assert all(n == 0 for n in got[first_short + 1:])  # nothing of a phase after a partial one
+                if first_short < 3:  # one more tile of the partial phase would not have fitted
+                    assert spent + want[first_short][1] * programs > mib << 20
+                else:
+                    assert spent == everything
+    assert dl.under_attention_tiles(qwen3, 132, 24) == (1, 3, 2)  # Qwen3-0.6B's three phases, ~23 MiB
+    assert dl.under_attention_tiles(llama, 132, 24) == (2, 3, 0)  # Llama-3.2-1B's attention-out, part of gate-and-up

@@ -279,7 +279,8 @@ _DECODE_LAYERS_SIGNATURE = {
 def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
     one launch, barriers between the phases, the L2 prefetch on, no trace; phase B's context prefetch and
-    preload as NANOFORGE_DECODE_PREFETCH_KV and NANOFORGE_DECODE_PRELOAD_KV say (read when compiled)."""
+    preload and the weights asked of L2 under it as NANOFORGE_DECODE_PREFETCH_KV, NANOFORGE_DECODE_PRELOAD_KV and
+    NANOFORGE_DECODE_UNDER_ATTN_MB say (read when compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -288,6 +289,8 @@ def _decode_layers(**shape) -> TritonKernel:
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
+    under = lambda i: lambda: dl.under_attention_tiles(constexprs, 132, dl.under_attention_mb())[i]  # noqa: E731
+    constexprs |= dict(PF_C=under(0), PF_D=under(1), PF_E=under(2))  # (132 programs: an H100's SMs)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
