@@ -342,15 +342,19 @@ def test_paged_attention_loops_keep_later_tiles_loads_in_flight(compiled, name, 
     assert loops[0]["tensor_flops"] * warps == 2 * 2 * spec["BLOCK_M"] * spec["BLOCK_N"] * spec["HEAD_D"]
 
 
-def test_the_swiglu_gemm_compiles_to_tma_loads_and_wgmma_without_spills(compiled):
-    """kernels/matmul.py's tiled GEMM with activation="swiglu" as a Hopper launch specializes it (TMA descriptors,
-    a 128 x 256 tile: 128 gate and 128 up columns): both products on wgmma, the tiles through TMA, no local
-    memory."""
+@pytest.mark.parametrize("name", ["matmul_swiglu", "matmul_swiglu_persistent"])
+def test_the_swiglu_gemm_compiles_to_tma_loads_and_wgmma_without_spills(compiled, name):
+    """kernels/matmul.py's GEMM with activation="swiglu" as a Hopper launch specializes it (TMA descriptors, a
+    128 x 256 tile: 128 gate and 128 up columns), a program a tile and programs looping over tiles: both products
+    on wgmma, the tiles through TMA, no local memory; the epilogue's exponentials flush subnormals
+    (`swiglu.swiglu_round`: no rescaling around each MUFU.EX2), none left to `tl.exp`'s `ex2.approx.f32`."""
     results, out = compiled
-    r = _report(results, "matmul_swiglu")
+    r = _report(results, name)
     assert r["local_bytes_per_thread"] == 0 and r["registers_per_thread"] < 255
-    sass = (out / "matmul_swiglu.sass").read_text()
+    sass = (out / f"{name}.sass").read_text()
     assert "HGMMA" in sass and "UTMALDG" in sass
+    ptx = (out / f"{name}.ptx").read_text()
+    assert ptx.count("ex2.approx.ftz.f32") >= 64 and "ex2.approx.f32" not in ptx
 
 
 _PREFILL_MODEL = """

@@ -55,7 +55,7 @@ from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
 )
 from nanoforge.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from nanoforge.kernels.swiglu import silu_mul, silu_mul_ref
+from nanoforge.kernels.swiglu import silu_mul, silu_mul_ref, swiglu_round
 
 MAX_ROWS = 16  # rows of x the kernel takes (one tl.dot tile); more is a GEMM's work
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -462,8 +462,7 @@ def _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU: tl.
         if SWIGLU:
             up += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:  # F.linear's outputs rounded, silu(gate) rounded, then the product (swiglu.silu_mul's rounding)
-        gate = acc.to(ty).to(tl.float32)
-        out = ((gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32) * up.to(ty).to(tl.float32)).to(ty)
+        out = swiglu_round(acc, up, ty)
     else:
         out = acc.to(ty)
     tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])

@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels.dispatch import env_choice, interpreting, use_fast
-from nanoforge.kernels.swiglu import silu_mul_ref
+from nanoforge.kernels.swiglu import silu_mul_ref, swiglu_round
 
 ACTIVATIONS = (None, "gelu_tanh", "silu", "relu", "swiglu")
 SCHEDULES = ("auto", "tiled", "persistent", "streamk", "hybrid")
@@ -355,9 +355,7 @@ def _swiglu_store(c, bias, gate, up, pid_m, pid_n, M, F, stride_cm, stride_cn, B
     if HAS_BIAS:
         gate += tl.load(bias + rn, mask=rn < F, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias + F + rn, mask=rn < F, other=0.0).to(tl.float32)[None, :]
-    ty = c.dtype if USE_TMA else c.dtype.element_ty
-    g = gate.to(ty).to(tl.float32)
-    out = ((g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32) * up.to(ty).to(tl.float32)).to(ty)
+    out = swiglu_round(gate, up, c.dtype if USE_TMA else c.dtype.element_ty)
     if USE_TMA:
         c.store([pid_m * BLOCK_M, pid_n * HALF], out)
     else:

@@ -13,10 +13,11 @@ import triton
 import triton.language as tl
 
 from nanoforge.kernels import pdl
-from nanoforge.kernels.dispatch import use_fast
+from nanoforge.kernels.dispatch import interpreting, use_fast
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
+_FTZ_EXP = tl.constexpr(not interpreting())  # `swiglu_round`'s exponential in PTX (the interpreter runs none)
 
 
 def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
@@ -53,6 +54,21 @@ def _silu_mul_kernel(H, OUT, F_, stride, BLOCK: tl.constexpr, PDL: tl.constexpr)
     m = cols < F_
     g = tl.load(H + row * stride + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(H + row * stride + F_ + cols, mask=m, other=0.0).to(tl.float32)
-    ty = OUT.dtype.element_ty
-    s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-    tl.store(OUT + row * F_ + cols, (s * u).to(ty), mask=m)
+    tl.store(OUT + row * F_ + cols, swiglu_round(g, u, OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def swiglu_round(gate, up, ty: tl.constexpr):
+    """silu(gate) * up from fp32 gate and up, rounded as the reference rounds a projection's output: gate and up
+    to ty, silu(gate) = gate / (1 + exp(-gate)) to ty, then the product to ty. Every SwiGLU here takes it (this
+    kernel, the skinny matmul's and the GEMM's epilogues, the persistent decode kernel through the former), so
+    their roundings agree. On a GPU exp is `ex2.approx.ftz.f32` of -gate * log2(e), what `tl.exp` computes with
+    `ex2.approx.f32` but for subnormal results (gate > 87, where 1 + exp rounds to 1 either way): ptxas then
+    leaves out the subnormal rescaling around each MUFU.EX2 (a compare and two multiplies an element)."""
+    g = gate.to(ty).to(tl.float32)
+    if _FTZ_EXP:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        e = tl.exp(-g)
+    return ((g / (1.0 + e)).to(ty).to(tl.float32) * up.to(ty).to(tl.float32)).to(ty)
