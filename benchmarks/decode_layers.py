@@ -161,22 +161,24 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
-SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts, but for prefetch_kvN
+SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts without a number
+COUNTS = {"prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 4), "under_attn": ("NANOFORGE_DECODE_UNDER_ATTN_MB", 48)}
 
 
 def variant_env(name: str) -> dict[str, str]:
-    """The switches of a --variants entry (parts joined with +), or ValueError naming the part it cannot read."""
+    """The switches of a --variants entry (parts joined with +, each a SWITCHES name or a COUNTS prefix with
+    its number), or ValueError naming the part it cannot read."""
     env = {}
     for part in name.split("+"):
+        count = next(((var, part[len(p):]) for p, (var, top) in COUNTS.items() if part.startswith(p)
+                      and part[len(p):].isdigit() and 1 <= int(part[len(p):]) <= top), None)
         if part in SWITCHES:
             env.update(SWITCHES[part])
-        elif part.startswith("prefetch_kv") and part[11:].isdigit() and 1 <= int(part[11:]) <= 4:
-            env["NANOFORGE_DECODE_PREFETCH_KV"] = part[11:]
-        elif part.startswith("under_attn") and part[10:].isdigit() and 1 <= int(part[10:]) <= 48:
-            env["NANOFORGE_DECODE_UNDER_ATTN_MB"] = part[10:]
+        elif count:
+            env[count[0]] = count[1]
         else:
-            raise ValueError(f"--variants: {part!r} is not preload_kv, prefetch_kv1 .. prefetch_kv4 or "
-                             "under_attn1 .. under_attn48")
+            names = [*SWITCHES, *(f"{p}1 .. {p}{top}" for p, (_, top) in COUNTS.items())]
+            raise ValueError(f"--variants: {part!r} is not {', '.join(names[:-1])} or {names[-1]}")
     return env
 
 

@@ -579,3 +579,6 @@ def test_the_weights_asked_of_l2_under_attention_fill_each_phase_before_the_next
                     assert spent == everything
     assert dl.under_attention_tiles(qwen3, 132, 24) == (1, 3, 2)  # Qwen3-0.6B's three phases, ~23 MiB
     assert dl.under_attention_tiles(llama, 132, 24) == (2, 3, 0)  # Llama-3.2-1B's attention-out, part of gate-and-up
+    # what the kernel gets: attention-out's first `ahead` tiles unless the MiB buy some
+    assert dl.attention_prefetch(qwen3, 132, 2, 0) == dict(B_TILES_O=2, B_TILES_IN=0, B_TILES_OUT=0)
+    assert dl.attention_prefetch(qwen3, 132, 2, 24) == dict(B_TILES_O=1, B_TILES_IN=3, B_TILES_OUT=2)

@@ -175,12 +175,20 @@ def under_attention_tiles(consts: dict, programs: int, mib: int, elem: int = 2) 
     for rows, per_tile, tile_bytes in ((d, consts["BN_O"], consts["BN_O"] * aq * elem),
                                        (f, consts["BN_IN"], 2 * consts["BN_IN"] * d * elem),
                                        (d, consts["BN_OUT"], consts["BN_OUT"] * f * elem)):
-        mine = -(-(-(-rows // per_tile)) // programs)  # this program's tiles of the phase: ceil(ceil(rows / BN) / P)
+        mine = triton.cdiv(triton.cdiv(rows, per_tile), programs)  # this program's tiles of the phase
         take = min(mine, left // (tile_bytes * programs)) if whole else 0
         whole = take == mine
         left -= take * tile_bytes * programs
         taken.append(take)
     return tuple(taken)
+
+
+def attention_prefetch(consts: dict, programs: int, ahead: int, mib: int, elem: int = 2) -> dict:
+    """The kernel's B_TILES_O, B_TILES_IN, B_TILES_OUT: how many of its tiles of attention-out's, gate-and-up's
+    and MLP-down's weights each program asks L2 for as the attention phase starts: `ahead` of attention-out's
+    (`prefetch_tiles`, as before every phase), or what `mib` (`under_attention_mb`) buys where it buys any."""
+    o, w_in, w_out = under_attention_tiles(consts, programs, mib, elem)
+    return dict(B_TILES_O=o or ahead, B_TILES_IN=w_in, B_TILES_OUT=w_out)
 
 
 def _rows_per_tile(k: int) -> int:
@@ -236,13 +244,12 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     timeouts = _timeouts(dev)
     consts = shape_constants(d, n_qkv, hq, hkv, dh, f, splits)
-    under = under_attention_tiles(consts, programs, under_attention_mb() if prefetch and persistent else 0,
-                                  w.wo.element_size())
     meta = dict(**consts, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
-                PF_C=under[0], PF_D=under[1], PF_E=under[2])
+                **attention_prefetch(consts, programs, ahead, under_attention_mb() if persistent else 0,
+                                     w.wo.element_size()))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -588,7 +595,7 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-    PF_C: tl.constexpr, PF_D: tl.constexpr, PF_E: tl.constexpr,
+    B_TILES_O: tl.constexpr, B_TILES_IN: tl.constexpr, B_TILES_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -625,12 +632,10 @@ def _decode_layers_kernel(
                                   PREFETCH_KV)
             _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
-            if PF_C + PF_D + PF_E > 0:  # the phases after it: their weights into L2 while HBM idles under it
-                _prefetch_tiles(w_o, D, AQ, AP, BN_O, PF_C, False, PREFETCH)
-                _prefetch_tiles(w_in, F, D, DP, BN_IN, PF_D, True, PREFETCH)
-                _prefetch_tiles(w_out, D, F, FP, BN_OUT, PF_E, False, PREFETCH)
-            else:
-                _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
+            # the weights after it into L2 while HBM idles under it (`attention_prefetch`)
+            _prefetch_tiles(w_o, D, AQ, AP, BN_O, B_TILES_O, False, PREFETCH)
+            _prefetch_tiles(w_in, F, D, DP, BN_IN, B_TILES_IN, True, PREFETCH)
+            _prefetch_tiles(w_out, D, F, FP, BN_OUT, B_TILES_OUT, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,

@@ -289,8 +289,10 @@ def _decode_layers(**shape) -> TritonKernel:
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
-    under = lambda i: lambda: dl.under_attention_tiles(constexprs, 132, dl.under_attention_mb())[i]  # noqa: E731
-    constexprs |= dict(PF_C=under(0), PF_D=under(1), PF_E=under(2))  # (132 programs: an H100's SMs)
+    def b_tiles(name):  # read when compiled, as the switches above (132 programs: an H100's SMs)
+        return lambda: dl.attention_prefetch(constexprs, 132, 2, dl.under_attention_mb())[name]
+
+    constexprs |= {name: b_tiles(name) for name in ("B_TILES_O", "B_TILES_IN", "B_TILES_OUT")}
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
