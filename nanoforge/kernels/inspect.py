@@ -279,8 +279,8 @@ _DECODE_LAYERS_SIGNATURE = {
 def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
     one launch, barriers between the phases, the L2 prefetch on, no trace; phase B's context prefetch and
-    preload and the weights asked of L2 under it as NANOFORGE_DECODE_PREFETCH_KV, NANOFORGE_DECODE_PRELOAD_KV and
-    NANOFORGE_DECODE_UNDER_ATTN_MB say (read when compiled)."""
+    preload and its idle programs' prefetch as NANOFORGE_DECODE_PREFETCH_KV, NANOFORGE_DECODE_PRELOAD_KV and
+    NANOFORGE_DECODE_IDLE_PREFETCH_MB say (read when compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -289,10 +289,11 @@ def _decode_layers(**shape) -> TritonKernel:
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
-    def b_tiles(name):  # read when compiled, as the switches above (132 programs: an H100's SMs)
-        return lambda: dl.attention_prefetch(constexprs, 132, 2, dl.under_attention_mb())[name]
 
-    constexprs |= {name: b_tiles(name) for name in ("B_TILES_O", "B_TILES_IN", "B_TILES_OUT")}
+    def idle(i):  # read when compiled, as the switches above
+        return lambda: dl.idle_prefetch_tiles(constexprs, dl.idle_prefetch_mb())[i]
+
+    constexprs |= {name: idle(i) for i, name in enumerate(("IDLE_O", "IDLE_IN", "IDLE_OUT"))}
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
