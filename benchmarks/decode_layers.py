@@ -17,10 +17,8 @@ other numbers of pieces a kv head (the default's 16 leave most of them empty at 
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
 same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
-each attention item's first K and V tile loaded before its query), `idle_prefetchN`
-(NANOFORGE_DECODE_IDLE_PREFETCH_MB=N: N MiB of the weights after attention asked of L2 by the attention phase's
-idle programs), joined with `+`. Each traced launch also cuts the attention phase at its marks (`phase_times`'
-"B ..." parts).
+each attention item's first K and V tile loaded before its query), joined with `+`. Each traced launch also
+cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
 
@@ -162,8 +160,7 @@ def plot(rows: dict, path: Path) -> None:
 
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts without a number
-COUNTS = {"prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 4),
-          "idle_prefetch": ("NANOFORGE_DECODE_IDLE_PREFETCH_MB", 48)}
+COUNTS = {"prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 4)}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -234,8 +231,7 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, prefetch_kvN (N 1-4), idle_prefetchN (N MiB, 1-48), joined with + (e.g. "
-                    "prefetch_kv1+preload_kv)")
+                    "preload_kv, prefetch_kvN (N 1-4), joined with + (e.g. prefetch_kv1+preload_kv)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

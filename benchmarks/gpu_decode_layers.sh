@@ -22,7 +22,7 @@ timeout 260 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_d
     > "$OUT/pytest_kernel.log" 2>&1
 echo "== the kernel's GPU tests: rc $? at ${SECONDS} s"; grep -E "PASSED|FAILED|ERROR| passed| failed" "$OUT/pytest_kernel.log" | tail -12
 grep -q " passed" "$OUT/pytest_kernel.log" && ! grep -q " failed" "$OUT/pytest_kernel.log" || { tail -60 "$OUT/pytest_kernel.log"; exit 1; }
-DL_VARIANTS=${DL_VARIANTS-idle_prefetch24,idle_prefetch40}
+DL_VARIANTS=${DL_VARIANTS-}
 ENGINE_VARIANTS=${ENGINE_VARIANTS-persistent,auto}
 OUT="$OUT/layers" timeout 240 python3 benchmarks/decode_layers.py ${DL_VARIANTS:+--variants "$DL_VARIANTS"} \
     > "$OUT/decode_layers.log" 2>&1

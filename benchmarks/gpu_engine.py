@@ -371,9 +371,6 @@ DECODE_VARIANTS = {
     # each attention item's first K and V tile loaded before its query (session 32's preload;
     # `benchmarks/decode_layers.py --variants` times it alone)
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
-    # the weights after attention asked of L2 by the attention phase's idle programs (session 34; 24 MiB:
-    # Qwen3-0.6B's three phases whole)
-    "persistent_idle_prefetch24": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_IDLE_PREFETCH_MB": "24"},
 }
 
 

@@ -13,14 +13,11 @@ import random
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from conftest import interpreter
 from test_serve_engine import make_model, prompts, tok  # noqa: F401  (tok: the fixture)
 
 from nanoforge import LLM, SamplingParams
 from nanoforge.errors import NanoforgeError
-from nanoforge.kernels.decode_layers import _idle_rank
 from nanoforge.model.config import preset
 from nanoforge.model.generate import generate
 from nanoforge.model.transformer import Transformer
@@ -376,7 +373,6 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     # being five; the phased launches with the preload are checked interpreted, on the CPU)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
                 (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
-                (True, {"NANOFORGE_DECODE_IDLE_PREFETCH_MB": "24"}),  # (Qwen3's three phases whole, Llama's part)
                 (True, {"NANOFORGE_DECODE_PREFETCH_KV": "1", "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
     for persistent, env in launches:
         with monkeypatch.context() as m:
@@ -468,18 +464,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "prefetch_kv1+preload_kv,idle_prefetch24", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "prefetch_kv1+preload_kv,prefetch_kv2", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["prefetch_kv1+preload_kv", "idle_prefetch24"] and all(
+    assert all(list(r["variants"]) == ["prefetch_kv1+preload_kv", "prefetch_kv2"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, prefetch_kv1 .. prefetch_kv4 or idle_prefetch1 .. idle_prefetch48"]
+        "--variants: 'poll_two' is not preload_kv or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
@@ -542,65 +538,6 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_KV", "5")
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4"):
         dl.prefetch_kv_tiles()
-    assert dl.idle_prefetch_mb() == 0  # off unless asked
-    monkeypatch.setenv("NANOFORGE_DECODE_IDLE_PREFETCH_MB", "49")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_IDLE_PREFETCH_MB must be a whole number from 0 to 48"):
-        dl.idle_prefetch_mb()
 
 
 
-
-def test_the_idle_programs_prefetch_fills_each_phase_before_the_next_within_the_budget():
-    """`idle_prefetch_tiles`: tiles of attention-out, gate-and-up and MLP-down from each one's first, whole
-    phases in that order, as many as the MiB allow, counted from the shapes themselves (BN rows a tile)."""
-    import math
-
-    from nanoforge.kernels import decode_layers as dl
-
-    def phases(consts):  # (tiles, bytes of one) per phase
-        d, aq, f = consts["D"], consts["HQ"] * consts["DH"], consts["F"]
-        return [(math.ceil(rows / bn), size) for rows, bn, size in ((d, consts["BN_O"], consts["BN_O"] * aq * 2),
-                                                                     (f, consts["BN_IN"], consts["BN_IN"] * 4 * d),
-                                                                     (d, consts["BN_OUT"], consts["BN_OUT"] * f * 2))]
-
-    qwen3 = dl.shape_constants(1024, 4096, 16, 8, 128, 3072, 16)
-    llama = dl.shape_constants(2048, 3072, 32, 8, 64, 8192, 16)
-    for consts in (qwen3, llama):
-        want = phases(consts)
-        assert dl.idle_prefetch_tiles(consts, 0) == (0, 0, 0)
-        for mib in range(1, 49):
-            got = dl.idle_prefetch_tiles(consts, mib)
-            spent = sum(n * size for n, (_, size) in zip(got, want))
-            assert spent <= mib << 20 and all(0 <= n <= m for n, (m, _) in zip(got, want))
-            short = next((i for i, (n, (m, _)) in enumerate(zip(got, want)) if n < m), 3)
-            assert all(n == 0 for n in got[short + 1:])  # nothing of a phase after a partial one
-            if short < 3:  # one more tile of the partial phase would not have fitted
-                assert spent + want[short][1] > mib << 20
-    assert dl.idle_prefetch_tiles(qwen3, 24) == tuple(m for m, _ in phases(qwen3))  # Qwen3-0.6B's three, whole
-    o, w_in, w_out = dl.idle_prefetch_tiles(llama, 24)  # Llama-3.2-1B's attention-out, then part of gate-and-up
-    assert o == phases(llama)[0][0] and 0 < w_in < phases(llama)[1][0] and w_out == 0
-
-
-@triton.jit
-def _idle_ranks(SEQ, OUT, HKV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    rank, n_idle = _idle_rank(tl.load(SEQ), HKV, SPLITS, BLOCK_N)
-    tl.store(OUT + 2 * tl.program_id(0), rank)
-    tl.store(OUT + 2 * tl.program_id(0) + 1, n_idle)
-
-
-@interpreter
-@pytest.mark.parametrize("programs", [132, 128, 100, 1])
-def test_the_attention_phases_idle_programs_are_those_whose_splits_hold_no_keys(programs):
-    """`_idle_rank` in a kernel of `programs` programs, against the items each program takes in `_attention`
-    (p, p + programs, ...) and `split_span`'s keys for each: a program is idle where none of its items holds a
-    key, ranked in program order; none is where there are fewer programs than items."""
-    hkv, splits, block_n = 8, 16, 64
-    for seq_len in (1, 63, 64, 65, 384, 1000, 1024, 1025, 5000):
-        share = -(-(-(-seq_len // block_n)) // splits) * block_n  # split_span's keys a split
-        holds = [s * share < seq_len for s in range(splits)]
-        busy = [any(holds[i % splits] for i in range(p, hkv * splits, programs)) for p in range(programs)]
-        idle = [p for p in range(programs) if not busy[p]] if programs >= hkv * splits else []
-        out = torch.zeros(programs, 2, dtype=torch.int32)
-        _idle_ranks[(programs,)](torch.tensor([seq_len], dtype=torch.int32), out, HKV=hkv, SPLITS=splits, BLOCK_N=block_n)
-        want = [[idle.index(p) if p in idle else -1, len(idle)] for p in range(programs)]
-        assert out.tolist() == want, seq_len

@@ -157,32 +157,6 @@ def preload_kv() -> bool:
     return env_choice("NANOFORGE_DECODE_PRELOAD_KV", ("0", "1")) == "1"
 
 
-def idle_prefetch_mb() -> int:
-    """NANOFORGE_DECODE_IDLE_PREFETCH_MB (default 0, off; session 34, not yet timed): MiB of a layer's weights
-    after attention (attention-out's, then gate-and-up's, then MLP-down's) that the attention phase's idle
-    programs (those whose context splits hold no keys, and those past the last item) ask L2 for once their
-    items are done, while the busy ones attend, so that the weight phases after it read from L2 (Qwen3-0.6B's
-    three take ~23 MiB a layer, Llama-3.2-1B's ~104; from 0 to 48). Session 33's version had every program ask
-    for its own tiles before its attention item: the attention phase 1.6x longer (session 34)."""
-    return env_count("NANOFORGE_DECODE_IDLE_PREFETCH_MB", 0, 0, 48)
-
-
-def idle_prefetch_tiles(consts: dict, mib: int, elem: int = 2) -> tuple[int, int, int]:
-    """(attention-out, gate-and-up, MLP-down): how many tiles of each phase's weights (from its first, as
-    `_project` numbers them) the idle programs ask L2 for, the phases in that order, a phase whole before any of
-    the next, within `mib` MiB; consts: `shape_constants`', elem: the weights' bytes an element."""
-    d, aq, f = consts["D"], consts["HQ"] * consts["DH"], consts["F"]
-    left, taken = mib << 20, []
-    for rows, per_tile, tile_bytes in ((d, consts["BN_O"], consts["BN_O"] * aq * elem),
-                                       (f, consts["BN_IN"], 2 * consts["BN_IN"] * d * elem),
-                                       (d, consts["BN_OUT"], consts["BN_OUT"] * f * elem)):
-        tiles = triton.cdiv(rows, per_tile)
-        take = min(tiles, left // tile_bytes)
-        left = left - take * tile_bytes if take == tiles else 0
-        taken.append(take)
-    return tuple(taken)
-
-
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
@@ -239,8 +213,6 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv())
-    idle = idle_prefetch_tiles(meta, idle_prefetch_mb() if persistent and prefetch else 0, w.wo.element_size())
-    meta.update(IDLE_O=idle[0], IDLE_IN=idle[1], IDLE_OUT=idle[2])
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -389,40 +361,6 @@ def _prefetch_rows(W, t, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.co
     pdl.prefetch_l2(at)
     if SWIGLU:
         pdl.prefetch_l2(at + N * K)
-
-
-@triton.jit
-def _idle_rank(seq_len, HKV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Phase B's idle programs, where there are as many programs as (kv head, split) items or more (each then
-    takes at most one): those whose split holds no keys (`split_span`) and those past the last item. (This
-    program's rank among them, -1 where it has keys to attend or no program is idle; how many there are.)"""
-    p = tl.program_id(0)
-    items = HKV * SPLITS
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    busy = tl.cdiv(n_tiles, tl.cdiv(n_tiles, SPLITS))  # the splits that hold keys: 0 .. busy - 1
-    free = SPLITS - busy
-    n_idle = tl.where(tl.num_programs(0) >= items, HKV * free + tl.num_programs(0) - items, 0)
-    rank = tl.where(p >= items, HKV * free + p - items,
-                    tl.where(p % SPLITS >= busy, p // SPLITS * free + p % SPLITS - busy, -1))
-    return tl.where(n_idle > 0, rank, -1), n_idle
-
-
-@triton.jit
-def _idle_prefetch(w_o, w_in, w_out, SEQ_LEN, D: tl.constexpr, AQ: tl.constexpr, AP: tl.constexpr, F: tl.constexpr,
-                   DP: tl.constexpr, FP: tl.constexpr, BN_O: tl.constexpr, BN_IN: tl.constexpr, BN_OUT: tl.constexpr,
-                   HKV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, IDLE_O: tl.constexpr,
-                   IDLE_IN: tl.constexpr, IDLE_OUT: tl.constexpr):  # fmt: skip
-    """An idle program of phase B (`_idle_rank`) asks L2 for its share of the first IDLE_O, IDLE_IN and
-    IDLE_OUT tiles of attention-out's, gate-and-up's and MLP-down's weights (`idle_prefetch_tiles`), tile by tile
-    over the idle programs, the phases in the order they run."""
-    rank, n_idle = _idle_rank(tl.load(SEQ_LEN), HKV, SPLITS, BLOCK_N)
-    if rank >= 0:
-        for t in range(rank, IDLE_O, n_idle):
-            _prefetch_rows(w_o, t, D, AQ, AP, BN_O, False)
-        for t in range(rank, IDLE_IN, n_idle):
-            _prefetch_rows(w_in, t, F, D, DP, BN_IN, True)
-        for t in range(rank, IDLE_OUT, n_idle):
-            _prefetch_rows(w_out, t, D, F, FP, BN_OUT, False)
 
 
 @triton.jit
@@ -620,7 +558,6 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-    IDLE_O: tl.constexpr, IDLE_IN: tl.constexpr, IDLE_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -664,9 +601,6 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV)
-            if PERSISTENT and IDLE_O + IDLE_IN + IDLE_OUT > 0:  # the weights after attention, while it runs
-                _idle_prefetch(w_o, w_in, w_out, SEQ_LEN, D, AQ, AP, F, DP, FP, BN_O, BN_IN, BN_OUT, HKV, SPLITS,
-                               BLOCK_N, IDLE_O, IDLE_IN, IDLE_OUT)
             _arrive(BAR, step + 1, trace_at, PERSISTENT, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)

@@ -279,8 +279,7 @@ _DECODE_LAYERS_SIGNATURE = {
 def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
     one launch, barriers between the phases, the L2 prefetch on, no trace; phase B's context prefetch and
-    preload and its idle programs' prefetch as NANOFORGE_DECODE_PREFETCH_KV, NANOFORGE_DECODE_PRELOAD_KV and
-    NANOFORGE_DECODE_IDLE_PREFETCH_MB say (read when compiled)."""
+    preload as NANOFORGE_DECODE_PREFETCH_KV and NANOFORGE_DECODE_PRELOAD_KV say (read when compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -289,11 +288,6 @@ def _decode_layers(**shape) -> TritonKernel:
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
-
-    def idle(i):  # read when compiled, as the switches above
-        return lambda: dl.idle_prefetch_tiles(constexprs, dl.idle_prefetch_mb())[i]
-
-    constexprs |= {name: idle(i) for i, name in enumerate(("IDLE_O", "IDLE_IN", "IDLE_OUT"))}
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
