@@ -275,32 +275,37 @@ def phase_times(trace: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+# Thread 0 of a program polls a count at $1 until it reaches $2 or $3 polls have gone by; $0 the last count
+# read ($2 in the other threads, which return at once): `_poll_one_thread`, and kernels/weight_stream.py's.
+POLL_ONE_THREAD = tl.constexpr(
+    """{
+    .reg .pred nfSkip, nfDone, nfMore;
+    .reg .u32 nfTid;
+    .reg .s32 nfSpins;
+    mov.u32 nfTid, %tid.x;
+    mov.s32 $0, $2;
+    setp.ne.u32 nfSkip, nfTid, 0;
+    @nfSkip bra NF_POLL_DONE;
+    mov.s32 nfSpins, 0;
+    NF_POLL_AGAIN:
+    ld.relaxed.gpu.global.s32 $0, [$1];
+    setp.ge.s32 nfDone, $0, $2;
+    @nfDone bra NF_POLL_DONE;
+    add.s32 nfSpins, nfSpins, 1;
+    setp.lt.s32 nfMore, nfSpins, $3;
+    @nfMore bra NF_POLL_AGAIN;
+    NF_POLL_DONE:
+    }""")
+
+
 @triton.jit
 def _poll_one_thread(BAR, target, spin_limit):
     """Thread 0 of the program polls BAR until it reaches `target` (or `spin_limit` polls); the other threads
     return at once. PTX, as Triton runs a scalar in every thread: one poller a program (132 a GPU), where a
     scalar load polls once a warp (1,056 loads of one L2 line in flight, which the arrivals' atomics queue
     behind)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .pred nfSkip, nfDone, nfMore;
-        .reg .u32 nfTid;
-        .reg .s32 nfSpins;
-        mov.u32 nfTid, %tid.x;
-        mov.s32 $0, $2;
-        setp.ne.u32 nfSkip, nfTid, 0;
-        @nfSkip bra NF_POLL_DONE;
-        mov.s32 nfSpins, 0;
-        NF_POLL_AGAIN:
-        ld.relaxed.gpu.global.s32 $0, [$1];
-        setp.ge.s32 nfDone, $0, $2;
-        @nfDone bra NF_POLL_DONE;
-        add.s32 nfSpins, nfSpins, 1;
-        setp.lt.s32 nfMore, nfSpins, $3;
-        @nfMore bra NF_POLL_AGAIN;
-        NF_POLL_DONE:
-        }""",
-        "=r,l,r,r", [BAR, target, spin_limit], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(POLL_ONE_THREAD, "=r,l,r,r", [BAR, target, spin_limit], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit

@@ -292,6 +292,17 @@ def _decode_layers(**shape) -> TritonKernel:
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
 
+def _weight_stream(stages: int) -> TritonKernel:
+    """kernels/weight_stream.py's Gluon probe at Qwen3-0.6B's widths (Q/K/V, attention-out, gate-and-up,
+    MLP-down), its tiles through a ring of `stages` shared-memory stages (0: through registers)."""
+    from nanoforge.kernels import weight_stream as ws
+
+    constexprs = ws.shape_constants([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], stages)
+    signature = {**{a: "*bf16" for a in ("V0", "V1", "V2", "V3", "W0", "W1", "W2", "W3")}, "BAR": "*i32",
+                 "TIMEOUTS": "*i32", **_i32("n_layers", "spin_limit")}
+    return TritonKernel(ws.weight_stream_kernel, signature, constexprs, num_warps=8)
+
+
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
 
 _GEMV_SIGNATURE = {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")}, "P": "*fp32", "C": "*i32",
@@ -329,6 +340,8 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
          "FIXUP": "owner", "WS_TILE": 0, "HAS_BIAS": False, "ACTIVATION": "swiglu", "USE_TMA": True, "B_NK": True},
         num_warps=8,
     ),
+    "weight_stream_ring": _weight_stream(6),  # Qwen3-0.6B's four weight phases a layer, a ring of 6 stages
+    "weight_stream_regs": _weight_stream(0),  # the same, its tiles through registers as decode_layers' are
     "flash_attention_fwd": TritonKernel(
         "nanoforge.kernels.flash_attention:_attn_fwd",
         {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "STARTS": "*i32", "ENDS": "*i32",
@@ -504,9 +517,11 @@ def _compile_triton(name: str, spec: TritonKernel) -> Compiled:
     divisible = [i for i, a in enumerate(fn.arg_names) if signature[a].startswith("*") or a in spec.aligned]
     cc = _target_cc()
     constexprs = {a: v() if callable(v) else v for a, v in spec.constexprs.items()}  # (a switch: read now)
+    source = triton.compiler.ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # a @gluon.jit kernel (explicit layouts) compiles from its own
+        from triton.experimental.gluon._runtime import GluonASTSource as source  # source type
     compiled = triton.compile(
-        triton.compiler.ASTSource(fn, signature, constexprs,
-                                  attrs={(i,): [["tt.divisibility", 16]] for i in divisible}),
+        source(fn, signature, constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in divisible}),
         target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32),
         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
     )

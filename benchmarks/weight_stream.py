@@ -1,0 +1,155 @@
+"""Batch-1 decode's weight phases streamed through shared memory against through registers, on one GPU (issue 14's
+next lever, measured before it is built into the persistent decode kernel; kernels/weight_stream.py):
+
+    python benchmarks/weight_stream.py [--presets llama3-1b,qwen3-0.6b] [--stages 2,4,6] [--out DIR]
+
+For each shape, its layers' four weight phases (Q/K/V, attention-out, gate-and-up, MLP-down; random bf16
+weights) in one persistent launch of a program an SM, a grid barrier after each phase, each phase's input the
+phase before's output: through registers as decode_layers.py's tiles go (the baseline: two tiles in registers,
+the phase's first loaded during the barrier's wait), then through a ring of each --stages count of 32 KB
+shared-memory stages that cp.async keeps filled across phases and barriers. Each way is checked bit for bit
+against the baseline and within bf16's rounding of a float64 reference, then timed (triton's do_bench: L2
+cleared before every launch). Prints a table (us a launch and a layer, the weights' TB/s and share of the GPU's
+HBM peak, the ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out.
+For scale: decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four
+phases at ~1.7-2.6 TB/s, barrier waits included ~16.5 us a Qwen3-0.6B layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from nanoforge.model.config import preset  # noqa: E402
+
+
+def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    ws = [(torch.randn(layers, n, k, generator=gen, device=device) / k**0.5).bfloat16() for n, k in widths]
+    x = torch.randn(widths[0][1], generator=gen, device=device).bfloat16()
+    return ws, x
+
+
+def run(ws, x, stages: int, widths) -> tuple[list[torch.Tensor], int, callable]:
+    """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
+    from nanoforge.kernels.weight_stream import stream_layers
+
+    v = [torch.empty(widths[p - 1][0], device=x.device, dtype=torch.bfloat16) for p in range(4)]
+    counts = torch.zeros(2, dtype=torch.int32, device=x.device)
+
+    def launch():
+        counts.zero_()
+        v[0].copy_(x)
+        stream_layers(ws, v, stages, counts)
+
+    launch()
+    torch.cuda.synchronize()
+    return [t.clone() for t in v], int(counts[1]), launch
+
+
+def plot(rows: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = list(rows)
+    ways = list(rows[names[0]]["ways"])
+    width = 0.8 / len(ways)
+    for j, way in enumerate(ways):
+        ax.bar([i + (j - (len(ways) - 1) / 2) * width for i in range(len(names))],
+               [rows[n]["ways"][way]["us_per_layer"] for n in names], width, label=way)
+    for i, n in enumerate(names):
+        ax.hlines(rows[n]["hbm_bound_us_per_layer"], i - 0.45, i + 0.45, colors="k", linestyles="dashed",
+                  label="HBM peak" if i == 0 else None)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("us a layer (four weight phases)")
+    ax.set_title("decode's weight phases: registers against a shared-memory ring")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="llama3-1b,qwen3-0.6b")
+    ap.add_argument("--stages", default="2,4,6", help="comma-separated ring depths (2-6 stages of 32 KB)")
+    ap.add_argument("--layers", type=int, default=0, help="layers (default: the preset's)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    stages = [int(s) if s.strip().isdigit() else 0 for s in args.stages.split(",") if s.strip()]
+    try:
+        presets = [preset(p.strip()) for p in args.presets.split(",") if p.strip()]
+    except (ValueError, KeyError) as e:
+        print(f"--presets: {e}", file=sys.stderr)
+        sys.exit(2)
+    if not stages or any(s < 2 or s > 6 for s in stages):
+        print(f"--stages: whole numbers from 2 to 6, not {args.stages!r}", file=sys.stderr)
+        sys.exit(2)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+        print("needs a CUDA GPU with cp.async (sm_80 or later); on the CPU, `nanoforge kernels inspect "
+              "weight_stream_ring` compiles it", file=sys.stderr)
+        sys.exit(2)
+    from triton.testing import do_bench
+
+    from benchmarks.gpu_engine import peaks
+    from nanoforge.kernels.weight_stream import layer_widths, reference
+
+    device = torch.device("cuda")
+    hbm = peaks(device)[1]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, t0 = {}, time.time()
+    print(f"{torch.cuda.get_device_name()}, HBM peak {hbm / 1e12:.2f} TB/s")
+    print(f"{'shape':<12} {'way':<10} {'us a launch':>12} {'us a layer':>11} {'TB/s':>6} {'HBM':>6} {'ratio':>6}")
+    for i, cfg in enumerate(presets):
+        name = args.presets.split(",")[i].strip()
+        layers = args.layers or cfg.n_layers
+        widths = layer_widths(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff)
+        ws, x = make(widths, layers, device)
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        want = reference(ws, x)
+        base, gave_up, launch = run(ws, x, 0, widths)
+        ways = {}
+        for way, depth in [("registers", 0)] + [(f"ring{s}", s) for s in stages]:
+            got, gave_up, launch = (base, gave_up, launch) if depth == 0 else run(ws, x, depth, widths)
+            err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))
+            same = all(torch.equal(g, b) for g, b in zip(got, base))
+            us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
+            ways[way] = {"stages": depth, "us": us, "us_per_layer": us / layers, "tb_s": nbytes / us / 1e6,
+                         "hbm_fraction": nbytes / us / 1e-6 / hbm, "ratio": ways["registers"]["us"] / us
+                         if ways else 1.0, "bitwise_equal_to_registers": same, "relative_error": err,
+                         "barrier_give_ups": gave_up}
+            r = ways[way]
+            print(f"{name:<12} {way:<10} {us:>12.1f} {r['us_per_layer']:>11.2f} {r['tb_s']:>6.2f} "
+                  f"{r['hbm_fraction']:>6.1%} {r['ratio']:>5.2f}x" + ("" if same else "  NOT EQUAL")
+                  + (f"  rel.err {err:.1e}" if err > 2e-2 else "") + (f"  {gave_up} give-ups" if gave_up else ""),
+                  flush=True)
+        rows[name] = {"layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
+                      "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6, "ways": ways}
+        left = len(presets) - i - 1
+        print(f"  [{i + 1}/{len(presets)} shapes, {time.time() - t0:.0f} s; ~{(time.time() - t0) / (i + 1) * left:.0f}"
+              " s to go]", flush=True)
+    (out / "weight_stream.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "weight_stream.png")
+    print(f"wrote {out / 'weight_stream.json'} and weight_stream.png")
+    bad = [f"{n} {w}" for n, r in rows.items() for w, v in r["ways"].items()
+           if not v["bitwise_equal_to_registers"] or v["relative_error"] > 2e-2 or v["barrier_give_ups"]]
+    if bad:
+        raise AssertionError(f"wrong results: {', '.join(bad)}")  # a bug: a traceback, exit 1
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The weight phases of a batch-1 decode step, streamed (a Gluon probe for issue 14's next lever, session 34).
+
+The persistent decode kernel (kernels/decode_layers.py) runs a layer as phases with a grid barrier between them,
+each program reducing its tiles of the phase's weights against the vector the phase before wrote. Session 34's
+traces (`docs/results/issue14/session34/`) showed those phases at ~1.7 TB/s of an H100's 3.35 whether their
+weights came from HBM or had been put in L2: bound by what each program has in flight (two tiles in registers,
+a third asked of L2, ~3 tiles a program a phase, filled and drained at every barrier), not by HBM.
+
+The weights do not depend on the vectors, so nothing stops a program from copying its tiles of the next phases
+while it waits at a barrier. This kernel does only the weight phases of `layers` layers (Q/K/V, attention-out,
+gate-and-up, MLP-down shapes; each phase's input the previous phase's output, zero-padded or cut to its width;
+no norms, attention or SwiGLU), two ways in one kernel:
+
+- STAGES = 0: as decode_layers.py's `_project` does it: each tile's loads into registers issued before the tile
+  before it is reduced, the phase's first tile loaded during the barrier's wait.
+- STAGES >= 2: a ring of STAGES 32 KB shared-memory stages filled by `cp.async` (16-byte asynchronous copies,
+  one commit group a tile), the program's tiles in the order it reduces them across phases and layers, so that
+  STAGES tiles are in flight at every point, barriers included.
+
+Both reduce a tile with the same layout and order: the same bits. Gluon (Triton's explicit-layout language,
+`triton.experimental.gluon`) is what allows shared memory held across phases; it has no CPU interpreter, so on
+the CPU the kernel is compiled for sm_90 and inspected (`nanoforge kernels inspect weight_stream_ring`), and
+runs on a GPU only (`benchmarks/weight_stream.py`, `tests/test_kernels_weight_stream.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from nanoforge.kernels.decode_layers import _GAVE_UP as GAVE_UP, POLL_ONE_THREAD, SPIN_LIMIT, _cooperative
+
+TILE = 16384  # elements of W a tile (32 KB of bf16), as decode_layers.TILE_ELEMENTS
+CHUNK = 1024  # a tile is [rows, chunks, CHUNK]: rows of K = chunks x CHUNK elements (K a multiple of CHUNK)
+PHASES = 4
+
+
+def tile_shape(k: int) -> tuple[int, int]:
+    """(rows, chunks) of a tile of a K-wide matrix: chunks = K / CHUNK rounded up to a power of two (the
+    chunks past K masked), rows = TILE / (chunks x CHUNK)."""
+    if k % CHUNK:
+        raise ValueError(f"weight_stream: K = {k} is not a multiple of {CHUNK}")
+    chunks = triton.next_power_of_2(k // CHUNK)
+    if chunks * CHUNK > TILE:
+        raise ValueError(f"weight_stream: K = {k} is wider than a tile ({TILE})")
+    return TILE // (chunks * CHUNK), chunks
+
+
+# a tile in registers, [rows, chunks, CHUNK]: 8 bf16 (16 bytes) a thread, a warp 256 columns, 4 warps a chunk,
+# 2 over the rows; in shared memory unswizzled (a thread's 16 bytes after its neighbour's: no bank conflicts)
+TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 1, 32], [2, 1, 4], [2, 1, 0]))
+RING_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # (a stage's: the ring's first dimension
+STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # indexes the stages)
+
+
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's spelling
+
+    @gluon.jit
+    def _stage(ring, s, R: gl.constexpr, C: gl.constexpr):
+        """Stage s of the ring ([stages, TILE] bf16) as a [R, C, CHUNK] tile."""
+        return ring.reinterpret(gl.bfloat16, [ring.shape[0], R, C, 1024], STAGE_LAYOUT).index(s)
+
+    @gluon.jit
+    def _cta_barrier():
+        gl.barrier()
+
+    @gluon.jit
+    def _copy(smem, ptrs, mask):
+        """cp.async of ptrs (masked: zeros) into smem, 16 bytes a thread an instruction."""
+        async_copy.async_load(smem, ptrs, mask)
+
+else:  # 3.6's, the GPU image's
+
+    @gluon.jit
+    def _stage(ring, s, R: gl.constexpr, C: gl.constexpr):
+        return ring._reinterpret(gl.bfloat16, [ring.shape[0], R, C, 1024], STAGE_LAYOUT).index(s)
+
+    @gluon.jit
+    def _cta_barrier():
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _copy(smem, ptrs, mask):
+        async_copy.async_copy_global_to_shared(smem, ptrs, mask)
+
+
+@gluon.jit
+def _tile(W, t, N, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
+    """Pointers and mask of tile t of W (N x K, row-major): rows t * R .. + R as [R, C, CHUNK], chunks past K
+    and rows past N masked; and its rows."""
+    rows = t * R + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    b = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    ptrs = W + (rows[:, None, None].to(gl.int64) * K + b[None, :, None] * 1024 + j[None, None, :])
+    mask = (rows < N)[:, None, None] & (b * 1024 < K)[None, :, None] & (j >= 0)[None, None, :]
+    return ptrs, mask, rows
+
+
+@gluon.jit
+def _vector(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
+    """The phase's input (written by other programs of this launch: read from L2), fp32, as [C, CHUNK] in the
+    tile's layout less its rows; zero past K."""
+    b = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(0, L)))
+    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
+    at = b[:, None] * 1024 + j[None, :]
+    return gl.load(X + at, mask=at < K, other=0.0, cache_modifier=".cg").to(gl.float32)
+
+
+@gluon.jit
+def _reduce(w, x, Y, rows, N):
+    """Y[rows] = the tile's rows times x (fp32 sums, stored in Y's type)."""
+    acc = gl.sum(gl.sum(w.to(gl.float32) * x[None, :, :], axis=2), axis=1)
+    gl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=rows < N)
+
+
+@gluon.jit
+def _barrier(BAR, target, spin_limit, TIMEOUTS):
+    """decode_layers.py's grid barrier (`_arrive`, `_depart`): every thread's stores made, the arrival counted
+    at BAR with a release, one thread polling (`POLL_ONE_THREAD`) until `target` arrivals, then an acquire; a
+    wait past spin_limit polls gives up, counts it at TIMEOUTS and lifts BAR past every target of the launch."""
+    _cta_barrier()
+    gl.atomic_add(BAR, 1, sem="release")
+    gl.inline_asm_elementwise(POLL_ONE_THREAD, "=r,l,r,r", [BAR, target, spin_limit], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    _cta_barrier()
+    seen = gl.load(BAR, volatile=True)
+    gave_up = seen < target
+    gl.atomic_add(TIMEOUTS, 1, mask=gave_up)
+    gl.atomic_max(BAR, GAVE_UP, mask=gave_up)
+    gl.atomic_add(BAR, 0, sem="acquire")
+    _cta_barrier()
+
+
+@gluon.jit
+def _issue(ring, s, layer, phase, k, W0, W1, W2, W3, N0: gl.constexpr, K0: gl.constexpr, R0: gl.constexpr,
+           C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
+           N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr, N3: gl.constexpr,
+           K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n_layers, L: gl.constexpr):
+    """Copy (cp.async) this program's k-th tile of `phase` of `layer` into ring stage s; one commit group, empty
+    past the last layer."""
+    t = gl.program_id(0) + k * gl.num_programs(0)
+    lw = layer.to(gl.int64)
+    if layer < n_layers:
+        if phase == 0:
+            p0, m0, _r0 = _tile(W0 + lw * N0 * K0, t, N0, K0, R0, C0, L)
+            _copy(_stage(ring, s, R0, C0), p0, m0)
+        elif phase == 1:
+            p1, m1, _r1 = _tile(W1 + lw * N1 * K1, t, N1, K1, R1, C1, L)
+            _copy(_stage(ring, s, R1, C1), p1, m1)
+        elif phase == 2:
+            p2, m2, _r2 = _tile(W2 + lw * N2 * K2, t, N2, K2, R2, C2, L)
+            _copy(_stage(ring, s, R2, C2), p2, m2)
+        else:
+            p3, m3, _r3 = _tile(W3 + lw * N3 * K3, t, N3, K3, R3, C3, L)
+            _copy(_stage(ring, s, R3, C3), p3, m3)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _count(N, R):
+    """This program's tiles of an N-row phase of R-row tiles (program p takes tiles p, p + programs, ...)."""
+    return gl.maximum(gl.cdiv(gl.cdiv(N, R) - gl.program_id(0), gl.num_programs(0)), 0)
+
+
+@gluon.jit
+def _advance(layer, phase, k, n0, n1, n2, n3, n_layers):
+    """The cursor (layer, phase, k) of this program's next tile, past phases where it has none."""
+    k += 1
+    n = gl.where(phase == 0, n0, gl.where(phase == 1, n1, gl.where(phase == 2, n2, n3)))
+    while (k >= n) & (layer < n_layers):
+        k = 0
+        phase += 1
+        if phase == 4:
+            phase = 0
+            layer += 1
+        n = gl.where(phase == 0, n0, gl.where(phase == 1, n1, gl.where(phase == 2, n2, n3)))
+    return layer, phase, k
+
+
+@gluon.jit
+def _phase_ring(ring, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, n,
+                cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0: gl.constexpr, K0: gl.constexpr,
+                R0: gl.constexpr, C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr,
+                C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
+                N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n0, n1, n2, n3, n_layers,
+                STAGES: gl.constexpr, L: gl.constexpr):
+    """One phase from the ring: each of its n tiles waited for, reduced, and its stage refilled with the tile
+    STAGES ahead of it in the program's order (the cursor)."""
+    x = _vector(X, K, C, L)
+    for i in range(n):
+        async_copy.wait_group(STAGES - 1)  # (the oldest group: this tile's)
+        _cta_barrier()  # every thread's copies of it landed
+        w = _stage(ring, c % STAGES, R, C).load(L)
+        t = gl.program_id(0) + i * gl.num_programs(0)
+        rows = t * R + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        _cta_barrier()  # every thread's reads of the stage done before it is refilled
+        _issue(ring, c % STAGES, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0, N1, K1, R1, C1, N2,
+               K2, R2, C2, N3, K3, R3, C3, n_layers, L)
+        cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
+        _reduce(w, x, Y, rows, N)
+        c += 1
+    return c, cur_layer, cur_phase, cur_k
+
+
+@gluon.jit
+def _phase_regs(W, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, n, w, L: gl.constexpr):
+    """One phase as `_project` runs it: w (the first tile, loaded during the barrier's wait) reduced while the
+    next tile's loads are in flight."""
+    x = _vector(X, K, C, L)
+    for i in range(n):
+        t = gl.program_id(0) + i * gl.num_programs(0)
+        p, m, _ = _tile(W, t + gl.num_programs(0), N, K, R, C, L)
+        w_next = gl.load(p, mask=m, other=0.0, eviction_policy="evict_first")
+        rows = t * R + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        _reduce(w, x, Y, rows, N)
+        w = w_next
+
+
+@gluon.jit
+def _first(W, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
+    p, m, _ = _tile(W, gl.program_id(0), N, K, R, C, L)
+    return gl.load(p, mask=m, other=0.0, eviction_policy="evict_first")
+
+
+@gluon.jit
+def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, BAR, TIMEOUTS, n_layers, spin_limit,
+                         N0: gl.constexpr, K0: gl.constexpr, R0: gl.constexpr, C0: gl.constexpr,
+                         N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
+                         N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
+                         N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """n_layers layers of four phases, V0 -> V1 -> V2 -> V3 -> V0 (phase p: V[p+1] = W_p[layer] V[p], the
+    input cut or zero-padded to K_p), a grid barrier after each phase; W_p: (layers, N_p, K_p) bf16. STAGES:
+    0 for tiles through registers, else the shared-memory ring's stages (see the module's docstring)."""
+    L: gl.constexpr = TILE_LAYOUT
+    programs = gl.num_programs(0)
+    n0 = _count(N0, R0)
+    n1 = _count(N1, R1)
+    n2 = _count(N2, R2)
+    n3 = _count(N3, R3)
+    if STAGES > 0:
+        ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16384], RING_LAYOUT)
+        cur_layer = n_layers * 0
+        cur_phase = n_layers * 0
+        cur_k = n_layers * 0 - 1
+        cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
+        for s in gl.static_range(STAGES):  # the first STAGES tiles in flight
+            _issue(ring, s, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2,
+                   R2, C2, N3, K3, R3, C3, n_layers, L)
+            cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
+        c = n_layers * 0
+        for layer in range(n_layers):
+            step = layer * 4
+            c, cur_layer, cur_phase, cur_k = _phase_ring(
+                ring, c, V0, V1, N0, K0, R0, C0, n0, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
+                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+            _barrier(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
+            c, cur_layer, cur_phase, cur_k = _phase_ring(
+                ring, c, V1, V2, N1, K1, R1, C1, n1, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
+                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+            _barrier(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
+            c, cur_layer, cur_phase, cur_k = _phase_ring(
+                ring, c, V2, V3, N2, K2, R2, C2, n2, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
+                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+            _barrier(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
+            c, cur_layer, cur_phase, cur_k = _phase_ring(
+                ring, c, V3, V0, N3, K3, R3, C3, n3, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
+                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+            _barrier(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
+        async_copy.wait_group(0)
+    else:
+        first = _first(W0, N0, K0, R0, C0, L)
+        for layer in range(n_layers):
+            lw = layer.to(gl.int64)
+            step = layer * 4
+            w0 = W0 + lw * N0 * K0
+            w1 = W1 + lw * N1 * K1
+            w2 = W2 + lw * N2 * K2
+            w3 = W3 + lw * N3 * K3
+            _phase_regs(w0, V0, V1, N0, K0, R0, C0, n0, first, L)
+            first1 = _first(w1, N1, K1, R1, C1, L)
+            _barrier(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
+            _phase_regs(w1, V1, V2, N1, K1, R1, C1, n1, first1, L)
+            first2 = _first(w2, N2, K2, R2, C2, L)
+            _barrier(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
+            _phase_regs(w2, V2, V3, N2, K2, R2, C2, n2, first2, L)
+            first3 = _first(w3, N3, K3, R3, C3, L)
+            _barrier(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
+            _phase_regs(w3, V3, V0, N3, K3, R3, C3, n3, first3, L)
+            following = gl.minimum(lw + 1, n_layers - 1)
+            first = _first(W0 + following * N0 * K0, N0, K0, R0, C0, L)
+            _barrier(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
+
+
+def shape_constants(widths: list[tuple[int, int]], stages: int) -> dict:
+    """The kernel's constexprs for four phases' (N, K)."""
+    if len(widths) != PHASES:
+        raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
+    out = {"STAGES": stages}
+    for p, (n, k) in enumerate(widths):
+        r, c = tile_shape(k)
+        out |= {f"N{p}": n, f"K{p}": k, f"R{p}": r, f"C{p}": c}
+    return out
+
+
+def layer_widths(d: int, q: int, kv: int, f: int) -> list[tuple[int, int]]:
+    """A Llama/Qwen layer's four weight phases, (N, K) each: Q/K/V, attention-out, gate-and-up, MLP-down (d the
+    model's width, q and kv the query's and a K's or V's width over all heads, f the MLP's)."""
+    return [(q + 2 * kv, d), (d, q), (2 * f, d), (d, f)]
+
+
+def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
+                  programs: int | None = None, spin_limit: int = SPIN_LIMIT) -> None:
+    """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
+    vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
+    int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
+    programs: the grid (default one an SM)."""
+    programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
+    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages)
+    weight_stream_kernel[(programs,)](*v, *ws, counts, counts[1:], ws[0].shape[0], spin_limit, **consts,
+                                      num_warps=8, **_cooperative())
+
+
+def reference(ws: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+    """The four vectors after the layers, in float64 with each phase's output rounded to bf16 as the kernel's."""
+    v = [x.double()]
+    for layer in range(ws[0].shape[0]):
+        for w in ws:
+            v.append((w[layer].double() @ v[-1][: w.shape[2]]).to(torch.bfloat16).double())
+    return [v[-1], v[-4], v[-3], v[-2]]

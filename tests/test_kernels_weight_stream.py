@@ -1,0 +1,84 @@
+"""kernels/weight_stream.py, the Gluon probe of decode's weight phases streamed through shared memory: its host
+side on the CPU (Gluon has no interpreter; its compiled form is checked in test_kernels_inspect.py), and on a
+GPU both ways against a float64 reference and each other, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoforge.kernels import weight_stream as ws
+
+QWEN3 = ws.layer_widths(1024, 2048, 1024, 3072)
+LLAMA = ws.layer_widths(2048, 2048, 512, 8192)
+
+
+def test_a_tile_is_32_kb_of_whole_rows_its_chunks_a_power_of_two():
+    assert QWEN3 == [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+    assert [ws.tile_shape(k) for _, k in QWEN3] == [(16, 1), (8, 2), (16, 1), (4, 4)]  # 3,072: 4 chunks, 1 masked
+    assert [ws.tile_shape(k) for _, k in LLAMA] == [(8, 2), (8, 2), (8, 2), (2, 8)]
+    assert all(r * c * ws.CHUNK == ws.TILE for r, c in map(ws.tile_shape, (1024, 2048, 3072, 4096, 8192, 16384)))
+    consts = ws.shape_constants(QWEN3, 4)
+    assert consts["STAGES"] == 4 and (consts["N3"], consts["K3"], consts["R3"], consts["C3"]) == (1024, 3072, 4, 4)
+    with pytest.raises(ValueError, match="K = 1000 is not a multiple of 1024"):
+        ws.tile_shape(1000)
+    with pytest.raises(ValueError, match="wider than a tile"):
+        ws.tile_shape(32768)
+    with pytest.raises(ValueError, match="4 phases, not 3"):
+        ws.shape_constants(QWEN3[:3], 0)
+
+
+def test_the_reference_chains_the_phases_with_bf16_between_them():
+    """`reference` against the same chain written out for one layer of small widths."""
+    gen = torch.Generator().manual_seed(1)
+    widths = ws.layer_widths(1024, 1024, 512, 1024)
+    w = [(torch.randn(1, n, k, generator=gen) / k**0.5).bfloat16() for n, k in widths]
+    x = torch.randn(1024, generator=gen).bfloat16()
+    v1 = (w[0][0].double() @ x.double()).bfloat16()
+    v2 = (w[1][0].double() @ v1[:1024].double()).bfloat16()
+    v3 = (w[2][0].double() @ v2.double()).bfloat16()
+    v0 = (w[3][0].double() @ v3[:1024].double()).bfloat16()
+    got = ws.reference(w, x)
+    assert all(torch.equal(g, e.double()) for g, e in zip(got, [v0, v1, v2, v3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 7])  # one an SM (some with no tile of a phase); few, many tiles each
+@pytest.mark.parametrize("widths", [QWEN3, LLAMA], ids=["qwen3-0.6b", "llama3-1b"])
+def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
+    """Three layers through registers and through rings of 2 and 6 stages: the same bits (the same tiles
+    reduced in the same layout and order), within bf16's rounding of the float64 chain, no barrier given up."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = [(torch.randn(3, n, k, generator=gen, device="cuda") / k**0.5).bfloat16() for n, k in widths]
+    x = torch.randn(widths[0][1], generator=gen, device="cuda").bfloat16()
+    want = ws.reference(w, x)
+    outs = []
+    for stages in (0, 2, 6):
+        v = [torch.full((widths[p - 1][0],), float("nan"), device="cuda", dtype=torch.bfloat16) for p in range(4)]
+        v[0].copy_(x)
+        counts = torch.zeros(2, dtype=torch.int32, device="cuda")
+        ws.stream_layers(w, v, stages, counts, programs=programs)
+        torch.cuda.synchronize()
+        assert int(counts[1]) == 0 and int(counts[0]) == 3 * 4 * (programs or torch.cuda.get_device_properties(
+            0).multi_processor_count)
+        for got, ref in zip(v, want):
+            assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
+        outs.append(v)
+    assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+
+
+def test_the_benchmark_refuses_bad_input_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "weight_stream.py"
+    for args, line in ((["--stages", "2,9"], "--stages: whole numbers from 2 to 6, not '2,9'"),
+                       (["--presets", "nope"], "--presets: no model preset named 'nope'")):
+        r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(line)
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.startswith("needs a CUDA GPU with cp.async")
