@@ -17,7 +17,9 @@ no norms, attention or SwiGLU), two ways in one kernel:
   one commit group a tile), the program's tiles in the order it reduces them across phases and layers, so that
   STAGES tiles are in flight at every point, barriers included.
 
-Both reduce a tile with the same layout and order: the same bits. Gluon (Triton's explicit-layout language,
+Both reduce a tile with the same layout and order: the same bits. Open until it runs on a GPU: whether a barrier's
+release fence (MEMBAR.GPU before the arrival's atomic) waits for the ring's copies in flight as it waits for
+register loads (session 32); if it does, the ring drains at every arrival and the timing will say so. Gluon (Triton's explicit-layout language,
 `triton.experimental.gluon`) is what allows shared memory held across phases; it has no CPU interpreter, so on
 the CPU the kernel is compiled for sm_90 and inspected (`nanoforge kernels inspect weight_stream_ring`), and
 runs on a GPU only (`benchmarks/weight_stream.py`, `tests/test_kernels_weight_stream.py`).
@@ -117,12 +119,19 @@ def _reduce(w, x, Y, rows, N):
 
 
 @gluon.jit
-def _barrier(BAR, target, spin_limit, TIMEOUTS):
-    """decode_layers.py's grid barrier (`_arrive`, `_depart`): every thread's stores made, the arrival counted
-    at BAR with a release, one thread polling (`POLL_ONE_THREAD`) until `target` arrivals, then an acquire; a
-    wait past spin_limit polls gives up, counts it at TIMEOUTS and lifts BAR past every target of the launch."""
+def _arrive(BAR):
+    """decode_layers.py's grid barrier, its arrival (`_arrive`): every thread's stores made, then counted at BAR
+    with a release (whose fence waits for the warp's loads in flight: the next phase's first register tile is
+    loaded after it, as there)."""
     _cta_barrier()
     gl.atomic_add(BAR, 1, sem="release")
+
+
+@gluon.jit
+def _depart(BAR, target, spin_limit, TIMEOUTS):
+    """decode_layers.py's grid barrier, its departure (`_depart`): one thread polls (`POLL_ONE_THREAD`) until
+    `target` arrivals, then an acquire; a wait past spin_limit polls gives up, counts it at TIMEOUTS and lifts BAR
+    past every target of the launch."""
     gl.inline_asm_elementwise(POLL_ONE_THREAD, "=r,l,r,r", [BAR, target, spin_limit], dtype=gl.int32,
                               is_pure=False, pack=1)
     _cta_barrier()
@@ -257,19 +266,23 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, BAR, TIMEOUTS, n_layers
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, c, V0, V1, N0, K0, R0, C0, n0, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
                 N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
-            _barrier(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
+            _arrive(BAR)
+            _depart(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, c, V1, V2, N1, K1, R1, C1, n1, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
                 N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
-            _barrier(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
+            _arrive(BAR)
+            _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, c, V2, V3, N2, K2, R2, C2, n2, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
                 N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
-            _barrier(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
+            _arrive(BAR)
+            _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, c, V3, V0, N3, K3, R3, C3, n3, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
                 N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
-            _barrier(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
+            _arrive(BAR)
+            _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
         async_copy.wait_group(0)
     else:
         first = _first(W0, N0, K0, R0, C0, L)
@@ -281,18 +294,22 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, BAR, TIMEOUTS, n_layers
             w2 = W2 + lw * N2 * K2
             w3 = W3 + lw * N3 * K3
             _phase_regs(w0, V0, V1, N0, K0, R0, C0, n0, first, L)
+            _arrive(BAR)
             first1 = _first(w1, N1, K1, R1, C1, L)
-            _barrier(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
             _phase_regs(w1, V1, V2, N1, K1, R1, C1, n1, first1, L)
+            _arrive(BAR)
             first2 = _first(w2, N2, K2, R2, C2, L)
-            _barrier(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
             _phase_regs(w2, V2, V3, N2, K2, R2, C2, n2, first2, L)
+            _arrive(BAR)
             first3 = _first(w3, N3, K3, R3, C3, L)
-            _barrier(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
             _phase_regs(w3, V3, V0, N3, K3, R3, C3, n3, first3, L)
+            _arrive(BAR)
             following = gl.minimum(lw + 1, n_layers - 1)
             first = _first(W0 + following * N0 * K0, N0, K0, R0, C0, L)
-            _barrier(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
 
 
 def shape_constants(widths: list[tuple[int, int]], stages: int) -> dict:
