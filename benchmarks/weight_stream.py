@@ -7,9 +7,9 @@ For each shape, its layers' four weight phases (Q/K/V, attention-out, gate-and-u
 weights) in one persistent launch of a program an SM, a grid barrier after each phase, each phase's input the
 phase before's output: through registers as decode_layers.py's tiles go (the baseline: two tiles in registers,
 the phase's first loaded during the barrier's wait), then through a ring of each --stages count of 32 KB
-shared-memory stages that cp.async keeps filled across phases and barriers. Each way is checked bit for bit
-against the baseline and within bf16's rounding of a float64 reference, then timed (triton's do_bench: L2
-cleared before every launch). Prints a table (us a launch and a layer, the weights' TB/s and share of the GPU's
+shared-memory stages kept filled across phases and barriers, by cp.async (`ringN`) and by TMA (`tmaN`). Each
+way is checked bit for bit against the baseline and within bf16's rounding of a float64 reference, then timed
+(triton's do_bench: L2 cleared before every launch). Prints a table (us a launch and a layer, the weights' TB/s and share of the GPU's
 HBM peak, the ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out.
 For scale: decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four
 phases at ~1.7-2.6 TB/s, barrier waits included ~16.5 us a Qwen3-0.6B layer.
@@ -38,7 +38,7 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
     return ws, x
 
 
-def run(ws, x, stages: int, widths) -> tuple[list[torch.Tensor], int, callable]:
+def run(ws, x, stages: int, tma: bool, widths) -> tuple[list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
     from nanoforge.kernels.weight_stream import stream_layers
 
@@ -48,7 +48,7 @@ def run(ws, x, stages: int, widths) -> tuple[list[torch.Tensor], int, callable]:
     def launch():
         counts.zero_()
         v[0].copy_(x)
-        stream_layers(ws, v, stages, counts)
+        stream_layers(ws, v, stages, counts, tma=tma)
 
     launch()
     torch.cuda.synchronize()
@@ -121,14 +121,16 @@ def main() -> None:
         ws, x = make(widths, layers, device)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         want = reference(ws, x)
-        base, gave_up, launch = run(ws, x, 0, widths)
+        base, gave_up, launch = run(ws, x, 0, False, widths)
         ways = {}
-        for way, depth in [("registers", 0)] + [(f"ring{s}", s) for s in stages]:
-            got, gave_up, launch = (base, gave_up, launch) if depth == 0 else run(ws, x, depth, widths)
+        for way, depth, tma in [("registers", 0, False)] + [(f"{kind}{s}", s, kind == "tma") for kind in
+                                                             ("ring", "tma") for s in stages]:
+            got, gave_up, launch = (base, gave_up, launch) if depth == 0 else run(ws, x, depth, tma, widths)
             err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))
             same = all(torch.equal(g, b) for g, b in zip(got, base))
             us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
-            ways[way] = {"stages": depth, "us": us, "us_per_layer": us / layers, "tb_s": nbytes / us / 1e6,
+            copies = "tma" if tma else "cp.async" if depth else "registers"
+            ways[way] = {"stages": depth, "copies": copies, "us": us, "us_per_layer": us / layers, "tb_s": nbytes / us / 1e6,
                          "hbm_fraction": nbytes / us / 1e-6 / hbm, "ratio": ways["registers"]["us"] / us
                          if ways else 1.0, "bitwise_equal_to_registers": same, "relative_error": err,
                          "barrier_give_ups": gave_up}

@@ -393,20 +393,23 @@ def test_the_prefill_sweep_compiled_reads_each_tiles_loop(tmp_path):
     assert [r["default"] for r in rows] == [False, True, True, False]  # the wide tile at D 64 (session 30)
 
 
-@pytest.mark.parametrize("name", ["weight_stream_ring", "weight_stream_regs"])
+@pytest.mark.parametrize("name", ["weight_stream_ring", "weight_stream_tma", "weight_stream_regs"])
 def test_the_weight_stream_probe_moves_its_tiles_through_shared_memory_or_registers(compiled, name):
     """kernels/weight_stream.py's Gluon kernel compiled for sm_90 at Qwen3-0.6B's widths, one program an SM: the
-    ring's tiles copied global -> shared by 16-byte cp.async (none through registers) into 6 stages of 32 KB and
-    read back 16 bytes at a time; the baseline's loaded into registers 16 bytes at a time, evict-first, as
-    decode_layers.py's are. Either way four grid barriers a layer, each a release arrival and an acquire."""
+    ring's tiles copied global -> shared by 16-byte cp.async or by 3-D TMA boxes waited for at mbarriers (none
+    through registers) into 6 stages of 32 KB and read back 16 bytes at a time; the baseline's loaded into
+    registers 16 bytes at a time, evict-first, as decode_layers.py's are. Every way four grid barriers a layer,
+    each a release arrival and an acquire."""
     results, out = compiled
     r = _report(results, name)
     sass, ptx = (out / f"{name}.sass").read_text(), (out / f"{name}.ptx").read_text()
     occ = ki.theoretical_occupancy(r["threads_per_block"], r["registers_per_thread"], r["shared_bytes_per_block"])
     assert r["threads_per_block"] == 256 and occ.blocks_per_sm >= 1
     assert ptx.count("red.global.gpu.release.add") == 4 and ptx.count("ld.global.gpu.acquire") == 4
-    if name.endswith("ring"):
-        assert "LDGSTS.E.BYPASS.128" in sass and "LDG.E.EF" not in sass and "LDS.128" in sass
+    if name.endswith(("ring", "tma")):
+        tma = name.endswith("tma")
+        assert ("UTMALDG.3D" in sass and "SYNCS.PHASECHK" in sass) == tma and ("LDGSTS.E.BYPASS.128" in sass) != tma
+        assert "LDG.E.EF" not in sass and "LDS.128" in sass
         assert r["shared_bytes_per_block"] >= 6 * 32768 and r["local_bytes_per_thread"] <= 8
     else:
         assert "LDGSTS" not in sass and "LDG.E.EF.128" in sass

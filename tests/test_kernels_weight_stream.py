@@ -18,14 +18,25 @@ def test_a_tile_is_32_kb_of_whole_rows_its_chunks_a_power_of_two():
     assert [ws.tile_shape(k) for _, k in QWEN3] == [(16, 1), (8, 2), (16, 1), (4, 4)]  # 3,072: 4 chunks, 1 masked
     assert [ws.tile_shape(k) for _, k in LLAMA] == [(8, 2), (8, 2), (8, 2), (2, 8)]
     assert all(r * c * ws.CHUNK == ws.TILE for r, c in map(ws.tile_shape, (1024, 2048, 3072, 4096, 8192, 16384)))
+    assert [ws.box_shape(k) for _, k in QWEN3] == [[16, 4, 256], [8, 8, 256], [16, 4, 256], [4, 16, 256]]
     consts = ws.shape_constants(QWEN3, 4)
-    assert consts["STAGES"] == 4 and (consts["N3"], consts["K3"], consts["R3"], consts["C3"]) == (1024, 3072, 4, 4)
+    assert consts["STAGES"] == 4 and not consts["TMA"] and (consts["N3"], consts["K3"], consts["R3"], consts["C3"]) == (1024, 3072, 4, 4)
     with pytest.raises(ValueError, match="K = 1000 is not a multiple of 1024"):
         ws.tile_shape(1000)
     with pytest.raises(ValueError, match="wider than a tile"):
         ws.tile_shape(32768)
     with pytest.raises(ValueError, match="4 phases, not 3"):
         ws.shape_constants(QWEN3[:3], 0)
+
+
+def test_a_tma_descriptor_covers_a_phases_layers_one_box_a_tile():
+    w = [torch.zeros(2, n, k, dtype=torch.bfloat16) for n, k in QWEN3]
+    d = ws.descriptors(w)
+    assert [list(x.shape) for x in d] == [[8192, 4, 256], [2048, 8, 256], [12288, 4, 256], [2048, 12, 256]]
+    assert [list(x.block_shape) for x in d] == [ws.box_shape(k) for _, k in QWEN3]
+    assert all(list(x.strides) == [k, 256, 1] for x, (_, k) in zip(d, QWEN3))
+    with pytest.raises(ValueError, match="N = 1022 is not a multiple of a tile's 4 rows"):
+        ws.descriptors([torch.zeros(1, 1022, 3072, dtype=torch.bfloat16)])
 
 
 def test_the_reference_chains_the_phases_with_bf16_between_them():
@@ -46,8 +57,9 @@ def test_the_reference_chains_the_phases_with_bf16_between_them():
 @pytest.mark.parametrize("programs", [None, 7])  # one an SM (some with no tile of a phase); few, many tiles each
 @pytest.mark.parametrize("widths", [QWEN3, LLAMA], ids=["qwen3-0.6b", "llama3-1b"])
 def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
-    """Three layers through registers and through rings of 2 and 6 stages: the same bits (the same tiles
-    reduced in the same layout and order), within bf16's rounding of the float64 chain, no barrier given up."""
+    """Three layers through registers and through rings of 2 and 6 stages filled by cp.async and by TMA: the
+    same bits (the same tiles reduced in the same layout and order), within bf16's rounding of the float64
+    chain, no barrier given up."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -55,11 +67,11 @@ def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
     x = torch.randn(widths[0][1], generator=gen, device="cuda").bfloat16()
     want = ws.reference(w, x)
     outs = []
-    for stages in (0, 2, 6):
+    for stages, tma in ((0, False), (2, False), (6, False), (2, True), (6, True)):
         v = [torch.full((widths[p - 1][0],), float("nan"), device="cuda", dtype=torch.bfloat16) for p in range(4)]
         v[0].copy_(x)
         counts = torch.zeros(2, dtype=torch.int32, device="cuda")
-        ws.stream_layers(w, v, stages, counts, programs=programs)
+        ws.stream_layers(w, v, stages, counts, tma=tma, programs=programs)
         torch.cuda.synchronize()
         assert int(counts[1]) == 0 and int(counts[0]) == 3 * 4 * (programs or torch.cuda.get_device_properties(
             0).multi_processor_count)

@@ -292,15 +292,18 @@ def _decode_layers(**shape) -> TritonKernel:
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
 
-def _weight_stream(stages: int) -> TritonKernel:
+def _weight_stream(stages: int, tma: bool = False) -> TritonKernel:
     """kernels/weight_stream.py's Gluon probe at Qwen3-0.6B's widths (Q/K/V, attention-out, gate-and-up,
-    MLP-down), its tiles through a ring of `stages` shared-memory stages (0: through registers)."""
+    MLP-down), its tiles through a ring of `stages` shared-memory stages filled by cp.async or (`tma`) TMA
+    (0 stages: through registers)."""
     from nanoforge.kernels import weight_stream as ws
 
-    constexprs = ws.shape_constants([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], stages)
-    signature = {**{a: "*bf16" for a in ("V0", "V1", "V2", "V3", "W0", "W1", "W2", "W3")}, "BAR": "*i32",
-                 "TIMEOUTS": "*i32", **_i32("n_layers", "spin_limit")}
-    return TritonKernel(ws.weight_stream_kernel, signature, constexprs, num_warps=8)
+    widths = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+    layout = repr(ws.BOX_LAYOUT.value)
+    signature = {**{a: "*bf16" for a in ("V0", "V1", "V2", "V3", "W0", "W1", "W2", "W3")},
+                 **{f"D{p}": f"tensordesc<bf16{ws.box_shape(k)},{layout}>" for p, (_, k) in enumerate(widths)},
+                 "BAR": "*i32", "TIMEOUTS": "*i32", **_i32("n_layers", "spin_limit")}
+    return TritonKernel(ws.weight_stream_kernel, signature, ws.shape_constants(widths, stages, tma), num_warps=8)
 
 
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
@@ -341,6 +344,7 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         num_warps=8,
     ),
     "weight_stream_ring": _weight_stream(6),  # Qwen3-0.6B's four weight phases a layer, a ring of 6 stages
+    "weight_stream_tma": _weight_stream(6, tma=True),  # the same ring filled by TMA
     "weight_stream_regs": _weight_stream(0),  # the same, its tiles through registers as decode_layers' are
     "flash_attention_fwd": TritonKernel(
         "nanoforge.kernels.flash_attention:_attn_fwd",

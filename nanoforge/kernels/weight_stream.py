@@ -8,21 +8,23 @@ a third asked of L2, ~3 tiles a program a phase, filled and drained at every bar
 
 The weights do not depend on the vectors, so nothing stops a program from copying its tiles of the next phases
 while it waits at a barrier. This kernel does only the weight phases of `layers` layers (Q/K/V, attention-out,
-gate-and-up, MLP-down shapes; each phase's input the previous phase's output, zero-padded or cut to its width;
-no norms, attention or SwiGLU), two ways in one kernel:
+gate-and-up, MLP-down shapes; each phase's input the previous phase's output, cut to its width; no norms,
+attention or SwiGLU), three ways in one kernel:
 
 - STAGES = 0: as decode_layers.py's `_project` does it: each tile's loads into registers issued before the tile
   before it is reduced, the phase's first tile loaded during the barrier's wait.
-- STAGES >= 2: a ring of STAGES 32 KB shared-memory stages filled by `cp.async` (16-byte asynchronous copies,
-  one commit group a tile), the program's tiles in the order it reduces them across phases and layers, so that
-  STAGES tiles are in flight at every point, barriers included.
+- STAGES >= 2: a ring of STAGES 32 KB shared-memory stages, the program's tiles copied into it in the order it
+  reduces them across phases and layers, so that STAGES tiles are in flight at every point, barriers included:
+  by `cp.async` (16-byte asynchronous copies from every thread, one commit group a tile; TMA = 0), or by TMA
+  (one box a tile, its arrival counted at the stage's mbarrier; TMA = 1). A barrier's arrival has a release
+  fence, which waits for the warp's loads in flight (session 32); whether it waits for its cp.async copies too
+  is what the GPU run will show; TMA's copies go through the async proxy, which it does not wait for.
 
-Both reduce a tile with the same layout and order: the same bits. Open until it runs on a GPU: whether a barrier's
-release fence (MEMBAR.GPU before the arrival's atomic) waits for the ring's copies in flight as it waits for
-register loads (session 32); if it does, the ring drains at every arrival and the timing will say so. Gluon (Triton's explicit-layout language,
-`triton.experimental.gluon`) is what allows shared memory held across phases; it has no CPU interpreter, so on
-the CPU the kernel is compiled for sm_90 and inspected (`nanoforge kernels inspect weight_stream_ring`), and
-runs on a GPU only (`benchmarks/weight_stream.py`, `tests/test_kernels_weight_stream.py`).
+All three reduce a tile with the same layout and order: the same bits. Gluon (Triton's explicit-layout
+language, `triton.experimental.gluon`) is what allows shared memory held across phases; it has no CPU
+interpreter, so on the CPU the kernel is compiled for sm_90 and inspected (`nanoforge kernels inspect
+weight_stream_ring`, `_tma`, `_regs`), and runs on a GPU only (`benchmarks/weight_stream.py`,
+`tests/test_kernels_weight_stream.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from nanoforge.kernels.decode_layers import _GAVE_UP as GAVE_UP, POLL_ONE_THREAD, SPIN_LIMIT, _cooperative
 
@@ -56,6 +59,9 @@ def tile_shape(k: int) -> tuple[int, int]:
 TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 1, 32], [2, 1, 4], [2, 1, 0]))
 RING_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # (a stage's: the ring's first dimension
 STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # indexes the stages)
+# a TMA copy's view of a stage, [rows, K / 256, 256] (a box's dimensions are at most 256), unswizzled: the same
+# bytes as STAGE_LAYOUT's [rows, chunks, CHUNK]
+BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3))
 
 
 if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's spelling
@@ -74,6 +80,16 @@ if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's spelling
         """cp.async of ptrs (masked: zeros) into smem, 16 bytes a thread an instruction."""
         async_copy.async_load(smem, ptrs, mask)
 
+    @gluon.jit
+    def _box(ring, s, R: gl.constexpr, C: gl.constexpr):
+        """Stage s of the ring as a TMA box [R, 4 C, 256]."""
+        return ring.reinterpret(gl.bfloat16, [ring.shape[0], R, 4 * C, 256], BOX_LAYOUT).index(s)
+
+    @gluon.jit
+    def _tma_copy(desc, row, bar, smem):
+        """One TMA copy of desc's box at (row, 0, 0) into smem, counted at the mbarrier bar."""
+        tma.async_load(desc, [row, 0, 0], bar, smem)
+
 else:  # 3.6's, the GPU image's
 
     @gluon.jit
@@ -87,6 +103,14 @@ else:  # 3.6's, the GPU image's
     @gluon.jit
     def _copy(smem, ptrs, mask):
         async_copy.async_copy_global_to_shared(smem, ptrs, mask)
+
+    @gluon.jit
+    def _box(ring, s, R: gl.constexpr, C: gl.constexpr):
+        return ring._reinterpret(gl.bfloat16, [ring.shape[0], R, 4 * C, 256], BOX_LAYOUT).index(s)
+
+    @gluon.jit
+    def _tma_copy(desc, row, bar, smem):
+        tma.async_copy_global_to_shared(desc, [row, 0, 0], bar, smem)
 
 
 @gluon.jit
@@ -144,28 +168,44 @@ def _depart(BAR, target, spin_limit, TIMEOUTS):
 
 
 @gluon.jit
-def _issue(ring, s, layer, phase, k, W0, W1, W2, W3, N0: gl.constexpr, K0: gl.constexpr, R0: gl.constexpr,
-           C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
-           N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr, N3: gl.constexpr,
-           K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n_layers, L: gl.constexpr):
-    """Copy (cp.async) this program's k-th tile of `phase` of `layer` into ring stage s; one commit group, empty
-    past the last layer."""
+def _issue(ring, bars, s, layer, phase, k, W0, W1, W2, W3, D0, D1, D2, D3, N0: gl.constexpr, K0: gl.constexpr,
+           R0: gl.constexpr, C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr,
+           C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
+           N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n_layers, L: gl.constexpr,
+           TMA: gl.constexpr):
+    """Copy this program's k-th tile of `phase` of `layer` into ring stage s: by cp.async, one commit group
+    (empty past the last layer), or with TMA, one box counted at the stage's mbarrier (none past the last)."""
     t = gl.program_id(0) + k * gl.num_programs(0)
     lw = layer.to(gl.int64)
     if layer < n_layers:
+        if TMA:
+            mbarrier.expect(bars.index(s), 32768)  # (a box is a whole stage, TILE bf16, zero fill past K counted)
         if phase == 0:
-            p0, m0, _r0 = _tile(W0 + lw * N0 * K0, t, N0, K0, R0, C0, L)
-            _copy(_stage(ring, s, R0, C0), p0, m0)
+            if TMA:
+                _tma_copy(D0, layer * N0 + t * R0, bars.index(s), _box(ring, s, R0, C0))
+            else:
+                p0, m0, _r0 = _tile(W0 + lw * N0 * K0, t, N0, K0, R0, C0, L)
+                _copy(_stage(ring, s, R0, C0), p0, m0)
         elif phase == 1:
-            p1, m1, _r1 = _tile(W1 + lw * N1 * K1, t, N1, K1, R1, C1, L)
-            _copy(_stage(ring, s, R1, C1), p1, m1)
+            if TMA:
+                _tma_copy(D1, layer * N1 + t * R1, bars.index(s), _box(ring, s, R1, C1))
+            else:
+                p1, m1, _r1 = _tile(W1 + lw * N1 * K1, t, N1, K1, R1, C1, L)
+                _copy(_stage(ring, s, R1, C1), p1, m1)
         elif phase == 2:
-            p2, m2, _r2 = _tile(W2 + lw * N2 * K2, t, N2, K2, R2, C2, L)
-            _copy(_stage(ring, s, R2, C2), p2, m2)
+            if TMA:
+                _tma_copy(D2, layer * N2 + t * R2, bars.index(s), _box(ring, s, R2, C2))
+            else:
+                p2, m2, _r2 = _tile(W2 + lw * N2 * K2, t, N2, K2, R2, C2, L)
+                _copy(_stage(ring, s, R2, C2), p2, m2)
         else:
-            p3, m3, _r3 = _tile(W3 + lw * N3 * K3, t, N3, K3, R3, C3, L)
-            _copy(_stage(ring, s, R3, C3), p3, m3)
-    async_copy.commit_group()
+            if TMA:
+                _tma_copy(D3, layer * N3 + t * R3, bars.index(s), _box(ring, s, R3, C3))
+            else:
+                p3, m3, _r3 = _tile(W3 + lw * N3 * K3, t, N3, K3, R3, C3, L)
+                _copy(_stage(ring, s, R3, C3), p3, m3)
+    if not TMA:
+        async_copy.commit_group()
 
 
 @gluon.jit
@@ -190,24 +230,29 @@ def _advance(layer, phase, k, n0, n1, n2, n3, n_layers):
 
 
 @gluon.jit
-def _phase_ring(ring, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, n,
-                cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0: gl.constexpr, K0: gl.constexpr,
+def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, n,
+                cur_layer, cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0: gl.constexpr, K0: gl.constexpr,
                 R0: gl.constexpr, C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr,
                 C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                 N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n0, n1, n2, n3, n_layers,
-                STAGES: gl.constexpr, L: gl.constexpr):
+                STAGES: gl.constexpr, L: gl.constexpr, TMA: gl.constexpr):
     """One phase from the ring: each of its n tiles waited for, reduced, and its stage refilled with the tile
     STAGES ahead of it in the program's order (the cursor)."""
     x = _vector(X, K, C, L)
     for i in range(n):
-        async_copy.wait_group(STAGES - 1)  # (the oldest group: this tile's)
-        _cta_barrier()  # every thread's copies of it landed
+        if TMA:  # the stage's n-th box, n = c // STAGES: the mbarrier's phase of that parity completed
+            mbarrier.wait(bars.index(c % STAGES), (c // STAGES) & 1)
+        else:
+            async_copy.wait_group(STAGES - 1)  # (the oldest group: this tile's)
+            _cta_barrier()  # every thread's copies of it landed
         w = _stage(ring, c % STAGES, R, C).load(L)
         t = gl.program_id(0) + i * gl.num_programs(0)
         rows = t * R + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         _cta_barrier()  # every thread's reads of the stage done before it is refilled
-        _issue(ring, c % STAGES, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0, N1, K1, R1, C1, N2,
-               K2, R2, C2, N3, K3, R3, C3, n_layers, L)
+        if TMA:
+            fence_async_shared()  # (those reads, by the generic proxy, ordered before the async proxy's writes)
+        _issue(ring, bars, c % STAGES, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0, K0, R0, C0,
+               N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n_layers, L, TMA)
         cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         _reduce(w, x, Y, rows, N)
         c += 1
@@ -235,12 +280,12 @@ def _first(W, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr
 
 
 @gluon.jit
-def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, BAR, TIMEOUTS, n_layers, spin_limit,
+def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TIMEOUTS, n_layers, spin_limit,
                          N0: gl.constexpr, K0: gl.constexpr, R0: gl.constexpr, C0: gl.constexpr,
                          N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
                          N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                          N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         STAGES: gl.constexpr, TMA: gl.constexpr):
     """n_layers layers of four phases, V0 -> V1 -> V2 -> V3 -> V0 (phase p: V[p+1] = W_p[layer] V[p], the
     input cut or zero-padded to K_p), a grid barrier after each phase; W_p: (layers, N_p, K_p) bf16. STAGES:
     0 for tiles through registers, else the shared-memory ring's stages (see the module's docstring)."""
@@ -252,38 +297,51 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, BAR, TIMEOUTS, n_layers
     n3 = _count(N3, R3)
     if STAGES > 0:
         ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16384], RING_LAYOUT)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if TMA:
+            for s in gl.static_range(STAGES):
+                mbarrier.init(bars.index(s), count=1)
+            fence_async_shared()  # (the initialised barriers visible to the async proxy)
         cur_layer = n_layers * 0
         cur_phase = n_layers * 0
         cur_k = n_layers * 0 - 1
         cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         for s in gl.static_range(STAGES):  # the first STAGES tiles in flight
-            _issue(ring, s, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2,
-                   R2, C2, N3, K3, R3, C3, n_layers, L)
+            _issue(ring, bars, s, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0, K0, R0, C0, N1,
+                   K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n_layers, L, TMA)
             cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         c = n_layers * 0
         for layer in range(n_layers):
             step = layer * 4
             c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, c, V0, V1, N0, K0, R0, C0, n0, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
-                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+                ring, bars, c, V0, V1, N0, K0, R0, C0, n0, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
+                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
+                n_layers, STAGES, L, TMA)
             _arrive(BAR)
             _depart(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, c, V1, V2, N1, K1, R1, C1, n1, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
-                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+                ring, bars, c, V1, V2, N1, K1, R1, C1, n1, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
+                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
+                n_layers, STAGES, L, TMA)
             _arrive(BAR)
             _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, c, V2, V3, N2, K2, R2, C2, n2, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
-                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+                ring, bars, c, V2, V3, N2, K2, R2, C2, n2, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
+                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
+                n_layers, STAGES, L, TMA)
             _arrive(BAR)
             _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, c, V3, V0, N3, K3, R3, C3, n3, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, N0, K0, R0, C0,
-                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L)
+                ring, bars, c, V3, V0, N3, K3, R3, C3, n3, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
+                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
+                n_layers, STAGES, L, TMA)
             _arrive(BAR)
             _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
-        async_copy.wait_group(0)
+        if TMA:
+            for s in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(s))
+        else:
+            async_copy.wait_group(0)
     else:
         first = _first(W0, N0, K0, R0, C0, L)
         for layer in range(n_layers):
@@ -312,11 +370,11 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, BAR, TIMEOUTS, n_layers
             _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
 
 
-def shape_constants(widths: list[tuple[int, int]], stages: int) -> dict:
-    """The kernel's constexprs for four phases' (N, K)."""
+def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False) -> dict:
+    """The kernel's constexprs for four phases' (N, K), `stages` (0: registers) and `tma` (the ring's copies)."""
     if len(widths) != PHASES:
         raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
-    out = {"STAGES": stages}
+    out = {"STAGES": stages, "TMA": tma}
     for p, (n, k) in enumerate(widths):
         r, c = tile_shape(k)
         out |= {f"N{p}": n, f"K{p}": k, f"R{p}": r, f"C{p}": c}
@@ -329,16 +387,38 @@ def layer_widths(d: int, q: int, kv: int, f: int) -> list[tuple[int, int]]:
     return [(q + 2 * kv, d), (d, q), (2 * f, d), (d, f)]
 
 
+def box_shape(k: int) -> list[int]:
+    """A TMA box of a tile of a K-wide matrix seen as (rows, K / 256, 256): [rows, 4 chunks, 256], its part
+    past K filled with zeros by the copy (K = 3,072: 12 of 16)."""
+    rows, chunks = tile_shape(k)
+    return [rows, 4 * chunks, 256]
+
+
+def descriptors(ws: list[torch.Tensor]) -> list:
+    """Each phase's weights as a TMA descriptor of (layers x N, K / 256, 256), one box a tile."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    out = []
+    for w in ws:
+        layers, n, k = w.shape
+        if n % tile_shape(k)[0]:  # (a box past a layer's last row would copy the next layer's rows)
+            raise ValueError(f"weight_stream: N = {n} is not a multiple of a tile's {tile_shape(k)[0]} rows")
+        view = w.view(layers * n, k // 256, 256)
+        out.append(TensorDescriptor(view, list(view.shape), list(view.stride()), box_shape(k), BOX_LAYOUT.value))
+    return out
+
+
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
-                  programs: int | None = None, spin_limit: int = SPIN_LIMIT) -> None:
+                  tma: bool = False, programs: int | None = None, spin_limit: int = SPIN_LIMIT) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
     int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
-    programs: the grid (default one an SM)."""
+    stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. programs: the grid (default one
+    an SM)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
-    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages)
-    weight_stream_kernel[(programs,)](*v, *ws, counts, counts[1:], ws[0].shape[0], spin_limit, **consts,
-                                      num_warps=8, **_cooperative())
+    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma)
+    weight_stream_kernel[(programs,)](*v, *ws, *descriptors(ws), counts, counts[1:], ws[0].shape[0], spin_limit,
+                                      **consts, num_warps=8, **_cooperative())
 
 
 def reference(ws: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
