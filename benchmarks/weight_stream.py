@@ -1,18 +1,21 @@
 """Batch-1 decode's weight phases streamed through shared memory against through registers, on one GPU (issue 14's
 next lever, measured before it is built into the persistent decode kernel; kernels/weight_stream.py):
 
-    python benchmarks/weight_stream.py [--presets llama3-1b,qwen3-0.6b] [--stages 2,4,6] [--out DIR]
+    python benchmarks/weight_stream.py [--presets llama3-1b,qwen3-0.6b] [--stages 2,4,6] [--gap-us 0,10]
 
 For each shape, its layers' four weight phases (Q/K/V, attention-out, gate-and-up, MLP-down; random bf16
 weights) in one persistent launch of a program an SM, a grid barrier after each phase, each phase's input the
-phase before's output: through registers as decode_layers.py's tiles go (the baseline: two tiles in registers,
-the phase's first loaded during the barrier's wait), then through a ring of each --stages count of 32 KB
-shared-memory stages kept filled across phases and barriers, by cp.async (`ringN`) and by TMA (`tmaN`). Each
-way is checked bit for bit against the baseline and within bf16's rounding of a float64 reference, then timed
-(triton's do_bench: L2 cleared before every launch). Prints a table (us a launch and a layer, the weights' TB/s and share of the GPU's
-HBM peak, the ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out.
-For scale: decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four
-phases at ~1.7-2.6 TB/s, barrier waits included ~16.5 us a Qwen3-0.6B layer.
+phase before's output, and between Q/K/V and attention-out the attention phase's stand-in: --gap-us microseconds
+in which the kernel reads nothing, between two barriers (decode_layers.py's attention phase: ~10 us a
+Qwen3-0.6B layer at context 384 on an H100; each gap a run of its own). Through registers as decode_layers.py's
+tiles go (the baseline: two tiles in registers, the phase's first loaded during the barrier's wait), then
+through a ring of each --stages count of 32 KB shared-memory stages kept filled across phases and barriers, by
+cp.async (`ringN`) and by TMA (`tmaN`). Each way is checked bit for bit against the baseline and within bf16's
+rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every launch). Prints a table
+(us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps; the
+ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
+decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four phases at
+~1.7-2.6 TB/s, barrier waits included ~16.5 us a Qwen3-0.6B layer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
     return ws, x
 
 
-def run(ws, x, stages: int, tma: bool, widths) -> tuple[list[torch.Tensor], int, callable]:
+def run(ws, x, stages: int, tma: bool, gap_ns: int, widths) -> tuple[list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
     from nanoforge.kernels.weight_stream import stream_layers
 
@@ -48,7 +51,7 @@ def run(ws, x, stages: int, tma: bool, widths) -> tuple[list[torch.Tensor], int,
     def launch():
         counts.zero_()
         v[0].copy_(x)
-        stream_layers(ws, v, stages, counts, tma=tma)
+        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns)
 
     launch()
     torch.cuda.synchronize()
@@ -72,9 +75,9 @@ def plot(rows: dict, path: Path) -> None:
                [rows[n]["ways"][way]["us_per_layer"] for n in names], width, label=way)
     for i, n in enumerate(names):
         ax.hlines(rows[n]["hbm_bound_us_per_layer"], i - 0.45, i + 0.45, colors="k", linestyles="dashed",
-                  label="HBM peak" if i == 0 else None)
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("us a layer (four weight phases)")
+                  label="HBM peak (+ the gap)" if i == 0 else None)
+    ax.set_xticks(range(len(names)), names, fontsize=7)
+    ax.set_ylabel("us a layer (four weight phases + the gap)")
     ax.set_title("decode's weight phases: registers against a shared-memory ring")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--presets", default="llama3-1b,qwen3-0.6b")
     ap.add_argument("--stages", default="2,4,6", help="comma-separated ring depths (2-6 stages of 32 KB)")
     ap.add_argument("--layers", type=int, default=0, help="layers (default: the preset's)")
+    ap.add_argument("--gap-us", default="0,10", help="comma-separated waits standing in for the attention phase")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     stages = [int(s) if s.strip().isdigit() else 0 for s in args.stages.split(",") if s.strip()]
@@ -97,6 +101,10 @@ def main() -> None:
         sys.exit(2)
     if not stages or any(s < 2 or s > 6 for s in stages):
         print(f"--stages: whole numbers from 2 to 6, not {args.stages!r}", file=sys.stderr)
+        sys.exit(2)
+    gaps = [float(g) if g.strip().replace(".", "", 1).isdigit() else -1.0 for g in args.gap_us.split(",") if g.strip()]
+    if not gaps or any(g < 0 or g > 1000 for g in gaps):
+        print(f"--gap-us: numbers from 0 to 1,000, not {args.gap_us!r}", file=sys.stderr)
         sys.exit(2)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         print("needs a CUDA GPU with cp.async (sm_80 or later); on the CPU, `nanoforge kernels inspect "
@@ -113,37 +121,42 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, t0 = {}, time.time()
     print(f"{torch.cuda.get_device_name()}, HBM peak {hbm / 1e12:.2f} TB/s")
-    print(f"{'shape':<12} {'way':<10} {'us a launch':>12} {'us a layer':>11} {'TB/s':>6} {'HBM':>6} {'ratio':>6}")
-    for i, cfg in enumerate(presets):
-        name = args.presets.split(",")[i].strip()
+    print(f"{'shape':<12} {'gap us':>6} {'way':<10} {'us a launch':>12} {'us a layer':>11} {'TB/s':>6} {'HBM':>6} "
+          f"{'ratio':>6}   (TB/s and HBM: the weights' bytes over the time less the gaps)")
+    runs = [(name.strip(), cfg, gap) for name, cfg in zip(args.presets.split(","), presets) for gap in gaps]
+    for i, (name, cfg, gap) in enumerate(runs):
         layers = args.layers or cfg.n_layers
         widths = layer_widths(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff)
         ws, x = make(widths, layers, device)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         want = reference(ws, x)
-        base, gave_up, launch = run(ws, x, 0, False, widths)
+        gap_ns = int(gap * 1000)
+        base = None
         ways = {}
         for way, depth, tma in [("registers", 0, False)] + [(f"{kind}{s}", s, kind == "tma") for kind in
                                                              ("ring", "tma") for s in stages]:
-            got, gave_up, launch = (base, gave_up, launch) if depth == 0 else run(ws, x, depth, tma, widths)
+            got, gave_up, launch = run(ws, x, depth, tma, gap_ns, widths)
+            base = got if base is None else base
             err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))
             same = all(torch.equal(g, b) for g, b in zip(got, base))
             us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
-            copies = "tma" if tma else "cp.async" if depth else "registers"
-            ways[way] = {"stages": depth, "copies": copies, "us": us, "us_per_layer": us / layers, "tb_s": nbytes / us / 1e6,
-                         "hbm_fraction": nbytes / us / 1e-6 / hbm, "ratio": ways["registers"]["us"] / us
-                         if ways else 1.0, "bitwise_equal_to_registers": same, "relative_error": err,
-                         "barrier_give_ups": gave_up}
+            weights_us = us - gap * layers  # the stand-in's waits taken out
+            ways[way] = {"stages": depth, "copies": "tma" if tma else "cp.async" if depth else "registers", "us": us,
+                         "us_per_layer": us / layers, "weights_tb_s": nbytes / weights_us / 1e6,
+                         "hbm_fraction": nbytes / weights_us / 1e-6 / hbm,
+                         "ratio": ways["registers"]["us"] / us if ways else 1.0, "bitwise_equal_to_registers": same,
+                         "relative_error": err, "barrier_give_ups": gave_up}
             r = ways[way]
-            print(f"{name:<12} {way:<10} {us:>12.1f} {r['us_per_layer']:>11.2f} {r['tb_s']:>6.2f} "
+            print(f"{name:<12} {gap:>6.1f} {way:<10} {us:>12.1f} {r['us_per_layer']:>11.2f} {r['weights_tb_s']:>6.2f} "
                   f"{r['hbm_fraction']:>6.1%} {r['ratio']:>5.2f}x" + ("" if same else "  NOT EQUAL")
                   + (f"  rel.err {err:.1e}" if err > 2e-2 else "") + (f"  {gave_up} give-ups" if gave_up else ""),
                   flush=True)
-        rows[name] = {"layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
-                      "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6, "ways": ways}
-        left = len(presets) - i - 1
-        print(f"  [{i + 1}/{len(presets)} shapes, {time.time() - t0:.0f} s; ~{(time.time() - t0) / (i + 1) * left:.0f}"
-              " s to go]", flush=True)
+        rows[f"{name} gap {gap:g} us"] = {
+            "shape": name, "gap_us": gap, "layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
+            "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways}
+        done, elapsed = i + 1, time.time() - t0
+        print(f"  [{done}/{len(runs)} runs, {elapsed:.0f} s; ~{elapsed / done * (len(runs) - done):.0f} s to go]",
+              flush=True)
     (out / "weight_stream.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "weight_stream.png")
     print(f"wrote {out / 'weight_stream.json'} and weight_stream.png")

@@ -398,14 +398,15 @@ def test_the_weight_stream_probe_moves_its_tiles_through_shared_memory_or_regist
     """kernels/weight_stream.py's Gluon kernel compiled for sm_90 at Qwen3-0.6B's widths, one program an SM: the
     ring's tiles copied global -> shared by 16-byte cp.async or by 3-D TMA boxes waited for at mbarriers (none
     through registers) into 6 stages of 32 KB and read back 16 bytes at a time; the baseline's loaded into
-    registers 16 bytes at a time, evict-first, as decode_layers.py's are. Every way four grid barriers a layer,
-    each a release arrival and an acquire."""
+    registers 16 bytes at a time, evict-first, as decode_layers.py's are. Every way five grid barriers a layer
+    (the attention phase's stand-in between two), each a release arrival and an acquire."""
     results, out = compiled
     r = _report(results, name)
     sass, ptx = (out / f"{name}.sass").read_text(), (out / f"{name}.ptx").read_text()
     occ = ki.theoretical_occupancy(r["threads_per_block"], r["registers_per_thread"], r["shared_bytes_per_block"])
     assert r["threads_per_block"] == 256 and occ.blocks_per_sm >= 1
-    assert ptx.count("red.global.gpu.release.add") == 4 and ptx.count("ld.global.gpu.acquire") == 4
+    assert ptx.count("red.global.gpu.release.add") == 5 and ptx.count("ld.global.gpu.acquire") == 5
+    assert "%globaltimer" in ptx  # (the stand-in's clock)
     if name.endswith(("ring", "tma")):
         tma = name.endswith("tma")
         assert ("UTMALDG.3D" in sass and "SYNCS.PHASECHK" in sass) == tma and ("LDGSTS.E.BYPASS.128" in sass) != tma

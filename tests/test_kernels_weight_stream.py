@@ -59,7 +59,7 @@ def test_the_reference_chains_the_phases_with_bf16_between_them():
 def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
     """Three layers through registers and through rings of 2 and 6 stages filled by cp.async and by TMA: the
     same bits (the same tiles reduced in the same layout and order), within bf16's rounding of the float64
-    chain, no barrier given up."""
+    chain, no barrier given up (five a layer), with the attention phase's stand-in waiting or not."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -71,9 +71,9 @@ def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
         v = [torch.full((widths[p - 1][0],), float("nan"), device="cuda", dtype=torch.bfloat16) for p in range(4)]
         v[0].copy_(x)
         counts = torch.zeros(2, dtype=torch.int32, device="cuda")
-        ws.stream_layers(w, v, stages, counts, tma=tma, programs=programs)
+        ws.stream_layers(w, v, stages, counts, tma=tma, gap_ns=2000 if stages == 6 else 0, programs=programs)
         torch.cuda.synchronize()
-        assert int(counts[1]) == 0 and int(counts[0]) == 3 * 4 * (programs or torch.cuda.get_device_properties(
+        assert int(counts[1]) == 0 and int(counts[0]) == 3 * 5 * (programs or torch.cuda.get_device_properties(
             0).multi_processor_count)
         for got, ref in zip(v, want):
             assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
@@ -88,7 +88,8 @@ def test_the_benchmark_refuses_bad_input_in_one_line():
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "weight_stream.py"
     for args, line in ((["--stages", "2,9"], "--stages: whole numbers from 2 to 6, not '2,9'"),
-                       (["--presets", "nope"], "--presets: no model preset named 'nope'")):
+                       (["--presets", "nope"], "--presets: no model preset named 'nope'"),
+                       (["--gap-us", "-1"], "--gap-us: numbers from 0 to 1,000, not '-1'")):
         r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(line)
     if not torch.cuda.is_available():

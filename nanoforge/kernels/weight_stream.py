@@ -168,6 +168,23 @@ def _depart(BAR, target, spin_limit, TIMEOUTS):
 
 
 @gluon.jit
+def _attention_stand_in(gap_ns):
+    """The attention phase's place in a layer (between Q/K/V and attention-out, a barrier on each side): gap_ns
+    nanoseconds of the GPU's clock in which this kernel reads nothing of its own (decode_layers' attention phase
+    takes ~10 us a layer of Qwen3-0.6B's at context 384 on an H100, reading ~50 KB), so that what a ring copies
+    meanwhile shows; 0: no wait, the two barriers alone."""
+    if gap_ns > 0:
+        start = _clock()
+        while _clock() - start < gap_ns:
+            pass
+
+
+@gluon.jit
+def _clock():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _issue(ring, bars, s, layer, phase, k, W0, W1, W2, W3, D0, D1, D2, D3, N0: gl.constexpr, K0: gl.constexpr,
            R0: gl.constexpr, C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr,
            C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
@@ -280,15 +297,16 @@ def _first(W, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr
 
 
 @gluon.jit
-def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TIMEOUTS, n_layers, spin_limit,
+def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TIMEOUTS, n_layers, spin_limit, gap_ns,
                          N0: gl.constexpr, K0: gl.constexpr, R0: gl.constexpr, C0: gl.constexpr,
                          N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
                          N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                          N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr,
                          STAGES: gl.constexpr, TMA: gl.constexpr):
     """n_layers layers of four phases, V0 -> V1 -> V2 -> V3 -> V0 (phase p: V[p+1] = W_p[layer] V[p], the
-    input cut or zero-padded to K_p), a grid barrier after each phase; W_p: (layers, N_p, K_p) bf16. STAGES:
-    0 for tiles through registers, else the shared-memory ring's stages (see the module's docstring)."""
+    input cut to K_p), a grid barrier after each phase and the attention phase's stand-in (gap_ns, a barrier after
+    it too: five a layer, as decode_layers'); W_p: (layers, N_p, K_p) bf16. STAGES: 0 for tiles through
+    registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring)."""
     L: gl.constexpr = TILE_LAYOUT
     programs = gl.num_programs(0)
     n0 = _count(N0, R0)
@@ -312,31 +330,34 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
             cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         c = n_layers * 0
         for layer in range(n_layers):
-            step = layer * 4
+            step = layer * 5
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V0, V1, N0, K0, R0, C0, n0, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
                 n_layers, STAGES, L, TMA)
             _arrive(BAR)
             _depart(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
+            _attention_stand_in(gap_ns)
+            _arrive(BAR)
+            _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V1, V2, N1, K1, R1, C1, n1, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
                 n_layers, STAGES, L, TMA)
             _arrive(BAR)
-            _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V2, V3, N2, K2, R2, C2, n2, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
                 n_layers, STAGES, L, TMA)
             _arrive(BAR)
-            _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V3, V0, N3, K3, R3, C3, n3, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
                 n_layers, STAGES, L, TMA)
             _arrive(BAR)
-            _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 5) * programs, spin_limit, TIMEOUTS)
         if TMA:
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
@@ -346,28 +367,31 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
         first = _first(W0, N0, K0, R0, C0, L)
         for layer in range(n_layers):
             lw = layer.to(gl.int64)
-            step = layer * 4
+            step = layer * 5
             w0 = W0 + lw * N0 * K0
             w1 = W1 + lw * N1 * K1
             w2 = W2 + lw * N2 * K2
             w3 = W3 + lw * N3 * K3
             _phase_regs(w0, V0, V1, N0, K0, R0, C0, n0, first, L)
             _arrive(BAR)
-            first1 = _first(w1, N1, K1, R1, C1, L)
             _depart(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
+            _attention_stand_in(gap_ns)
+            _arrive(BAR)
+            first1 = _first(w1, N1, K1, R1, C1, L)
+            _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
             _phase_regs(w1, V1, V2, N1, K1, R1, C1, n1, first1, L)
             _arrive(BAR)
             first2 = _first(w2, N2, K2, R2, C2, L)
-            _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
             _phase_regs(w2, V2, V3, N2, K2, R2, C2, n2, first2, L)
             _arrive(BAR)
             first3 = _first(w3, N3, K3, R3, C3, L)
-            _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
             _phase_regs(w3, V3, V0, N3, K3, R3, C3, n3, first3, L)
             _arrive(BAR)
             following = gl.minimum(lw + 1, n_layers - 1)
             first = _first(W0 + following * N0 * K0, N0, K0, R0, C0, L)
-            _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
+            _depart(BAR, (step + 5) * programs, spin_limit, TIMEOUTS)
 
 
 def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False) -> dict:
@@ -409,16 +433,17 @@ def descriptors(ws: list[torch.Tensor]) -> list:
 
 
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
-                  tma: bool = False, programs: int | None = None, spin_limit: int = SPIN_LIMIT) -> None:
+                  tma: bool = False, gap_ns: int = 0, programs: int | None = None,
+                  spin_limit: int = SPIN_LIMIT) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
     int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
-    stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. programs: the grid (default one
-    an SM)."""
+    stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's
+    stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
     consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma)
     weight_stream_kernel[(programs,)](*v, *ws, *descriptors(ws), counts, counts[1:], ws[0].shape[0], spin_limit,
-                                      **consts, num_warps=8, **_cooperative())
+                                      gap_ns, **consts, num_warps=8, **_cooperative())
 
 
 def reference(ws: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
