@@ -43,15 +43,16 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
 
 def run(ws, x, stages: int, tma: bool, gap_ns: int, widths) -> tuple[list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
-    from nanoforge.kernels.weight_stream import stream_layers
+    from nanoforge.kernels.weight_stream import descriptors, stream_layers
 
+    descs = descriptors(ws)  # (once, not in the timed launches)
     v = [torch.empty(widths[p - 1][0], device=x.device, dtype=torch.bfloat16) for p in range(4)]
     counts = torch.zeros(2, dtype=torch.int32, device=x.device)
 
     def launch():
         counts.zero_()
         v[0].copy_(x)
-        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns)
+        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs)
 
     launch()
     torch.cuda.synchronize()

@@ -521,9 +521,10 @@ def _compile_triton(name: str, spec: TritonKernel) -> Compiled:
     divisible = [i for i, a in enumerate(fn.arg_names) if signature[a].startswith("*") or a in spec.aligned]
     cc = _target_cc()
     constexprs = {a: v() if callable(v) else v for a, v in spec.constexprs.items()}  # (a switch: read now)
-    source = triton.compiler.ASTSource
-    if type(fn).__name__ == "GluonJITFunction":  # a @gluon.jit kernel (explicit layouts) compiles from its own
-        from triton.experimental.gluon._runtime import GluonASTSource as source  # source type
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+    # a @gluon.jit kernel (explicit layouts: kernels/weight_stream.py) compiles from its own source type
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource
     compiled = triton.compile(
         source(fn, signature, constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in divisible}),
         target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32),

@@ -64,12 +64,12 @@ STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # inde
 BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3))
 
 
-if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's spelling
+# Gluon's spelling of four calls, Triton 3.9's (CI's) or 3.6's (the GPU image's); all else is written once
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):
 
     @gluon.jit
-    def _stage(ring, s, R: gl.constexpr, C: gl.constexpr):
-        """Stage s of the ring ([stages, TILE] bf16) as a [R, C, CHUNK] tile."""
-        return ring.reinterpret(gl.bfloat16, [ring.shape[0], R, C, 1024], STAGE_LAYOUT).index(s)
+    def _view(ring, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, layout: gl.constexpr):
+        return ring.reinterpret(gl.bfloat16, [ring.shape[0], D1, D2, D3], layout)
 
     @gluon.jit
     def _cta_barrier():
@@ -77,24 +77,17 @@ if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's spelling
 
     @gluon.jit
     def _copy(smem, ptrs, mask):
-        """cp.async of ptrs (masked: zeros) into smem, 16 bytes a thread an instruction."""
         async_copy.async_load(smem, ptrs, mask)
 
     @gluon.jit
-    def _box(ring, s, R: gl.constexpr, C: gl.constexpr):
-        """Stage s of the ring as a TMA box [R, 4 C, 256]."""
-        return ring.reinterpret(gl.bfloat16, [ring.shape[0], R, 4 * C, 256], BOX_LAYOUT).index(s)
-
-    @gluon.jit
     def _tma_copy(desc, row, bar, smem):
-        """One TMA copy of desc's box at (row, 0, 0) into smem, counted at the mbarrier bar."""
         tma.async_load(desc, [row, 0, 0], bar, smem)
 
-else:  # 3.6's, the GPU image's
+else:
 
     @gluon.jit
-    def _stage(ring, s, R: gl.constexpr, C: gl.constexpr):
-        return ring._reinterpret(gl.bfloat16, [ring.shape[0], R, C, 1024], STAGE_LAYOUT).index(s)
+    def _view(ring, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, layout: gl.constexpr):
+        return ring._reinterpret(gl.bfloat16, [ring.shape[0], D1, D2, D3], layout)
 
     @gluon.jit
     def _cta_barrier():
@@ -105,12 +98,20 @@ else:  # 3.6's, the GPU image's
         async_copy.async_copy_global_to_shared(smem, ptrs, mask)
 
     @gluon.jit
-    def _box(ring, s, R: gl.constexpr, C: gl.constexpr):
-        return ring._reinterpret(gl.bfloat16, [ring.shape[0], R, 4 * C, 256], BOX_LAYOUT).index(s)
-
-    @gluon.jit
     def _tma_copy(desc, row, bar, smem):
         tma.async_copy_global_to_shared(desc, [row, 0, 0], bar, smem)
+
+
+@gluon.jit
+def _stage(ring, s, R: gl.constexpr, C: gl.constexpr):
+    """Stage s of the ring ([stages, TILE] bf16) as a [R, C, CHUNK] tile."""
+    return _view(ring, R, C, 1024, STAGE_LAYOUT).index(s)
+
+
+@gluon.jit
+def _box(ring, s, R: gl.constexpr, C: gl.constexpr):
+    """Stage s of the ring as a TMA box [R, 4 C, 256]: the same bytes."""
+    return _view(ring, R, 4 * C, 256, BOX_LAYOUT).index(s)
 
 
 @gluon.jit
@@ -185,42 +186,37 @@ def _clock():
 
 
 @gluon.jit
+def _issue_tile(ring, bar, s, W, D, layer, t, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr,
+                L: gl.constexpr, TMA: gl.constexpr):
+    """Copy tile t of one phase's weights of `layer` (W: the phase's (layers, N, K); D: its TMA descriptor) into
+    ring stage s: one TMA box counted at the stage's mbarrier bar, or cp.async from every thread."""
+    if TMA:
+        mbarrier.expect(bar, 32768)  # (a box is a whole stage, TILE bf16, its zero fill past K counted)
+        _tma_copy(D, layer * N + t * R, bar, _box(ring, s, R, C))
+    else:
+        ptrs, mask, _rows = _tile(W + layer.to(gl.int64) * N * K, t, N, K, R, C, L)
+        _copy(_stage(ring, s, R, C), ptrs, mask)
+
+
+@gluon.jit
 def _issue(ring, bars, s, layer, phase, k, W0, W1, W2, W3, D0, D1, D2, D3, N0: gl.constexpr, K0: gl.constexpr,
            R0: gl.constexpr, C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr,
            C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
            N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n_layers, L: gl.constexpr,
            TMA: gl.constexpr):
-    """Copy this program's k-th tile of `phase` of `layer` into ring stage s: by cp.async, one commit group
-    (empty past the last layer), or with TMA, one box counted at the stage's mbarrier (none past the last)."""
+    """Copy this program's k-th tile of `phase` of `layer` into ring stage s (`_issue_tile`); with cp.async one
+    commit group, empty past the last layer (with TMA nothing there)."""
     t = gl.program_id(0) + k * gl.num_programs(0)
-    lw = layer.to(gl.int64)
+    bar = bars.index(s)
     if layer < n_layers:
-        if TMA:
-            mbarrier.expect(bars.index(s), 32768)  # (a box is a whole stage, TILE bf16, zero fill past K counted)
         if phase == 0:
-            if TMA:
-                _tma_copy(D0, layer * N0 + t * R0, bars.index(s), _box(ring, s, R0, C0))
-            else:
-                p0, m0, _r0 = _tile(W0 + lw * N0 * K0, t, N0, K0, R0, C0, L)
-                _copy(_stage(ring, s, R0, C0), p0, m0)
+            _issue_tile(ring, bar, s, W0, D0, layer, t, N0, K0, R0, C0, L, TMA)
         elif phase == 1:
-            if TMA:
-                _tma_copy(D1, layer * N1 + t * R1, bars.index(s), _box(ring, s, R1, C1))
-            else:
-                p1, m1, _r1 = _tile(W1 + lw * N1 * K1, t, N1, K1, R1, C1, L)
-                _copy(_stage(ring, s, R1, C1), p1, m1)
+            _issue_tile(ring, bar, s, W1, D1, layer, t, N1, K1, R1, C1, L, TMA)
         elif phase == 2:
-            if TMA:
-                _tma_copy(D2, layer * N2 + t * R2, bars.index(s), _box(ring, s, R2, C2))
-            else:
-                p2, m2, _r2 = _tile(W2 + lw * N2 * K2, t, N2, K2, R2, C2, L)
-                _copy(_stage(ring, s, R2, C2), p2, m2)
+            _issue_tile(ring, bar, s, W2, D2, layer, t, N2, K2, R2, C2, L, TMA)
         else:
-            if TMA:
-                _tma_copy(D3, layer * N3 + t * R3, bars.index(s), _box(ring, s, R3, C3))
-            else:
-                p3, m3, _r3 = _tile(W3 + lw * N3 * K3, t, N3, K3, R3, C3, L)
-                _copy(_stage(ring, s, R3, C3), p3, m3)
+            _issue_tile(ring, bar, s, W3, D3, layer, t, N3, K3, R3, C3, L, TMA)
     if not TMA:
         async_copy.commit_group()
 
@@ -433,17 +429,18 @@ def descriptors(ws: list[torch.Tensor]) -> list:
 
 
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
-                  tma: bool = False, gap_ns: int = 0, programs: int | None = None,
+                  tma: bool = False, gap_ns: int = 0, programs: int | None = None, descs: list | None = None,
                   spin_limit: int = SPIN_LIMIT) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
     int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
     stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's
-    stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM)."""
+    stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM). descs:
+    `descriptors(ws)`, made once by a caller that launches again (else here)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
     consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma)
-    weight_stream_kernel[(programs,)](*v, *ws, *descriptors(ws), counts, counts[1:], ws[0].shape[0], spin_limit,
-                                      gap_ns, **consts, num_warps=8, **_cooperative())
+    weight_stream_kernel[(programs,)](*v, *ws, *(descs or descriptors(ws)), counts, counts[1:], ws[0].shape[0],
+                                      spin_limit, gap_ns, **consts, num_warps=8, **_cooperative())
 
 
 def reference(ws: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
