@@ -41,7 +41,8 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
     return ws, x
 
 
-def run(ws, x, stages: int, tma: bool, gap_ns: int, widths) -> tuple[list[torch.Tensor], int, callable]:
+def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: bool = True) -> tuple[list[torch.Tensor], int,
+                                                                                          callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
     from nanoforge.kernels.weight_stream import descriptors, stream_layers
 
@@ -52,7 +53,7 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths) -> tuple[list[torch.
     def launch():
         counts.zero_()
         v[0].copy_(x)
-        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs)
+        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work)
 
     launch()
     torch.cuda.synchronize()
@@ -120,7 +121,7 @@ def main() -> None:
     hbm = peaks(device)[1]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, t0 = {}, time.time()
+    rows, t0, bad_barriers = {}, time.time(), []
     print(f"{torch.cuda.get_device_name()}, HBM peak {hbm / 1e12:.2f} TB/s")
     print(f"{'shape':<12} {'gap us':>6} {'way':<10} {'us a launch':>12} {'us a layer':>11} {'TB/s':>6} {'HBM':>6} "
           f"{'ratio':>6}   (TB/s and HBM: the weights' bytes over the time less the gaps)")
@@ -131,6 +132,9 @@ def main() -> None:
         ws, x = make(widths, layers, device)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         want = reference(ws, x)
+        # bf16 after each of 4 x layers phases: the kernel's fp32 sums round a few elements the other way from
+        # float64's, and those ulps travel down the chain (~2.7e-2 after Qwen3-0.6B's 112 phases)
+        tolerance = 4e-3 * (4 * layers) ** 0.5
         gap_ns = int(gap * 1000)
         base = None
         ways = {}
@@ -146,15 +150,26 @@ def main() -> None:
                          "us_per_layer": us / layers, "weights_tb_s": nbytes / weights_us / 1e6,
                          "hbm_fraction": nbytes / weights_us / 1e-6 / hbm,
                          "ratio": ways["registers"]["us"] / us if ways else 1.0, "bitwise_equal_to_registers": same,
-                         "relative_error": err, "barrier_give_ups": gave_up}
+                         "relative_error": err, "tolerance": tolerance,
+                         "barrier_give_ups": gave_up}
             r = ways[way]
             print(f"{name:<12} {gap:>6.1f} {way:<10} {us:>12.1f} {r['us_per_layer']:>11.2f} {r['weights_tb_s']:>6.2f} "
                   f"{r['hbm_fraction']:>6.1%} {r['ratio']:>5.2f}x" + ("" if same else "  NOT EQUAL")
-                  + (f"  rel.err {err:.1e}" if err > 2e-2 else "") + (f"  {gave_up} give-ups" if gave_up else ""),
+                  + (f"  rel.err {err:.1e}" if err > tolerance else "") + (f"  {gave_up} give-ups" if gave_up else ""),
                   flush=True)
+        # the barriers and the stand-in alone (no tile read): what five grid barriers a layer cost
+        _, gave_up, launch = run(ws, x, 2, False, gap_ns, widths, work=False)
+        bar_us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
+        per_barrier = (bar_us - gap * layers) / (5 * layers)
+        print(f"{name:<12} {gap:>6.1f} {'barriers':<10} {bar_us:>12.1f} {bar_us / layers:>11.2f}   (no tile read: "
+              f"{per_barrier:.2f} us a grid barrier, {bar_us / ways['registers']['us']:.0%} of registers' time)"
+              + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
+        bad_barriers = bad_barriers + [f"{name} gap {gap:g} us barriers"] * bool(gave_up)
         rows[f"{name} gap {gap:g} us"] = {
             "shape": name, "gap_us": gap, "layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
-            "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways}
+            "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways,
+            "barriers_alone": {"us": bar_us, "us_per_layer": bar_us / layers, "us_per_barrier": per_barrier,
+                               "barrier_give_ups": gave_up}}
         done, elapsed = i + 1, time.time() - t0
         print(f"  [{done}/{len(runs)} runs, {elapsed:.0f} s; ~{elapsed / done * (len(runs) - done):.0f} s to go]",
               flush=True)
@@ -162,7 +177,8 @@ def main() -> None:
     plot(rows, out / "weight_stream.png")
     print(f"wrote {out / 'weight_stream.json'} and weight_stream.png")
     bad = [f"{n} {w}" for n, r in rows.items() for w, v in r["ways"].items()
-           if not v["bitwise_equal_to_registers"] or v["relative_error"] > 2e-2 or v["barrier_give_ups"]]
+           if not v["bitwise_equal_to_registers"] or v["relative_error"] > v["tolerance"] or v["barrier_give_ups"]]
+    bad += bad_barriers
     if bad:
         raise AssertionError(f"wrong results: {', '.join(bad)}")  # a bug: a traceback, exit 1
 

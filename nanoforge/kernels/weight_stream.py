@@ -298,17 +298,18 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
                          N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
                          N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                          N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr,
-                         STAGES: gl.constexpr, TMA: gl.constexpr):
+                         STAGES: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr = 1):
     """n_layers layers of four phases, V0 -> V1 -> V2 -> V3 -> V0 (phase p: V[p+1] = W_p[layer] V[p], the
     input cut to K_p), a grid barrier after each phase and the attention phase's stand-in (gap_ns, a barrier after
     it too: five a layer, as decode_layers'); W_p: (layers, N_p, K_p) bf16. STAGES: 0 for tiles through
-    registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring)."""
+    registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring). WORK = 0:
+    no tiles at all (with a ring), the barriers and the stand-in alone: what they cost."""
     L: gl.constexpr = TILE_LAYOUT
     programs = gl.num_programs(0)
-    n0 = _count(N0, R0)
-    n1 = _count(N1, R1)
-    n2 = _count(N2, R2)
-    n3 = _count(N3, R3)
+    n0 = _count(N0, R0) * WORK
+    n1 = _count(N1, R1) * WORK
+    n2 = _count(N2, R2) * WORK
+    n3 = _count(N3, R3) * WORK
     if STAGES > 0:
         ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16384], RING_LAYOUT)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -390,11 +391,14 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
             _depart(BAR, (step + 5) * programs, spin_limit, TIMEOUTS)
 
 
-def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False) -> dict:
-    """The kernel's constexprs for four phases' (N, K), `stages` (0: registers) and `tma` (the ring's copies)."""
+def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False, work: bool = True) -> dict:
+    """The kernel's constexprs for four phases' (N, K), `stages` (0: registers), `tma` (the ring's copies) and
+    `work` (False: no tiles, the barriers alone; needs a ring)."""
     if len(widths) != PHASES:
         raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
-    out = {"STAGES": stages, "TMA": tma}
+    if not work and not stages:
+        raise ValueError("weight_stream: the barriers alone (work=False) run on the ring's path: stages >= 2")
+    out = {"STAGES": stages, "TMA": tma, "WORK": int(work)}
     for p, (n, k) in enumerate(widths):
         r, c = tile_shape(k)
         out |= {f"N{p}": n, f"K{p}": k, f"R{p}": r, f"C{p}": c}
@@ -430,15 +434,16 @@ def descriptors(ws: list[torch.Tensor]) -> list:
 
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
                   tma: bool = False, gap_ns: int = 0, programs: int | None = None, descs: list | None = None,
-                  spin_limit: int = SPIN_LIMIT) -> None:
+                  spin_limit: int = SPIN_LIMIT, work: bool = True) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
     int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
     stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's
     stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM). descs:
-    `descriptors(ws)`, made once by a caller that launches again (else here)."""
+    `descriptors(ws)`, made once by a caller that launches again (else here). work: False for the barriers and
+    the stand-in alone (no tile read or reduced; v left as it was)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
-    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma)
+    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work)
     weight_stream_kernel[(programs,)](*v, *ws, *(descs or descriptors(ws)), counts, counts[1:], ws[0].shape[0],
                                       spin_limit, gap_ns, **consts, num_warps=8, **_cooperative())
 
