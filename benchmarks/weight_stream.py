@@ -11,7 +11,9 @@ Qwen3-0.6B layer at context 384 on an H100; each gap a run of its own). Through 
 tiles go (the baseline: two tiles in registers, the phase's first loaded during the barrier's wait), then
 through a ring of each --stages count of 32 KB shared-memory stages kept filled across phases and barriers, by
 cp.async (`ringN`) and by TMA (`tmaN`). Each way is checked bit for bit against the baseline and within bf16's
-rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every launch). Prints a table
+rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every launch). Then the ring's
+kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers alone; copies without
+reductions; no grid barriers; copies alone; numbers then wrong, not checked). Prints a table
 (us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps; the
 ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
 decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four phases at
@@ -34,6 +36,15 @@ import torch  # noqa: E402
 from nanoforge.model.config import preset  # noqa: E402
 
 
+# the ring's kernel with parts left out: (name, stages, tma, work, sync); work 0 no tiles, 2 tiles copied only
+PARTS = [("barriers", 2, False, 0, True), ("copies4", 4, False, 2, True), ("nosync4", 4, False, 1, False),
+         ("nosync-tma4", 4, True, 1, False), ("stream4", 4, False, 2, False)]
+PART_NOTES = {"barriers": "no tile: five grid barriers a layer, the vectors' loads, the gap",
+              "copies4": "ring4's copies and barriers, no tile read or reduced",
+              "nosync4": "ring4 without grid barriers: copies and reductions",
+              "nosync-tma4": "tma4 without grid barriers", "stream4": "ring4's copies alone"}
+
+
 def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     ws = [(torch.randn(layers, n, k, generator=gen, device=device) / k**0.5).bfloat16() for n, k in widths]
@@ -41,8 +52,8 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
     return ws, x
 
 
-def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: bool = True) -> tuple[list[torch.Tensor], int,
-                                                                                          callable]:
+def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync: bool = True) -> tuple[
+        list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
     from nanoforge.kernels.weight_stream import descriptors, stream_layers
 
@@ -53,7 +64,7 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: bool = True) -
     def launch():
         counts.zero_()
         v[0].copy_(x)
-        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work)
+        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work, sync=sync)
 
     launch()
     torch.cuda.synchronize()
@@ -157,19 +168,23 @@ def main() -> None:
                   f"{r['hbm_fraction']:>6.1%} {r['ratio']:>5.2f}x" + ("" if same else "  NOT EQUAL")
                   + (f"  rel.err {err:.1e}" if err > tolerance else "") + (f"  {gave_up} give-ups" if gave_up else ""),
                   flush=True)
-        # the barriers and the stand-in alone (no tile read): what five grid barriers a layer cost
-        _, gave_up, launch = run(ws, x, 2, False, gap_ns, widths, work=False)
-        bar_us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
-        per_barrier = (bar_us - gap * layers) / (5 * layers)
-        print(f"{name:<12} {gap:>6.1f} {'barriers':<10} {bar_us:>12.1f} {bar_us / layers:>11.2f}   (no tile read: "
-              f"{per_barrier:.2f} us a grid barrier, {bar_us / ways['registers']['us']:.0%} of registers' time)"
-              + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
-        bad_barriers = bad_barriers + [f"{name} gap {gap:g} us barriers"] * bool(gave_up)
+        # what the time goes to: the ring's kernel with parts left out (its numbers then wrong, not checked)
+        parts = {}
+        for part, depth, tma, work, sync in PARTS:
+            _, gave_up, launch = run(ws, x, depth, tma, gap_ns, widths, work=work, sync=sync)
+            us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
+            moved = nbytes if work else 0
+            parts[part] = {"stages": depth, "copies": "tma" if tma else "cp.async", "work": work, "sync": sync,
+                           "us": us, "us_per_layer": us / layers, "barrier_give_ups": gave_up,
+                           "weights_tb_s": moved / (us - gap * layers) / 1e6 if moved else None}
+            tb = f"{parts[part]['weights_tb_s']:>6.2f} {moved / (us - gap * layers) / 1e-6 / hbm:>6.1%}" if moved \
+                else f"{'':>6} {'':>6}"
+            print(f"{name:<12} {gap:>6.1f} {part:<10} {us:>12.1f} {us / layers:>11.2f} {tb} {'':>6}   "
+                  f"({PART_NOTES[part]})" + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
+            bad_barriers += [f"{name} gap {gap:g} us {part}"] * bool(gave_up)
         rows[f"{name} gap {gap:g} us"] = {
             "shape": name, "gap_us": gap, "layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
-            "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways,
-            "barriers_alone": {"us": bar_us, "us_per_layer": bar_us / layers, "us_per_barrier": per_barrier,
-                               "barrier_give_ups": gave_up}}
+            "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways, "parts": parts}
         done, elapsed = i + 1, time.time() - t0
         print(f"  [{done}/{len(runs)} runs, {elapsed:.0f} s; ~{elapsed / done * (len(runs) - done):.0f} s to go]",
               flush=True)

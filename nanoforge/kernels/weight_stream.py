@@ -169,6 +169,15 @@ def _depart(BAR, target, spin_limit, TIMEOUTS):
 
 
 @gluon.jit
+def _barrier(BAR, target, spin_limit, TIMEOUTS, SYNC: gl.constexpr):
+    """The grid barrier, arrival then departure; SYNC = 0: none (a measurement of what the barriers cost: the
+    phases then read vectors not yet written)."""
+    if SYNC:
+        _arrive(BAR)
+        _depart(BAR, target, spin_limit, TIMEOUTS)
+
+
+@gluon.jit
 def _attention_stand_in(gap_ns):
     """The attention phase's place in a layer (between Q/K/V and attention-out, a barrier on each side): gap_ns
     nanoseconds of the GPU's clock in which this kernel reads nothing of its own (decode_layers' attention phase
@@ -248,9 +257,10 @@ def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.con
                 R0: gl.constexpr, C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr,
                 C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                 N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n0, n1, n2, n3, n_layers,
-                STAGES: gl.constexpr, L: gl.constexpr, TMA: gl.constexpr):
+                STAGES: gl.constexpr, L: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr):
     """One phase from the ring: each of its n tiles waited for, reduced, and its stage refilled with the tile
-    STAGES ahead of it in the program's order (the cursor)."""
+    STAGES ahead of it in the program's order (the cursor). WORK = 2: the tiles waited for and refilled, not
+    read or reduced (what the copies alone cost)."""
     x = _vector(X, K, C, L)
     for i in range(n):
         if TMA:  # the stage's n-th box, n = c // STAGES: the mbarrier's phase of that parity completed
@@ -258,7 +268,8 @@ def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.con
         else:
             async_copy.wait_group(STAGES - 1)  # (the oldest group: this tile's)
             _cta_barrier()  # every thread's copies of it landed
-        w = _stage(ring, c % STAGES, R, C).load(L)
+        if WORK == 1:
+            w = _stage(ring, c % STAGES, R, C).load(L)
         t = gl.program_id(0) + i * gl.num_programs(0)
         rows = t * R + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         _cta_barrier()  # every thread's reads of the stage done before it is refilled
@@ -267,7 +278,8 @@ def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.con
         _issue(ring, bars, c % STAGES, cur_layer, cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0, K0, R0, C0,
                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n_layers, L, TMA)
         cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
-        _reduce(w, x, Y, rows, N)
+        if WORK == 1:
+            _reduce(w, x, Y, rows, N)
         c += 1
     return c, cur_layer, cur_phase, cur_k
 
@@ -298,18 +310,23 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
                          N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
                          N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                          N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr,
-                         STAGES: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr = 1):
+                         STAGES: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr = 1,
+                         SYNC: gl.constexpr = 1):
     """n_layers layers of four phases, V0 -> V1 -> V2 -> V3 -> V0 (phase p: V[p+1] = W_p[layer] V[p], the
     input cut to K_p), a grid barrier after each phase and the attention phase's stand-in (gap_ns, a barrier after
     it too: five a layer, as decode_layers'); W_p: (layers, N_p, K_p) bf16. STAGES: 0 for tiles through
-    registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring). WORK = 0:
-    no tiles at all (with a ring), the barriers and the stand-in alone: what they cost."""
+    registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring). What the
+    time goes to, with a ring: WORK = 0 no tiles (the barriers, the vectors' loads and the stand-in alone), 2 the
+    tiles copied but not read or reduced, 1 everything; SYNC = 0 no grid barriers (wrong numbers, the copies and
+    reductions alone)."""
     L: gl.constexpr = TILE_LAYOUT
     programs = gl.num_programs(0)
-    n0 = _count(N0, R0) * WORK
-    n1 = _count(N1, R1) * WORK
-    n2 = _count(N2, R2) * WORK
-    n3 = _count(N3, R3) * WORK
+    n0 = _count(N0, R0)
+    n1 = _count(N1, R1)
+    n2 = _count(N2, R2)
+    n3 = _count(N3, R3)
+    if WORK == 0:
+        n0, n1, n2, n3 = n0 * 0, n1 * 0, n2 * 0, n3 * 0
     if STAGES > 0:
         ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16384], RING_LAYOUT)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -331,30 +348,25 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V0, V1, N0, K0, R0, C0, n0, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA)
-            _arrive(BAR)
-            _depart(BAR, (step + 1) * programs, spin_limit, TIMEOUTS)
+                n_layers, STAGES, L, TMA, WORK)
+            _barrier(BAR, (step + 1) * programs, spin_limit, TIMEOUTS, SYNC)
             _attention_stand_in(gap_ns)
-            _arrive(BAR)
-            _depart(BAR, (step + 2) * programs, spin_limit, TIMEOUTS)
+            _barrier(BAR, (step + 2) * programs, spin_limit, TIMEOUTS, SYNC)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V1, V2, N1, K1, R1, C1, n1, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA)
-            _arrive(BAR)
-            _depart(BAR, (step + 3) * programs, spin_limit, TIMEOUTS)
+                n_layers, STAGES, L, TMA, WORK)
+            _barrier(BAR, (step + 3) * programs, spin_limit, TIMEOUTS, SYNC)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V2, V3, N2, K2, R2, C2, n2, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA)
-            _arrive(BAR)
-            _depart(BAR, (step + 4) * programs, spin_limit, TIMEOUTS)
+                n_layers, STAGES, L, TMA, WORK)
+            _barrier(BAR, (step + 4) * programs, spin_limit, TIMEOUTS, SYNC)
             c, cur_layer, cur_phase, cur_k = _phase_ring(
                 ring, bars, c, V3, V0, N3, K3, R3, C3, n3, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
                 D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA)
-            _arrive(BAR)
-            _depart(BAR, (step + 5) * programs, spin_limit, TIMEOUTS)
+                n_layers, STAGES, L, TMA, WORK)
+            _barrier(BAR, (step + 5) * programs, spin_limit, TIMEOUTS, SYNC)
         if TMA:
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
@@ -391,14 +403,18 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
             _depart(BAR, (step + 5) * programs, spin_limit, TIMEOUTS)
 
 
-def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False, work: bool = True) -> dict:
-    """The kernel's constexprs for four phases' (N, K), `stages` (0: registers), `tma` (the ring's copies) and
-    `work` (False: no tiles, the barriers alone; needs a ring)."""
+def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False, work: int = 1,
+                    sync: bool = True) -> dict:
+    """The kernel's constexprs for four phases' (N, K), `stages` (0: registers), `tma` (the ring's copies), and
+    what to leave out to see what the rest costs (with a ring): `work` 0 (no tiles), 2 (tiles copied, not
+    reduced) or 1 (all), `sync` False (no grid barriers)."""
     if len(widths) != PHASES:
         raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
-    if not work and not stages:
-        raise ValueError("weight_stream: the barriers alone (work=False) run on the ring's path: stages >= 2")
-    out = {"STAGES": stages, "TMA": tma, "WORK": int(work)}
+    if work not in (0, 1, 2):
+        raise ValueError(f"weight_stream: work is 0, 1 or 2, not {work!r}")
+    if (work != 1 or not sync) and not stages:
+        raise ValueError("weight_stream: the parts alone (work 0 or 2, sync off) run on the ring's path: stages >= 2")
+    out = {"STAGES": stages, "TMA": tma, "WORK": int(work), "SYNC": int(sync)}
     for p, (n, k) in enumerate(widths):
         r, c = tile_shape(k)
         out |= {f"N{p}": n, f"K{p}": k, f"R{p}": r, f"C{p}": c}
@@ -434,16 +450,16 @@ def descriptors(ws: list[torch.Tensor]) -> list:
 
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
                   tma: bool = False, gap_ns: int = 0, programs: int | None = None, descs: list | None = None,
-                  spin_limit: int = SPIN_LIMIT, work: bool = True) -> None:
+                  spin_limit: int = SPIN_LIMIT, work: int = 1, sync: bool = True) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
     int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
     stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's
     stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM). descs:
-    `descriptors(ws)`, made once by a caller that launches again (else here). work: False for the barriers and
-    the stand-in alone (no tile read or reduced; v left as it was)."""
+    `descriptors(ws)`, made once by a caller that launches again (else here). work, sync: the parts left out
+    (`shape_constants`; the numbers then wrong)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
-    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work)
+    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work, sync)
     weight_stream_kernel[(programs,)](*v, *ws, *(descs or descriptors(ws)), counts, counts[1:], ws[0].shape[0],
                                       spin_limit, gap_ns, **consts, num_warps=8, **_cooperative())
 
