@@ -119,7 +119,8 @@ def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatc
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
-            assert arrival_counters(torch.device("cpu"), 2)[:2].eq(0).all()
+            hkv = model.cfg.n_kv_heads
+            assert arrival_counters(torch.device("cpu"), hkv + 2)[:hkv + 2].eq(0).all()
     assert dl.barrier_timeouts(torch.device("cpu")) == 0
     kernel.check(torch.device("cpu"))
 
@@ -517,14 +518,14 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
         rows += [arrive, leave]
         t = max(leave)
     b0 = rows[2][0]  # the last departure before phase B (program 0's), 3 us of work before its last arrival
-    marks = [[b0 + 100, b0 + 300], [b0 + 1200, 0], [b0 + 2600, b0 + 1400]]
+    marks = [[b0 + 100, b0 + 300], [b0 + 1200, 0], [b0 + 1500, b0 + 1400], [b0 + 2600, b0 + 1400]]
     trace = torch.tensor(rows + marks, dtype=torch.int64)
     assert trace.shape == (dl.trace_rows(1), 2)
     got = dl.phase_times(trace)
     assert [got[f"{n} work"] for n in "ABCDE"] == [2.0, 3.0, 4.0, 5.0, 6.0]
     assert all(got[f"{n} wait"] == 0.5 for n in "ABCDE")
-    b_parts = [got[f"B {n}"] for n in ("query", "keys", "stored", "rest")]
-    assert b_parts == pytest.approx([0.3, 0.9, 1.4, 0.4]) and sum(b_parts) == pytest.approx(got["B work"])
+    b_parts = [got[f"B {n}"] for n in ("query", "keys", "counted", "combined", "rest")]
+    assert b_parts == pytest.approx([0.3, 0.9, 0.3, 1.1, 0.4]) and sum(b_parts) == pytest.approx(got["B work"])
     assert got["total"] == (t - 0) / 1e3 and got["layers"] == 1
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_TILES", "0")
     assert dl.prefetch_tiles() == 0

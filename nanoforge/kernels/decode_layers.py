@@ -9,10 +9,9 @@ grid-wide barriers (an arrival count in global memory; all programs are resident
 of them than SMs):
 
     A  x = x + pending; h = rms_norm(x); qkv = h W_qkv^T (+ bias)          tiles of W_qkv's rows
-    B  q/k norms (Qwen3), RoPE, the token's K/V into the paged cache,      (kv head, context split) pairs, each
-       attention over the context                                           storing its partial output
-    C  attn = the splits' partials combined; o = attn W_o^T                 tiles of W_o's rows (every program
-                                                                            combines the whole vector)
+    B  q/k norms (Qwen3), RoPE, the token's K/V into the paged cache,      (kv head, context split) pairs; each
+       attention over the context                                           kv head's last split combines them
+    C  o = attn W_o^T                                                       tiles of W_o's rows
     D  x = x + o; h = rms_norm(x); a = silu(h W_gate^T) * (h W_up^T)        tiles of gate rows with their up rows
     E  pending = a W_down^T                                                 tiles of W_down's rows
 
@@ -49,7 +48,7 @@ from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, 
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _finish
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, load_key_tile,
+    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, load_key_tile,
     split_span,
 )
 
@@ -62,7 +61,7 @@ def _cuda_options():
 
 
 PHASES = 5
-B_MARKS = 3  # points of phase B a trace clocks (`_attention`): query rotated, keys attended, partials stored
+B_MARKS = 4  # points of phase B a trace clocks (`_attention`): query rotated, keys attended, counted, combined
 _PHASES, _B_MARKS = tl.constexpr(PHASES), tl.constexpr(B_MARKS)
 TILE_ELEMENTS = 16384  # of W a program loads at once (32 KB of bf16): rows x K
 CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 programs busy on 132 SMs)
@@ -70,8 +69,6 @@ ATTN_BLOCK_N = 64  # keys a step of attention's loop
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: each takes more than one tile, as on a GPU
 WARPS = 8  # a program's warps on a GPU (one under the interpreter)
 INTERPRET_SPLITS = 4
-PARTS_AT_ONCE, INTERPRET_PARTS_AT_ONCE = 4, 2  # splits' partials phase C loads at a time (interpreted: the tests'
-# short contexts reach a second round)
 # A persistent launch is cooperative where Triton can ask for it (NANOFORGE_DECODE_COOPERATIVE=1, the default):
 # the driver then starts every program at once or fails the launch, so that two such kernels on one GPU (two
 # engines' streams) cannot each hold SMs that the other's waiting programs need. Without it (=0, or an older
@@ -169,12 +166,10 @@ def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, spli
     powers of two, and the rows of each projection's tiles."""
     p2 = triton.next_power_of_2
     group = hq // hkv
-    if dh != p2(dh):
-        raise ValueError(f"decode_layers: a head of {dh} dimensions; the kernel takes powers of two")
     return dict(D=d, DP=p2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group, GROUP_P2=p2(group), DH=dh, BLOCK_D=p2(dh),
                 BLOCK_M=max(16, p2(group)), F=f, FP=p2(f), AP=p2(hq * dh), BN_QKV=_rows_per_tile(d),
                 BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
-                SPLITS=splits, SPLITS_P2=p2(splits), HQ_P2=p2(hq))
+                SPLITS=splits, SPLITS_P2=p2(splits))
 
 
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -207,14 +202,14 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     if x_in.stride(0) != 1:
         x_in = x_in.contiguous()
     qkv = torch.empty(n_layers, n_qkv, device=dev, dtype=ty)  # a layer's own: read back by plain loads
+    attn = torch.empty(hq * dh, device=dev, dtype=ty)
     o = torch.empty(d, device=dev, dtype=ty)
     act = torch.empty(f, device=dev, dtype=ty)
     o_part = torch.empty(hq * splits * dh, device=dev, dtype=torch.float32)
     lse_part = torch.empty(hq * splits, device=dev, dtype=torch.float32)
-    counts = arrival_counters(dev, 2)  # the barrier's: arrivals, and programs out of the launch
+    counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     timeouts = _timeouts(dev)
-    meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n,
-                PARTS_AT_ONCE=INTERPRET_PARTS_AT_ONCE if interp else PARTS_AT_ONCE, BLOCK_SIZE=k_cache.shape[2],
+    meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv())
@@ -222,7 +217,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
-    args = (x_in, xs, pending, qkv, o, act, o_part, lse_part, counts, timeouts,
+    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
@@ -244,7 +239,7 @@ def trace_rows(n_layers: int) -> int:
     return 1 + (2 * PHASES + B_MARKS) * n_layers
 
 
-B_POINTS = ("query", "keys", "stored")  # what phase B's marks end (`_attention`)
+B_POINTS = ("query", "keys", "counted", "combined")  # what phase B's marks end (`_attention`)
 
 
 def phase_times(trace: torch.Tensor) -> dict:
@@ -253,8 +248,8 @@ def phase_times(trace: torch.Tensor) -> dict:
     sees it: its slowest program), "wait" from that arrival to the last program's departure (the barrier's own
     cost), and the launch's "total" from the first program's start to the last departure. Phase B's work is
     cut at its marks the same way, each from the last program past the point before to the last past it ("B
-    query": the query normalised and rotated; "B keys": the context attended; "B stored": the partials
-    stored; "B rest": from there to the last arrival)."""
+    query": the query normalised and rotated; "B keys": the context attended; "B counted": the partials stored
+    and counted; "B combined": the last split's combine; "B rest": from there to the last arrival)."""
     t = trace.double().cpu() / 1e3
     layers = (t.shape[0] - 1) // (2 * PHASES + B_MARKS)
     steps = PHASES * layers
@@ -493,16 +488,16 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
 
 
 @triton.jit
-def _attention(QKV, O_PART, LSE_PART, QW, KW, KC, VC, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale,
+def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale,
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
-    context's last position writes the token's K and V; each stores its partial output and log-sum-exp, which
-    phase C combines (`_attention_vector`). TRACE: the clock at B_MARKS points of the item (its query rotated;
-    its keys attended; its partials stored), at
+    context's last position writes the token's K and V; each kv head's last split to finish combines them, every
+    split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
+    query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
     rows MARKS + m * programs (a program's last item's). PRELOAD: each item's first key tile (K and V) is loaded
     before its query, so that the HBM loads of the one overlap the L2 loads and the norm and rotation of the
     other (`load_key_tile`; attended masked, as the last tile of a span is: the same sums)."""
@@ -544,53 +539,19 @@ def _attention(QKV, O_PART, LSE_PART, QW, KW, KC, VC, TABLE, SEQ_LEN, SLOT, CS, 
         part = head * SPLITS + split
         tl.store(O_PART + part[:, None] * DH + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
         tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+        tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
+        last = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1
         _mark(MARKS, 2, TRACE)
-
-
-@triton.jit
-def _attention_vector(O_PART, LSE_PART, SEQ_LEN, HQ: tl.constexpr, HQ_P2: tl.constexpr, DH: tl.constexpr,
-                      SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr, TY: tl.constexpr,
-                      AT_ONCE: tl.constexpr):
-    """Phase C's input: the attention's output over every head (HQ_P2 x DH long, DH a power of two; zero past
-    HQ heads), combined by each program from phase B's partials (from L2, .cg) as sum_s w_s o_s / sum_s w_s with
-    w_s = 2^(lse_s - max lse), over the splits that hold keys (as `split_span` shares them out): every head's
-    log-sum-exps at once, then the outputs AT_ONCE splits at a time, the next ones' loads in flight; rounded to
-    TY, as a stored vector would be. Combined here rather than by each kv head's last split in phase B, which
-    cost B an atomic count and a combine in series with its barrier (~4 us a layer on an H100, session 34's
-    traces), at the price of every program loading the partials."""
-    tiles = tl.cdiv(tl.load(SEQ_LEN), BLOCK_N)
-    used = tl.cdiv(tiles, tl.cdiv(tiles, SPLITS))  # splits with a key (split 0 always)
-    s2 = tl.arange(0, SPLITS_P2)[:, None]
-    h2 = tl.arange(0, HQ_P2)[None, :]
-    lse = tl.load(LSE_PART + h2 * SPLITS + s2, mask=(s2 < used) & (h2 < HQ), other=float("-inf"),
-                  cache_modifier=".cg")
-    top = tl.max(lse, 0)
-    top = tl.where(top > float("-inf"), top, 0.0)  # (a head past HQ: every w 0)
-    total = tl.sum(tl.exp2(lse - top[None, :]), 0)
-    c = tl.arange(0, AT_ONCE)[:, None, None]
-    h = tl.arange(0, HQ_P2)[None, :, None]
-    d = tl.arange(0, DH)[None, None, :]
-    head_ok = h < HQ
-    top3 = top[None, :, None]
-    lse_c = tl.load(LSE_PART + h * SPLITS + c, mask=head_ok & (c < used), other=float("-inf"), cache_modifier=".cg")
-    o_c = tl.load(O_PART + (h * SPLITS + c) * DH + d, mask=head_ok & (c < used), other=0.0, cache_modifier=".cg")
-    acc = tl.zeros([HQ_P2, DH], dtype=tl.float32)
-    for first in range(0, used, AT_ONCE):
-        nxt = c + first + AT_ONCE
-        lse_n = tl.load(LSE_PART + h * SPLITS + nxt, mask=head_ok & (nxt < used), other=float("-inf"),
-                        cache_modifier=".cg")
-        o_n = tl.load(O_PART + (h * SPLITS + nxt) * DH + d, mask=head_ok & (nxt < used), other=0.0,
-                      cache_modifier=".cg")
-        acc += tl.sum(tl.exp2(lse_c - top3) * o_c, 0)
-        lse_c = lse_n
-        o_c = o_n
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    return tl.reshape(out.to(TY).to(tl.float32), [HQ_P2 * DH])
+        if last:
+            tl.atomic_xchg(COUNTS + hk, 0, sem="relaxed")  # (ordered before the next layer's count by the barrier)
+            combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH, BLOCK_D,
+                          GROUP_P2, SPLITS_P2)
+        _mark(MARKS, 3, TRACE)
 
 
 @triton.jit(do_not_specialize=["first_layer", "spin_limit"])
 def _decode_layers_kernel(
-    X_IN, XS, PEND, QKV, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS,
+    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
     spin_limit, first_layer, n_layers,
@@ -598,8 +559,7 @@ def _decode_layers_kernel(
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     F: tl.constexpr,
     FP: tl.constexpr, AP: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_IN: tl.constexpr,
-    BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HQ_P2: tl.constexpr,
-    PARTS_AT_ONCE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
@@ -607,7 +567,7 @@ def _decode_layers_kernel(
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
     [1] inside one); PEND: the MLP output the next layer adds."""
-    BAR = COUNTS
+    BAR = COUNTS + HKV
     X_MID = XS + D
     AQ = HQ * DH
     trace_at = TRACE_T + tl.program_id(0)
@@ -640,10 +600,10 @@ def _decode_layers_kernel(
             _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
-            _attention(qkv, O_PART, LSE_PART, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
+            _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
-                       SPLITS, BLOCK_N, BLOCK_SIZE, QK_NORM,
+                       SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV)
             _arrive(BAR, step + 1, trace_at, PERSISTENT, TRACE)
@@ -654,9 +614,7 @@ def _decode_layers_kernel(
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            a = _attention_vector(O_PART, LSE_PART, SEQ_LEN, HQ, HQ_P2, DH, SPLITS, SPLITS_P2, BLOCK_N,
-                                  O.dtype.element_ty, PARTS_AT_ONCE)
-            _project(a, wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
+            _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
             _arrive(BAR, step + 2, trace_at, PERSISTENT, TRACE)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)

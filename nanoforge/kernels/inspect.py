@@ -268,7 +268,7 @@ def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
 
 
 _DECODE_LAYERS_SIGNATURE = {
-    **{p: "*bf16" for p in ("X_IN", "XS", "PEND", "QKV", "O", "ACT")}, "O_PART": "*fp32", "LSE_PART": "*fp32",
+    **{p: "*bf16" for p in ("X_IN", "XS", "PEND", "QKV", "ATT", "O", "ACT")}, "O_PART": "*fp32", "LSE_PART": "*fp32",
     "COUNTS": "*i32", "TIMEOUTS": "*i32",
     **{p: "*bf16" for p in ("G1", "WQKV", "BQKV", "QW", "KW", "WO", "G2", "WIN", "WOUT", "KC", "VC")},
     "TABLE": "*i32", "SEQ_LEN": "*i32", "SLOT": "*i64", "CS": "*bf16",
@@ -285,7 +285,7 @@ def _decode_layers(**shape) -> TritonKernel:
     constexprs = dict(
         **dl.shape_constants(shape["D"], shape["NQKV"], shape["HQ"], shape["HKV"], shape["DH"], shape["F"],
                              dl.CONTEXT_SPLITS),
-        BLOCK_N=dl.ATTN_BLOCK_N, PARTS_AT_ONCE=dl.PARTS_AT_ONCE, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
+        BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv)
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))

@@ -38,7 +38,6 @@ def supported(model: Transformer) -> bool:
     cfg = model.cfg
     w = model.layers[0].attn.wqkv.weight
     return (not cfg.learned_positions and not cfg.out_bias and not cfg.mlp_bias
-            and cfg.head_dim & (cfg.head_dim - 1) == 0  # (phase C combines attention heads of 2^n dimensions)
             and w.dtype in (torch.float16, torch.bfloat16, torch.float32) and use_fast(w)
             and all(b.mlp.swiglu and isinstance(b.attn_norm, RMSNorm) and isinstance(b.mlp_norm, RMSNorm)
                     and all(type(m) is nn.Linear for m in (b.attn.wqkv, b.attn.wo, b.mlp.w_in, b.mlp.w_out))
