@@ -38,11 +38,13 @@ from nanoforge.model.config import preset  # noqa: E402
 
 # the ring's kernel with parts left out: (name, stages, tma, work, sync); work 0 no tiles, 2 tiles copied only
 PARTS = [("barriers", 2, False, 0, True), ("copies4", 4, False, 2, True), ("nosync4", 4, False, 1, False),
-         ("nosync-tma4", 4, True, 1, False), ("stream4", 4, False, 2, False)]
+         ("nosync-tma4", 4, True, 1, False), ("stream4", 4, False, 2, False),
+         ("copies-tma4", 4, True, 2, True), ("stream-tma4", 4, True, 2, False)]
 PART_NOTES = {"barriers": "no tile: five grid barriers a layer, the vectors' loads, the gap",
               "copies4": "ring4's copies and barriers, no tile read or reduced",
               "nosync4": "ring4 without grid barriers: copies and reductions",
-              "nosync-tma4": "tma4 without grid barriers", "stream4": "ring4's copies alone"}
+              "nosync-tma4": "tma4 without grid barriers", "stream4": "ring4's copies alone",
+              "copies-tma4": "tma4's copies and barriers, no tile read or reduced", "stream-tma4": "tma4's copies alone"}
 
 
 def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
