@@ -29,6 +29,52 @@ def test_a_tile_is_32_kb_of_whole_rows_its_chunks_a_power_of_two():
         ws.shape_constants(QWEN3[:3], 0)
 
 
+_PARTS_CHILD = """
+import dataclasses, json, sys
+from nanoforge.kernels import inspect as ki
+out = {}
+for work, sync, tma in json.loads(sys.argv[1]):
+    spec = ki._weight_stream(4, tma=tma)
+    spec = dataclasses.replace(spec, constexprs={**spec.constexprs, "WORK": work, "SYNC": int(sync)})
+    ptx = ki._compile_triton("weight_stream_part", spec).ptx
+    out[f"{work} {sync} {tma}"] = {p: ptx.count(p) for p in (
+        "cp.async.bulk.tensor", "cp.async.cg.shared.global", "ld.shared.v4", "red.global.gpu.release.add",
+        "ld.global.gpu.acquire")}
+print(json.dumps(out))
+"""
+
+
+def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
+    """The benchmark's parts (`PARTS`), compiled for sm_90 at Qwen3-0.6B's widths (a ring of 4, in a child
+    process: the real compiler, not the interpreter): no tiles (work 0) copies nothing and reads no stage; copies
+    only (2) copies but reads no stage; no sync has no barrier's release arrival or acquire; what is kept is
+    there (five barriers a layer, the stages read 16 bytes at a time)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_kernels_inspect import _need_cuda_tools
+
+    _need_cuda_tools()
+    cases = [(0, True, False), (2, True, False), (1, False, False), (2, False, True)]
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
+    r = subprocess.run([sys.executable, "-c", _PARTS_CHILD, json.dumps(cases)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for work, sync, tma in cases:
+        n = got[f"{work} {sync} {tma}"]
+        copies = n["cp.async.bulk.tensor"] if tma else n["cp.async.cg.shared.global"]
+        assert (copies > 0) == (work != 0), (work, sync, tma, n)
+        assert (n["ld.shared.v4"] > 0) == (work == 1), (work, sync, tma, n)
+        assert n["red.global.gpu.release.add"] == n["ld.global.gpu.acquire"] == (5 if sync else 0), n
+    with pytest.raises(ValueError, match="work is 0, 1 or 2, not 3"):
+        ws.shape_constants(QWEN3, 4, work=3)
+    with pytest.raises(ValueError, match="run on the ring's path"):
+        ws.shape_constants(QWEN3, 0, sync=False)
+
+
 def test_a_tma_descriptor_covers_a_phases_layers_one_box_a_tile():
     w = [torch.zeros(2, n, k, dtype=torch.bfloat16) for n, k in QWEN3]
     d = ws.descriptors(w)
