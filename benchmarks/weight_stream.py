@@ -10,10 +10,11 @@ in which the kernel reads nothing, between two barriers (decode_layers.py's atte
 Qwen3-0.6B layer at context 384 on an H100; each gap a run of its own). Through registers as decode_layers.py's
 tiles go (the baseline: two tiles in registers, the phase's first loaded during the barrier's wait), then
 through a ring of each --stages count of 32 KB shared-memory stages kept filled across phases and barriers, by
-cp.async (`ringN`) and by TMA (`tmaN`). Each way is checked bit for bit against the baseline and within bf16's
-rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every launch). Then the ring's
-kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers alone; copies without
-reductions; no grid barriers; copies alone; numbers then wrong, not checked). Prints a table
+cp.async (`ringN`) and by TMA (`tmaN`), and each ring again with the barriers' lean departure (`-lean`: one
+thread's acquire polls, no re-read or atomic after them). Each way is checked bit for bit against the baseline
+and within bf16's rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every
+launch). Then the ring's kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers
+alone; copies without reductions; no grid barriers; copies alone; numbers then wrong, not checked). Prints a table
 (us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps; the
 ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
 decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four phases at
@@ -36,15 +37,18 @@ import torch  # noqa: E402
 from nanoforge.model.config import preset  # noqa: E402
 
 
-# the ring's kernel with parts left out: (name, stages, tma, work, sync); work 0 no tiles, 2 tiles copied only
-PARTS = [("barriers", 2, False, 0, True), ("copies4", 4, False, 2, True), ("nosync4", 4, False, 1, False),
-         ("nosync-tma4", 4, True, 1, False), ("stream4", 4, False, 2, False),
-         ("copies-tma4", 4, True, 2, True), ("stream-tma4", 4, True, 2, False)]
+# the ring's kernel with parts left out: (name, stages, tma, work, sync); work 0 no tiles, 2 tiles copied only;
+# sync 0 no grid barriers, 2 their lean departure (kernels/weight_stream.py's `_depart_lean`)
+PARTS = [("barriers", 2, False, 0, 1), ("copies4", 4, False, 2, 1), ("nosync4", 4, False, 1, 0),
+         ("nosync-tma4", 4, True, 1, 0), ("stream4", 4, False, 2, 0), ("copies-tma4", 4, True, 2, 1),
+         ("stream-tma4", 4, True, 2, 0), ("lean-copies4", 4, False, 2, 2), ("lean-copies-tma4", 4, True, 2, 2)]
 PART_NOTES = {"barriers": "no tile: five grid barriers a layer, the vectors' loads, the gap",
               "copies4": "ring4's copies and barriers, no tile read or reduced",
               "nosync4": "ring4 without grid barriers: copies and reductions",
               "nosync-tma4": "tma4 without grid barriers", "stream4": "ring4's copies alone",
-              "copies-tma4": "tma4's copies and barriers, no tile read or reduced", "stream-tma4": "tma4's copies alone"}
+              "copies-tma4": "tma4's copies and barriers, no tile read or reduced", "stream-tma4": "tma4's copies alone",
+              "lean-copies4": "copies4 with the barriers' lean departure",
+              "lean-copies-tma4": "copies-tma4 with the barriers' lean departure"}
 
 
 def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -54,7 +58,7 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
     return ws, x
 
 
-def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync: bool = True) -> tuple[
+def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync: int = 1) -> tuple[
         list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
     from nanoforge.kernels.weight_stream import descriptors, stream_layers
@@ -151,15 +155,17 @@ def main() -> None:
         gap_ns = int(gap * 1000)
         base = None
         ways = {}
-        for way, depth, tma in [("registers", 0, False)] + [(f"{kind}{s}", s, kind == "tma") for kind in
-                                                             ("ring", "tma") for s in stages]:
-            got, gave_up, launch = run(ws, x, depth, tma, gap_ns, widths)
+        for way, depth, tma, sync in [("registers", 0, False, 1)] + [
+                (f"{kind}{s}{lean}", s, kind == "tma", 2 if lean else 1)
+                for lean in ("", "-lean") for kind in ("ring", "tma") for s in stages]:
+            got, gave_up, launch = run(ws, x, depth, tma, gap_ns, widths, sync=sync)
             base = got if base is None else base
             err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))
             same = all(torch.equal(g, b) for g, b in zip(got, base))
             us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
             weights_us = us - gap * layers  # the stand-in's waits taken out
-            ways[way] = {"stages": depth, "copies": "tma" if tma else "cp.async" if depth else "registers", "us": us,
+            ways[way] = {"stages": depth, "copies": "tma" if tma else "cp.async" if depth else "registers",
+                         "barrier": "lean" if sync == 2 else "decode_layers'", "us": us,
                          "us_per_layer": us / layers, "weights_tb_s": nbytes / weights_us / 1e6,
                          "hbm_fraction": nbytes / weights_us / 1e-6 / hbm,
                          "ratio": ways["registers"]["us"] / us if ways else 1.0, "bitwise_equal_to_registers": same,

@@ -39,7 +39,7 @@ for work, sync, tma in json.loads(sys.argv[1]):
     ptx = ki._compile_triton("weight_stream_part", spec).ptx
     out[f"{work} {sync} {tma}"] = {p: ptx.count(p) for p in (
         "cp.async.bulk.tensor", "cp.async.cg.shared.global", "ld.shared.v4", "red.global.gpu.release.add",
-        "ld.global.gpu.acquire")}
+        "ld.global.gpu.acquire", "ld.acquire.gpu.global")}
 print(json.dumps(out))
 """
 
@@ -47,8 +47,9 @@ print(json.dumps(out))
 def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
     """The benchmark's parts (`PARTS`), compiled for sm_90 at Qwen3-0.6B's widths (a ring of 4, in a child
     process: the real compiler, not the interpreter): no tiles (work 0) copies nothing and reads no stage; copies
-    only (2) copies but reads no stage; no sync has no barrier's release arrival or acquire; what is kept is
-    there (five barriers a layer, the stages read 16 bytes at a time)."""
+    only (2) copies but reads no stage; no sync has no barrier's release arrival or acquire, and the lean
+    departure (sync 2) acquires in its poll instead of after it; what is kept is there (five barriers a layer,
+    the stages read 16 bytes at a time)."""
     import json
     import os
     import subprocess
@@ -57,7 +58,7 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
     from test_kernels_inspect import _need_cuda_tools
 
     _need_cuda_tools()
-    cases = [(0, True, False), (2, True, False), (1, False, False), (2, False, True)]
+    cases = [(0, 1, False), (2, 1, False), (1, 0, False), (2, 0, True), (1, 2, True)]
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
     r = subprocess.run([sys.executable, "-c", _PARTS_CHILD, json.dumps(cases)], env=env, capture_output=True,
                        text=True, timeout=600)
@@ -68,11 +69,15 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
         copies = n["cp.async.bulk.tensor"] if tma else n["cp.async.cg.shared.global"]
         assert (copies > 0) == (work != 0), (work, sync, tma, n)
         assert (n["ld.shared.v4"] > 0) == (work == 1), (work, sync, tma, n)
-        assert n["red.global.gpu.release.add"] == n["ld.global.gpu.acquire"] == (5 if sync else 0), n
+        assert n["red.global.gpu.release.add"] == (5 if sync else 0), n  # the arrivals
+        assert n["ld.global.gpu.acquire"] == (5 if sync == 1 else 0), n  # (the lean departure's polls acquire)
+        assert n["ld.acquire.gpu.global"] == (5 if sync == 2 else 0), n
     with pytest.raises(ValueError, match="work is 0, 1 or 2, not 3"):
         ws.shape_constants(QWEN3, 4, work=3)
     with pytest.raises(ValueError, match="run on the ring's path"):
-        ws.shape_constants(QWEN3, 0, sync=False)
+        ws.shape_constants(QWEN3, 0, sync=2)
+    with pytest.raises(ValueError, match="sync is 0, 1 or 2, not 3"):
+        ws.shape_constants(QWEN3, 4, sync=3)
 
 
 def test_a_tma_descriptor_covers_a_phases_layers_one_box_a_tile():
@@ -103,8 +108,8 @@ def test_the_reference_chains_the_phases_with_bf16_between_them():
 @pytest.mark.parametrize("programs", [None, 7])  # one an SM (some with no tile of a phase); few, many tiles each
 @pytest.mark.parametrize("widths", [QWEN3, LLAMA], ids=["qwen3-0.6b", "llama3-1b"])
 def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
-    """Three layers through registers and through rings of 2 and 6 stages filled by cp.async and by TMA: the
-    same bits (the same tiles reduced in the same layout and order), within bf16's rounding of the float64
+    """Three layers through registers and through rings of 2 and 6 stages filled by cp.async and by TMA, and of
+    4 with the barriers' lean departure (`_depart_lean`, each copy kind): the same bits (the same tiles reduced in the same layout and order), within bf16's rounding of the float64
     chain, no barrier given up (five a layer), with the attention phase's stand-in waiting or not."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
@@ -113,11 +118,13 @@ def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
     x = torch.randn(widths[0][1], generator=gen, device="cuda").bfloat16()
     want = ws.reference(w, x)
     outs = []
-    for stages, tma in ((0, False), (2, False), (6, False), (2, True), (6, True)):
+    for stages, tma, sync in ((0, False, 1), (2, False, 1), (6, False, 1), (2, True, 1), (6, True, 1), (4, False, 2),
+                              (4, True, 2)):
         v = [torch.full((widths[p - 1][0],), float("nan"), device="cuda", dtype=torch.bfloat16) for p in range(4)]
         v[0].copy_(x)
         counts = torch.zeros(2, dtype=torch.int32, device="cuda")
-        ws.stream_layers(w, v, stages, counts, tma=tma, gap_ns=2000 if stages == 6 else 0, programs=programs)
+        ws.stream_layers(w, v, stages, counts, tma=tma, gap_ns=2000 if stages == 6 else 0, programs=programs,
+                         sync=sync)
         torch.cuda.synchronize()
         assert int(counts[1]) == 0 and int(counts[0]) == 3 * 5 * (programs or torch.cuda.get_device_properties(
             0).multi_processor_count)

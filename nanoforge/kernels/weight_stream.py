@@ -174,13 +174,53 @@ def _depart(BAR, target, spin_limit, TIMEOUTS):
     _cta_barrier()
 
 
+# The lean departure's poll (SYNC = 2): thread 0 polls with acquire loads until the count reaches $2 (or $3
+# polls: then it counts the give-up at $4 and lifts the count at $1 past every target, as `_depart` does with
+# atomics); the other threads return at once and meet it at the CTA barrier after. No re-read, no atomic after.
+LEAN_POLL = gl.constexpr(f"""{{
+    .reg .pred lsSkip, lsDone, lsMore;
+    .reg .u32 lsTid;
+    .reg .s32 lsSpins;
+    mov.u32 lsTid, %tid.x;
+    mov.s32 $0, $2;
+    setp.ne.u32 lsSkip, lsTid, 0;
+    @lsSkip bra LS_DONE;
+    mov.s32 lsSpins, 0;
+    LS_AGAIN:
+    ld.acquire.gpu.global.s32 $0, [$1];
+    setp.ge.s32 lsDone, $0, $2;
+    @lsDone bra LS_DONE;
+    add.s32 lsSpins, lsSpins, 1;
+    setp.lt.s32 lsMore, lsSpins, $3;
+    @lsMore bra LS_AGAIN;
+    red.relaxed.gpu.global.add.s32 [$4], 1;
+    red.relaxed.gpu.global.max.s32 [$1], {GAVE_UP.value};
+    LS_DONE:
+    }}""")
+
+
+@gluon.jit
+def _depart_lean(BAR, target, spin_limit, TIMEOUTS):
+    """The departure in one thread, as cooperative groups' grid sync waits (`LEAN_POLL`): its acquire loads
+    order the other programs' arrivals before it, the CTA barrier after it orders them before every thread's
+    next reads. What `_depart` adds after its poll (a CTA barrier, a strong re-read of the count, the give-up's
+    atomics, an acquire: L2 round trips in series) is left out, to see what they cost with copies in flight."""
+    gl.inline_asm_elementwise(LEAN_POLL, "=r,l,r,r,l", [BAR, target, spin_limit, TIMEOUTS], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    _cta_barrier()
+
+
 @gluon.jit
 def _barrier(BAR, target, spin_limit, TIMEOUTS, SYNC: gl.constexpr):
-    """The grid barrier, arrival then departure; SYNC = 0: none (a measurement of what the barriers cost: the
-    phases then read vectors not yet written)."""
-    if SYNC:
+    """The grid barrier, arrival then departure: SYNC = 1 decode_layers.py's, 2 its lean departure
+    (`_depart_lean`), 0 none (a measurement of what the barriers cost: the phases then read vectors not yet
+    written)."""
+    if SYNC == 1:
         _arrive(BAR)
         _depart(BAR, target, spin_limit, TIMEOUTS)
+    elif SYNC == 2:
+        _arrive(BAR)
+        _depart_lean(BAR, target, spin_limit, TIMEOUTS)
 
 
 @gluon.jit
@@ -324,7 +364,7 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
     registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring). What the
     time goes to, with a ring: WORK = 0 no tiles (the barriers, the vectors' loads and the stand-in alone), 2 the
     tiles copied but not read or reduced, 1 everything; SYNC = 0 no grid barriers (wrong numbers, the copies and
-    reductions alone)."""
+    reductions alone), 2 the barriers' lean departure (`_depart_lean`)."""
     L: gl.constexpr = TILE_LAYOUT
     programs = gl.num_programs(0)
     n0 = _count(N0, R0)
@@ -410,16 +450,18 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
 
 
 def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False, work: int = 1,
-                    sync: bool = True) -> dict:
+                    sync: int = 1) -> dict:
     """The kernel's constexprs for four phases' (N, K), `stages` (0: registers), `tma` (the ring's copies), and
     what to leave out to see what the rest costs (with a ring): `work` 0 (no tiles), 2 (tiles copied, not
-    reduced) or 1 (all), `sync` False (no grid barriers)."""
+    reduced) or 1 (all), `sync` 0 (no grid barriers); `sync` 2: the barriers' lean departure (with a ring)."""
     if len(widths) != PHASES:
         raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
     if work not in (0, 1, 2):
         raise ValueError(f"weight_stream: work is 0, 1 or 2, not {work!r}")
-    if (work != 1 or not sync) and not stages:
-        raise ValueError("weight_stream: the parts alone (work 0 or 2, sync off) run on the ring's path: stages >= 2")
+    if sync not in (0, 1, 2):
+        raise ValueError(f"weight_stream: sync is 0, 1 or 2, not {sync!r}")
+    if (work != 1 or sync != 1) and not stages:
+        raise ValueError("weight_stream: work 0 or 2 and sync 0 or 2 run on the ring's path: stages >= 2")
     out = {"STAGES": stages, "TMA": tma, "WORK": int(work), "SYNC": int(sync)}
     for p, (n, k) in enumerate(widths):
         r, c = tile_shape(k)
@@ -456,14 +498,14 @@ def descriptors(ws: list[torch.Tensor]) -> list:
 
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
                   tma: bool = False, gap_ns: int = 0, programs: int | None = None, descs: list | None = None,
-                  spin_limit: int = SPIN_LIMIT, work: int = 1, sync: bool = True) -> None:
+                  spin_limit: int = SPIN_LIMIT, work: int = 1, sync: int = 1) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
     int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
     stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's
     stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM). descs:
     `descriptors(ws)`, made once by a caller that launches again (else here). work, sync: the parts left out
-    (`shape_constants`; the numbers then wrong)."""
+    (`shape_constants`; the numbers then wrong), or sync 2 the lean barrier (the same numbers)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
     consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work, sync)
     weight_stream_kernel[(programs,)](*v, *ws, *(descs or descriptors(ws)), counts, counts[1:], ws[0].shape[0],
