@@ -275,10 +275,11 @@ def phase_times(trace: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-# Thread 0 of a program polls a count at $1 until it reaches $2 or $3 polls have gone by; $0 the last count
-# read ($2 in the other threads, which return at once): `_poll_one_thread`, and kernels/weight_stream.py's.
-POLL_ONE_THREAD = tl.constexpr(
-    """{
+def poll_one_thread_ptx(load: str = "ld.relaxed.gpu.global", give_up: str = "") -> str:
+    """PTX in which thread 0 of a program polls a count at $1 (each poll a `load`) until it reaches $2 or $3 polls
+    have gone by, then, if they have, runs `give_up`; $0 the last count read ($2 in the other threads, which
+    return at once). `POLL_ONE_THREAD` (decode_layers.py's barrier) and kernels/weight_stream.py's lean one."""
+    return f"""{{
     .reg .pred nfSkip, nfDone, nfMore;
     .reg .u32 nfTid;
     .reg .s32 nfSpins;
@@ -288,14 +289,17 @@ POLL_ONE_THREAD = tl.constexpr(
     @nfSkip bra NF_POLL_DONE;
     mov.s32 nfSpins, 0;
     NF_POLL_AGAIN:
-    ld.relaxed.gpu.global.s32 $0, [$1];
+    {load}.s32 $0, [$1];
     setp.ge.s32 nfDone, $0, $2;
     @nfDone bra NF_POLL_DONE;
     add.s32 nfSpins, nfSpins, 1;
     setp.lt.s32 nfMore, nfSpins, $3;
-    @nfMore bra NF_POLL_AGAIN;
+    @nfMore bra NF_POLL_AGAIN;{give_up}
     NF_POLL_DONE:
-    }""")
+    }}"""
+
+
+POLL_ONE_THREAD = tl.constexpr(poll_one_thread_ptx())  # `_poll_one_thread`'s
 
 
 @triton.jit

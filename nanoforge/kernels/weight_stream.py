@@ -42,7 +42,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from nanoforge.kernels.decode_layers import _GAVE_UP as GAVE_UP, POLL_ONE_THREAD, SPIN_LIMIT, _cooperative
+from nanoforge.kernels.decode_layers import (
+    _GAVE_UP as GAVE_UP, POLL_ONE_THREAD, SPIN_LIMIT, _cooperative, poll_one_thread_ptx,
+)
 
 TILE = 16384  # elements of W a tile (32 KB of bf16), as decode_layers.TILE_ELEMENTS
 CHUNK = 1024  # a tile is [rows, chunks, CHUNK]: rows of K = chunks x CHUNK elements (K a multiple of CHUNK)
@@ -174,29 +176,11 @@ def _depart(BAR, target, spin_limit, TIMEOUTS):
     _cta_barrier()
 
 
-# The lean departure's poll (SYNC = 2): thread 0 polls with acquire loads until the count reaches $2 (or $3
-# polls: then it counts the give-up at $4 and lifts the count at $1 past every target, as `_depart` does with
-# atomics); the other threads return at once and meet it at the CTA barrier after. No re-read, no atomic after.
-LEAN_POLL = gl.constexpr(f"""{{
-    .reg .pred lsSkip, lsDone, lsMore;
-    .reg .u32 lsTid;
-    .reg .s32 lsSpins;
-    mov.u32 lsTid, %tid.x;
-    mov.s32 $0, $2;
-    setp.ne.u32 lsSkip, lsTid, 0;
-    @lsSkip bra LS_DONE;
-    mov.s32 lsSpins, 0;
-    LS_AGAIN:
-    ld.acquire.gpu.global.s32 $0, [$1];
-    setp.ge.s32 lsDone, $0, $2;
-    @lsDone bra LS_DONE;
-    add.s32 lsSpins, lsSpins, 1;
-    setp.lt.s32 lsMore, lsSpins, $3;
-    @lsMore bra LS_AGAIN;
+# The lean departure's poll (SYNC = 2): thread 0 polls with acquire loads; a give-up counts itself at $4 and lifts
+# the count at $1 past every target, as `_depart` does with atomics, in PTX. No re-read, no atomic after.
+LEAN_POLL = gl.constexpr(poll_one_thread_ptx("ld.acquire.gpu.global", f"""
     red.relaxed.gpu.global.add.s32 [$4], 1;
-    red.relaxed.gpu.global.max.s32 [$1], {GAVE_UP.value};
-    LS_DONE:
-    }}""")
+    red.relaxed.gpu.global.max.s32 [$1], {GAVE_UP.value};"""))
 
 
 @gluon.jit
