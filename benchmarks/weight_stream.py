@@ -37,18 +37,17 @@ import torch  # noqa: E402
 from nanoforge.model.config import preset  # noqa: E402
 
 
-# the ring's kernel with parts left out: (name, stages, tma, work, sync); work 0 no tiles, 2 tiles copied only;
-# sync 0 no grid barriers, 2 their lean departure (kernels/weight_stream.py's `_depart_lean`)
-PARTS = [("barriers", 2, False, 0, 1), ("copies4", 4, False, 2, 1), ("nosync4", 4, False, 1, 0),
-         ("nosync-tma4", 4, True, 1, 0), ("stream4", 4, False, 2, 0), ("copies-tma4", 4, True, 2, 1),
-         ("stream-tma4", 4, True, 2, 0), ("lean-copies4", 4, False, 2, 2), ("lean-copies-tma4", 4, True, 2, 2)]
-PART_NOTES = {"barriers": "no tile: five grid barriers a layer, the vectors' loads, the gap",
-              "copies4": "ring4's copies and barriers, no tile read or reduced",
-              "nosync4": "ring4 without grid barriers: copies and reductions",
-              "nosync-tma4": "tma4 without grid barriers", "stream4": "ring4's copies alone",
-              "copies-tma4": "tma4's copies and barriers, no tile read or reduced", "stream-tma4": "tma4's copies alone",
-              "lean-copies4": "copies4 with the barriers' lean departure",
-              "lean-copies-tma4": "copies-tma4 with the barriers' lean departure"}
+# the ring's kernel with parts left out: (name, stages, tma, work, sync, what it times); work 0 no tiles, 2 tiles
+# copied only; sync 0 no grid barriers, 2 their lean departure (kernels/weight_stream.py's `_depart_lean`)
+PARTS = [("barriers", 2, False, 0, 1, "no tile: five grid barriers a layer, the vectors' loads, the gap"),
+         ("copies4", 4, False, 2, 1, "ring4's copies and barriers, no tile read or reduced"),
+         ("nosync4", 4, False, 1, 0, "ring4 without grid barriers: copies and reductions"),
+         ("nosync-tma4", 4, True, 1, 0, "tma4 without grid barriers"),
+         ("stream4", 4, False, 2, 0, "ring4's copies alone"),
+         ("copies-tma4", 4, True, 2, 1, "tma4's copies and barriers, no tile read or reduced"),
+         ("stream-tma4", 4, True, 2, 0, "tma4's copies alone"),
+         ("lean-copies4", 4, False, 2, 2, "copies4 with the barriers' lean departure"),
+         ("lean-copies-tma4", 4, True, 2, 2, "copies-tma4 with the barriers' lean departure")]
 
 
 def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -138,7 +137,7 @@ def main() -> None:
     hbm = peaks(device)[1]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, t0, bad_barriers = {}, time.time(), []
+    rows, t0, bad_parts = {}, time.time(), []
     print(f"{torch.cuda.get_device_name()}, HBM peak {hbm / 1e12:.2f} TB/s")
     print(f"{'shape':<12} {'gap us':>6} {'way':<10} {'us a launch':>12} {'us a layer':>11} {'TB/s':>6} {'HBM':>6} "
           f"{'ratio':>6}   (TB/s and HBM: the weights' bytes over the time less the gaps)")
@@ -178,7 +177,7 @@ def main() -> None:
                   flush=True)
         # what the time goes to: the ring's kernel with parts left out (its numbers then wrong, not checked)
         parts = {}
-        for part, depth, tma, work, sync in PARTS:
+        for part, depth, tma, work, sync, note in PARTS:
             _, gave_up, launch = run(ws, x, depth, tma, gap_ns, widths, work=work, sync=sync)
             us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
             moved = nbytes if work else 0
@@ -188,8 +187,8 @@ def main() -> None:
             tb = f"{parts[part]['weights_tb_s']:>6.2f} {moved / (us - gap * layers) / 1e-6 / hbm:>6.1%}" if moved \
                 else f"{'':>6} {'':>6}"
             print(f"{name:<12} {gap:>6.1f} {part:<10} {us:>12.1f} {us / layers:>11.2f} {tb} {'':>6}   "
-                  f"({PART_NOTES[part]})" + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
-            bad_barriers += [f"{name} gap {gap:g} us {part}"] * bool(gave_up)
+                  f"({note})" + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
+            bad_parts += [f"{name} gap {gap:g} us {part}"] * bool(gave_up)
         rows[f"{name} gap {gap:g} us"] = {
             "shape": name, "gap_us": gap, "layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
             "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways, "parts": parts}
@@ -201,7 +200,7 @@ def main() -> None:
     print(f"wrote {out / 'weight_stream.json'} and weight_stream.png")
     bad = [f"{n} {w}" for n, r in rows.items() for w, v in r["ways"].items()
            if not v["bitwise_equal_to_registers"] or v["relative_error"] > v["tolerance"] or v["barrier_give_ups"]]
-    bad += bad_barriers
+    bad += bad_parts
     if bad:
         raise AssertionError(f"wrong results: {', '.join(bad)}")  # a bug: a traceback, exit 1
 

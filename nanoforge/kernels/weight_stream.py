@@ -72,42 +72,17 @@ STAGE_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # inde
 BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3))
 
 
-# Gluon's spelling of four calls, Triton 3.9's (CI's) or 3.6's (the GPU image's); all else is written once
-if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+# Gluon's spelling of four calls, Triton 3.9's (CI's) or 3.6's (the GPU image's), bound once here
+_NEW_NAMES = hasattr(gl.shared_memory_descriptor, "reinterpret")
+_reinterpret = gl.shared_memory_descriptor.reinterpret if _NEW_NAMES else gl.shared_memory_descriptor._reinterpret
+_cta_barrier = gl.barrier if _NEW_NAMES else gl.thread_barrier
+_copy = async_copy.async_load if _NEW_NAMES else async_copy.async_copy_global_to_shared
+_tma_load = tma.async_load if _NEW_NAMES else tma.async_copy_global_to_shared
 
-    @gluon.jit
-    def _view(ring, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, layout: gl.constexpr):
-        return ring.reinterpret(gl.bfloat16, [ring.shape[0], D1, D2, D3], layout)
 
-    @gluon.jit
-    def _cta_barrier():
-        gl.barrier()
-
-    @gluon.jit
-    def _copy(smem, ptrs, mask):
-        async_copy.async_load(smem, ptrs, mask)
-
-    @gluon.jit
-    def _tma_copy(desc, row, bar, smem):
-        tma.async_load(desc, [row, 0, 0], bar, smem)
-
-else:
-
-    @gluon.jit
-    def _view(ring, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, layout: gl.constexpr):
-        return ring._reinterpret(gl.bfloat16, [ring.shape[0], D1, D2, D3], layout)
-
-    @gluon.jit
-    def _cta_barrier():
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _copy(smem, ptrs, mask):
-        async_copy.async_copy_global_to_shared(smem, ptrs, mask)
-
-    @gluon.jit
-    def _tma_copy(desc, row, bar, smem):
-        tma.async_copy_global_to_shared(desc, [row, 0, 0], bar, smem)
+@gluon.jit
+def _view(ring, D1: gl.constexpr, D2: gl.constexpr, D3: gl.constexpr, layout: gl.constexpr):
+    return _reinterpret(ring, gl.bfloat16, [ring.shape[0], D1, D2, D3], layout)
 
 
 @gluon.jit
@@ -231,7 +206,7 @@ def _issue_tile(ring, bar, s, W, D, layer, t, N: gl.constexpr, K: gl.constexpr, 
     ring stage s: one TMA box counted at the stage's mbarrier bar, or cp.async from every thread."""
     if TMA:
         mbarrier.expect(bar, 32768)  # (a box is a whole stage, TILE bf16, its zero fill past K counted)
-        _tma_copy(D, layer * N + t * R, bar, _box(ring, s, R, C))
+        _tma_load(D, [layer * N + t * R, 0, 0], bar, _box(ring, s, R, C))
     else:
         ptrs, mask, _rows = _tile(W + layer.to(gl.int64) * N * K, t, N, K, R, C, L)
         _copy(_stage(ring, s, R, C), ptrs, mask)
