@@ -298,7 +298,7 @@ def _weight_stream(stages: int, tma: bool = False) -> TritonKernel:
     (0 stages: through registers)."""
     from nanoforge.kernels import weight_stream as ws
 
-    widths = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+    widths = ws.layer_widths(d=1024, q=2048, kv=1024, f=3072)
     layout = repr(ws.BOX_LAYOUT.value)
     signature = {**{a: "*bf16" for a in ("V0", "V1", "V2", "V3", "W0", "W1", "W2", "W3")},
                  **{f"D{p}": f"tensordesc<bf16{ws.box_shape(k)},{layout}>" for p, (_, k) in enumerate(widths)},
