@@ -349,29 +349,16 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
             cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         c = n_layers * 0
         for layer in range(n_layers):
-            step = layer * 5
-            c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, bars, c, V0, V1, N0, K0, R0, C0, n0, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
-                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA, WORK)
-            _barrier(BAR, (step + 1) * programs, spin_limit, TIMEOUTS, SYNC)
-            _attention_stand_in(gap_ns)
-            _barrier(BAR, (step + 2) * programs, spin_limit, TIMEOUTS, SYNC)
-            c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, bars, c, V1, V2, N1, K1, R1, C1, n1, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
-                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA, WORK)
-            _barrier(BAR, (step + 3) * programs, spin_limit, TIMEOUTS, SYNC)
-            c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, bars, c, V2, V3, N2, K2, R2, C2, n2, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
-                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA, WORK)
-            _barrier(BAR, (step + 4) * programs, spin_limit, TIMEOUTS, SYNC)
-            c, cur_layer, cur_phase, cur_k = _phase_ring(
-                ring, bars, c, V3, V0, N3, K3, R3, C3, n3, cur_layer, cur_phase, cur_k, W0, W1, W2, W3,
-                D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n0, n1, n2, n3,
-                n_layers, STAGES, L, TMA, WORK)
-            _barrier(BAR, (step + 5) * programs, spin_limit, TIMEOUTS, SYNC)
+            for p in gl.static_range(4):  # phase p: V_p -> V_{p+1} (V3 -> V0); after Q/K/V the stand-in
+                c, cur_layer, cur_phase, cur_k = _phase_ring(
+                    ring, bars, c, (V0, V1, V2, V3)[p], (V1, V2, V3, V0)[p], (N0, N1, N2, N3)[p],
+                    (K0, K1, K2, K3)[p], (R0, R1, R2, R3)[p], (C0, C1, C2, C3)[p], (n0, n1, n2, n3)[p], cur_layer,
+                    cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2,
+                    C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L, TMA, WORK)
+                _barrier(BAR, (layer * 5 + p + 1 + (p > 0)) * programs, spin_limit, TIMEOUTS, SYNC)
+                if p == 0:
+                    _attention_stand_in(gap_ns)
+                    _barrier(BAR, (layer * 5 + 2) * programs, spin_limit, TIMEOUTS, SYNC)
         if TMA:
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
