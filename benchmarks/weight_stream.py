@@ -1,7 +1,7 @@
 """Batch-1 decode's weight phases streamed through shared memory against through registers, on one GPU (issue 14's
 next lever, measured before it is built into the persistent decode kernel; kernels/weight_stream.py):
 
-    python benchmarks/weight_stream.py [--presets llama3-1b,qwen3-0.6b] [--stages 2,4,6] [--gap-us 0,10]
+    python benchmarks/weight_stream.py [--presets llama3-1b,qwen3-0.6b] [--stages 2,4,6] [--gap-us 0,10] [--trace]
 
 For each shape, its layers' four weight phases (Q/K/V, attention-out, gate-and-up, MLP-down; random bf16
 weights) in one persistent launch of a program an SM, a grid barrier after each phase, each phase's input the
@@ -14,7 +14,10 @@ cp.async (`ringN`) and by TMA (`tmaN`), and each ring again with the barriers' l
 thread's acquire polls, no re-read or atomic after them). Each way is checked bit for bit against the baseline
 and within bf16's rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every
 launch). Then the ring's kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers
-alone; copies without reductions; no grid barriers; copies alone; numbers then wrong, not checked). Prints a table
+alone; copies without reductions; no grid barriers; copies alone; numbers then wrong, not checked). --trace:
+one launch of each ring of the first --stages count traced (each program's clock at every barrier and at each
+phase's first and last tile): each phase's work, how long its first tile was still coming once the barrier in
+front of it let the program go (near 0: the copies went on through the barrier), each barrier's wait. Prints a table
 (us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps; the
 ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
 decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four phases at
@@ -57,9 +60,10 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
     return ws, x
 
 
-def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync: int = 1) -> tuple[
-        list[torch.Tensor], int, callable]:
-    """The four vectors after one launch, the barrier waits that gave up, and a launch to time."""
+def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync: int = 1,
+        trace: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int, callable]:
+    """The four vectors after one launch, the barrier waits that gave up, and a launch to time (`trace`: each
+    launch's events written there)."""
     from nanoforge.kernels.weight_stream import descriptors, stream_layers
 
     descs = descriptors(ws)  # (once, not in the timed launches)
@@ -69,11 +73,43 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync:
     def launch():
         counts.zero_()
         v[0].copy_(x)
-        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work, sync=sync)
+        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work, sync=sync, trace=trace)
 
     launch()
     torch.cuda.synchronize()
     return [t.clone() for t in v], int(counts[1]), launch
+
+
+def trace_rings(ws, x, ways: dict, stages: int, gap_ns: int, widths, layers: int, name: str, gap: float) -> dict:
+    """One traced launch (after three untraced) of each ring of `stages` (cp.async, TMA; decode_layers' barrier
+    and the lean one), read by `phase_trace`, printed a line each: the layer's time traced (and untraced, from
+    the timed runs: what the clock's stores cost), each phase's work and its first tile's wait after the barrier
+    in front of it (near 0: the copies went on through the barrier), each barrier's wait."""
+    from triton.testing import do_bench
+
+    from nanoforge.kernels.weight_stream import EVENTS, phase_trace
+
+    programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    out = {}
+    for way in [f"{kind}{stages}{lean}" for lean in ("", "-lean") for kind in ("ring", "tma")]:
+        t = torch.zeros(EVENTS * layers, programs, dtype=torch.int64, device=x.device)
+        _, _, launch = run(ws, x, stages, way.startswith("tma"), gap_ns, widths, sync=2 if "lean" in way else 1,
+                           trace=t)
+        traced_us = do_bench(launch, warmup=10, rep=100, return_mode="median") * 1e3 / layers
+        for _ in range(3):
+            launch()
+        t.zero_()
+        launch()
+        torch.cuda.synchronize()
+        got = out[way] = phase_trace(t) | {"traced_us_per_layer": traced_us,
+                                           "untraced_us_per_layer": ways[way]["us_per_layer"]}
+        phases = "  ".join(f"{ph} {got[f'phase {p}']['work_us']:.2f}/{got[f'phase {p}']['stall_us']:.2f}"
+                           for p, ph in enumerate(("qkv", "o", "gate-up", "down")))
+        waits = " ".join(f"{got[f'barrier {b}']['wait_us']:.2f}" for b in range(5))
+        print(f"{name:<12} {gap:>6.1f} {way + ' trace':<16} layer {got['layer_us']:.2f} us (do_bench traced "
+              f"{traced_us:.2f}, untraced {got['untraced_us_per_layer']:.2f}); us work/first-tile wait: {phases}; "
+              f"barrier waits {waits}", flush=True)
+    return out
 
 
 def plot(rows: dict, path: Path) -> None:
@@ -109,6 +145,9 @@ def main() -> None:
     ap.add_argument("--stages", default="2,4,6", help="comma-separated ring depths (2-6 stages of 32 KB)")
     ap.add_argument("--layers", type=int, default=0, help="layers (default: the preset's)")
     ap.add_argument("--gap-us", default="0,10", help="comma-separated waits standing in for the attention phase")
+    ap.add_argument("--trace", action="store_true",
+                    help="also trace one launch of each ring of the first --stages (`phase_trace`: each phase's work "
+                         "and its first tile's wait after the barrier, each barrier's wait)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     stages = [int(s) if s.strip().isdigit() else 0 for s in args.stages.split(",") if s.strip()]
@@ -189,9 +228,11 @@ def main() -> None:
             print(f"{name:<12} {gap:>6.1f} {part:<10} {us:>12.1f} {us / layers:>11.2f} {tb} {'':>6}   "
                   f"({note})" + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
             bad_parts += [f"{name} gap {gap:g} us {part}"] * bool(gave_up)
+        traces = trace_rings(ws, x, ways, stages[0], gap_ns, widths, layers, name, gap) if args.trace else {}
         rows[f"{name} gap {gap:g} us"] = {
             "shape": name, "gap_us": gap, "layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
-            "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways, "parts": parts}
+            "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways, "parts": parts,
+            "traces": traces}
         done, elapsed = i + 1, time.time() - t0
         print(f"  [{done}/{len(runs)} runs, {elapsed:.0f} s; ~{elapsed / done * (len(runs) - done):.0f} s to go]",
               flush=True)

@@ -20,7 +20,8 @@ def test_a_tile_is_32_kb_of_whole_rows_its_chunks_a_power_of_two():
     assert all(r * c * ws.CHUNK == ws.TILE for r, c in map(ws.tile_shape, (1024, 2048, 3072, 4096, 8192, 16384)))
     assert [ws.box_shape(k) for _, k in QWEN3] == [[16, 4, 256], [8, 8, 256], [16, 4, 256], [4, 16, 256]]
     consts = ws.shape_constants(QWEN3, 4)
-    assert consts["STAGES"] == 4 and not consts["TMA"] and (consts["N3"], consts["K3"], consts["R3"], consts["C3"]) == (1024, 3072, 4, 4)
+    assert consts["STAGES"] == 4 and not consts["TMA"] and not consts["TRACE"]
+    assert (consts["N3"], consts["K3"], consts["R3"], consts["C3"]) == (1024, 3072, 4, 4)
     with pytest.raises(ValueError, match="K = 1000 is not a multiple of 1024"):
         ws.tile_shape(1000)
     with pytest.raises(ValueError, match="wider than a tile"):
@@ -33,13 +34,13 @@ _PARTS_CHILD = """
 import dataclasses, json, sys
 from nanoforge.kernels import inspect as ki
 out = {}
-for work, sync, tma in json.loads(sys.argv[1]):
+for work, sync, tma, trace in json.loads(sys.argv[1]):
     spec = ki._weight_stream(4, tma=tma)
-    spec = dataclasses.replace(spec, constexprs={**spec.constexprs, "WORK": work, "SYNC": int(sync)})
+    spec = dataclasses.replace(spec, constexprs={**spec.constexprs, "WORK": work, "SYNC": int(sync), "TRACE": trace})
     ptx = ki._compile_triton("weight_stream_part", spec).ptx
-    out[f"{work} {sync} {tma}"] = {p: ptx.count(p) for p in (
+    out[f"{work} {sync} {tma} {trace}"] = {p: ptx.count(p) for p in (
         "cp.async.bulk.tensor", "cp.async.cg.shared.global", "ld.shared.v4", "red.global.gpu.release.add",
-        "ld.global.gpu.acquire", "ld.acquire.gpu.global")}
+        "ld.global.gpu.acquire", "ld.acquire.gpu.global", "%globaltimer", "st.global.b64")}
 print(json.dumps(out))
 """
 
@@ -49,7 +50,9 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
     process: the real compiler, not the interpreter): no tiles (work 0) copies nothing and reads no stage; copies
     only (2) copies but reads no stage; no sync has no barrier's release arrival or acquire, and the lean
     departure (sync 2) acquires in its poll instead of after it; what is kept is there (five barriers a layer,
-    the stages read 16 bytes at a time)."""
+    the stages read 16 bytes at a time). A traced launch (the last case) stores the clock 18 times a layer
+    (`EVENTS`: each barrier's arrival and departure, each phase's first and last tile), an untraced one never
+    (its only clock reads the attention stand-in's)."""
     import json
     import os
     import subprocess
@@ -58,14 +61,16 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
     from test_kernels_inspect import _need_cuda_tools
 
     _need_cuda_tools()
-    cases = [(0, 1, False), (2, 1, False), (1, 0, False), (2, 0, True), (1, 2, True)]
+    cases = [(0, 1, False, False), (2, 1, False, False), (1, 0, False, False), (2, 0, True, False),
+             (1, 2, True, True)]
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
     r = subprocess.run([sys.executable, "-c", _PARTS_CHILD, json.dumps(cases)], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    for work, sync, tma in cases:
-        n = got[f"{work} {sync} {tma}"]
+    for work, sync, tma, trace in cases:
+        n = got[f"{work} {sync} {tma} {trace}"]
+        assert (n["st.global.b64"], n["%globaltimer"]) == ((ws.EVENTS, ws.EVENTS + 2) if trace else (0, 2)), n
         copies = n["cp.async.bulk.tensor"] if tma else n["cp.async.cg.shared.global"]
         assert (copies > 0) == (work != 0), (work, sync, tma, n)
         assert (n["ld.shared.v4"] > 0) == (work == 1), (work, sync, tma, n)
@@ -76,8 +81,38 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
         ws.shape_constants(QWEN3, 4, work=3)
     with pytest.raises(ValueError, match="run on the ring's path"):
         ws.shape_constants(QWEN3, 0, sync=2)
+    with pytest.raises(ValueError, match="run on the ring's path"):
+        ws.shape_constants(QWEN3, 0, trace=True)
     with pytest.raises(ValueError, match="sync is 0, 1 or 2, not 3"):
         ws.shape_constants(QWEN3, 4, sync=3)
+
+
+def test_the_trace_reads_each_phases_work_its_first_tiles_wait_and_each_barriers_wait():
+    """`phase_trace` on a trace written by hand (three layers, two programs, in microseconds): barrier b of layer l
+    arrived at 100 l + 20 b + 1 and + 3, left at + 5 and + 6; each phase's first tile in 2 and 4 us after the
+    program left the barrier in front of it (program 1 has no tile of attention-out: left out). So every barrier
+    waits 3 us (last arrival to last departure), every phase works 17 (last departure before to last arrival
+    after; Q/K/V's from the layer before's last barrier), the first tiles wait 3 us on average (2 for
+    attention-out), and a layer takes 100; the first layer is left out (nothing before its first phase)."""
+    layers, programs = 3, 2
+    t = torch.zeros(layers, ws.EVENTS, programs, dtype=torch.float64)
+    for layer in range(layers):
+        for b in range(5):
+            base = 100 * layer + 20 * b
+            t[layer, 2 * b] = torch.tensor([base + 1, base + 3])
+            t[layer, 2 * b + 1] = torch.tensor([base + 5, base + 6])
+        for p in range(ws.PHASES):
+            before = t[layer - 1, 2 * 4 + 1] if p == 0 else t[layer, 2 * ws.BEFORE[p] + 1]
+            t[layer, 10 + 2 * p] = before + torch.tensor([2.0, 4.0])
+            t[layer, 11 + 2 * p] = before + 9
+        t[layer, 10 + 2 * 1, 1] = 0  # program 1: no tile of attention-out
+    got = ws.phase_trace((t * 1000).reshape(layers * ws.EVENTS, programs).long())
+    assert got["layer_us"] == pytest.approx(100)
+    for b in range(5):
+        assert got[f"barrier {b}"]["wait_us"] == pytest.approx(3)
+    for p in range(ws.PHASES):
+        assert got[f"phase {p}"]["work_us"] == pytest.approx(17)
+        assert got[f"phase {p}"]["stall_us"] == pytest.approx(2 if p == 1 else 3)
 
 
 def test_a_tma_descriptor_covers_a_phases_layers_one_box_a_tile():
@@ -109,8 +144,10 @@ def test_the_reference_chains_the_phases_with_bf16_between_them():
 @pytest.mark.parametrize("widths", [QWEN3, LLAMA], ids=["qwen3-0.6b", "llama3-1b"])
 def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
     """Three layers through registers and through rings of 2 and 6 stages filled by cp.async and by TMA, and of
-    4 with the barriers' lean departure (`_depart_lean`, each copy kind): the same bits (the same tiles reduced in the same layout and order), within bf16's rounding of the float64
-    chain, no barrier given up (five a layer), with the attention phase's stand-in waiting or not."""
+    4 with the barriers' lean departure (`_depart_lean`, each copy kind), and traced (`trace`): the same bits (the
+    same tiles reduced in the same layout and order), within bf16's rounding of the float64 chain, no barrier
+    given up (five a layer), with the attention phase's stand-in waiting or not; traced, every program's clock at
+    every barrier, no departure before the barrier's last arrival."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -118,19 +155,26 @@ def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
     x = torch.randn(widths[0][1], generator=gen, device="cuda").bfloat16()
     want = ws.reference(w, x)
     outs = []
-    for stages, tma, sync in ((0, False, 1), (2, False, 1), (6, False, 1), (2, True, 1), (6, True, 1), (4, False, 2),
-                              (4, True, 2)):
+    grid = programs or torch.cuda.get_device_properties(0).multi_processor_count
+    for stages, tma, sync, traced in ((0, False, 1, False), (2, False, 1, False), (6, False, 1, False),
+                                      (2, True, 1, False), (6, True, 1, False), (4, False, 2, False),
+                                      (4, True, 2, False), (4, False, 1, True), (4, True, 2, True)):
         v = [torch.full((widths[p - 1][0],), float("nan"), device="cuda", dtype=torch.bfloat16) for p in range(4)]
         v[0].copy_(x)
         counts = torch.zeros(2, dtype=torch.int32, device="cuda")
+        trace = torch.zeros(ws.EVENTS * 3, grid, dtype=torch.int64, device="cuda") if traced else None
         ws.stream_layers(w, v, stages, counts, tma=tma, gap_ns=2000 if stages == 6 else 0, programs=programs,
-                         sync=sync)
+                         sync=sync, trace=trace)
         torch.cuda.synchronize()
-        assert int(counts[1]) == 0 and int(counts[0]) == 3 * 5 * (programs or torch.cuda.get_device_properties(
-            0).multi_processor_count)
+        assert int(counts[1]) == 0 and int(counts[0]) == 3 * 5 * grid
         for got, ref in zip(v, want):
             assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
         outs.append(v)
+        if traced:  # every program stamped every barrier, and none left one before the last arrived at it
+            t = trace.reshape(3, ws.EVENTS, grid)
+            arrive, depart = t[:, 0:10:2], t[:, 1:10:2]
+            assert bool((arrive > 0).all()) and bool((depart >= arrive).all())
+            assert bool((depart.amin(2) >= arrive.amax(2)).all())
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
 
 

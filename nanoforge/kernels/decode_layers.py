@@ -242,6 +242,16 @@ def trace_rows(n_layers: int) -> int:
 B_POINTS = ("query", "keys", "counted", "combined")  # what phase B's marks end (`_attention`)
 
 
+def grid_steps(start: torch.Tensor, arrive: torch.Tensor, leave: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A persistent launch's steps as the grid sees them, from each program's clock at its start (programs,) and
+    at each grid barrier's arrival and departure (steps, programs): per step, the last departure from the barrier
+    before it (the last start, for the first), its "work" (from there to the last arrival at its own barrier:
+    its slowest program) and its barrier's "wait" (from that arrival to the last departure)."""
+    last_arrival, last_departure = arrive.max(1).values, leave.max(1).values
+    before = torch.cat([start.max()[None], last_departure[:-1]])
+    return before, last_arrival - before, last_departure - last_arrival
+
+
 def phase_times(trace: torch.Tensor) -> dict:
     """Microseconds per phase from a `decode_layers` trace, summed over the layers: "work" from the last program
     to leave the barrier before (or to start) to the last to arrive at the one after it (the phase as the grid
@@ -254,15 +264,12 @@ def phase_times(trace: torch.Tensor) -> dict:
     layers = (t.shape[0] - 1) // (2 * PHASES + B_MARKS)
     steps = PHASES * layers
     start, arrive, leave = t[0], t[1:1 + 2 * steps:2], t[2:2 + 2 * steps:2]
-    last_arrival, last_departure = arrive.max(1).values, leave.max(1).values
-    before = torch.cat([start.max()[None], last_departure[:-1]])
-    work = last_arrival - before
-    wait = last_departure - last_arrival
+    before, work, wait = grid_steps(start, arrive, leave)
     names = "ABCDE"
     out = {f"{names[p]} work": float(work[p::PHASES].sum()) for p in range(PHASES)}
     out |= {f"{names[p]} wait": float(wait[p::PHASES].sum()) for p in range(PHASES)}
     marks = t[1 + 2 * steps:].reshape(layers, B_MARKS, -1).max(2).values  # (0: no program got there: never last)
-    points = torch.cat([before[1::PHASES, None], marks, last_arrival[1::PHASES, None]], 1)
+    points = torch.cat([before[1::PHASES, None], marks, (before + work)[1::PHASES, None]], 1)  # (+ work: its arrival)
     for name, d in zip(B_POINTS + ("rest",), (points[:, 1:] - points[:, :-1]).unbind(1)):
         out[f"B {name}"] = float(d.sum())
     out["total"] = float(leave.max() - start.min())

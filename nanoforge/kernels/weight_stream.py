@@ -24,7 +24,11 @@ Session 35 (an H100): every way bit-equal; the ring 1.05-1.07x the registers on 
 1.12-1.14x on Qwen3-0.6B's. With parts left out (WORK, SYNC; `benchmarks/weight_stream.py`'s `PARTS`), the
 ring's copies alone stream at 87-91% of HBM and with their reductions at 80-86%, but the five grid barriers a
 layer cost it their whole latency (~1.3 us each) though 4 stages are in flight at each, by cp.async and TMA
-alike: the barriers, not the copies, bound these phases.
+alike: the barriers, not the copies, bound these phases. Session 36 (an H100) ran the TMA parts and the lean
+departure: TMA's copies lose the barriers' time as cp.async's do (so the arrival's fence draining cp.async
+copies is not why), and the lean departure takes ~0.2 us off each barrier (ring4 1.02x on Llama, 1.05x on
+Qwen3; tma4-lean Qwen3's best, 1.19x the registers). `TRACE` (`phase_trace`) times each phase, each barrier and
+each phase's first tile after its barrier in one launch: whether the copies go on through a barrier at all.
 
 All three reduce a tile with the same layout and order: the same bits. Gluon (Triton's explicit-layout
 language, `triton.experimental.gluon`) is what allows shared memory held across phases; it has no CPU
@@ -43,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from nanoforge.kernels.decode_layers import (
-    _GAVE_UP as GAVE_UP, POLL_ONE_THREAD, SPIN_LIMIT, _cooperative, poll_one_thread_ptx,
+    _GAVE_UP as GAVE_UP, POLL_ONE_THREAD, SPIN_LIMIT, _cooperative, grid_steps, poll_one_thread_ptx,
 )
 
 TILE = 16384  # elements of W a tile (32 KB of bf16), as decode_layers.TILE_ELEMENTS
@@ -199,6 +203,24 @@ def _clock():
     return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
+# TRACE: a launch's events, a row each of (rows, programs) int64 nanoseconds of the GPU's clock (0: the event did
+# not happen in that program): per layer, each of the five barriers' arrival and departure (rows 2 b, 2 b + 1;
+# barrier b = 0 after Q/K/V, 1 after the attention phase's stand-in, 2-4 after the phases after it), then each of
+# the four phases' first and last tiles ready in the ring (rows 10 + 2 p, + 1: their waits done). `phase_trace`
+# reads it.
+EVENTS = 18
+_EVENTS = gl.constexpr(EVENTS)
+BEFORE = (4, 1, 2, 3)  # the barrier in front of phase p (4: the layer before's last)
+AFTER = (0, 2, 3, 4)  # the barrier after phase p
+
+
+@gluon.jit
+def _stamp(T, row, TRACE: gl.constexpr):
+    """TRACE: this program's clock at row `row` of the trace T."""
+    if TRACE:
+        gl.store(T + row * gl.num_programs(0) + gl.program_id(0), _clock())
+
+
 @gluon.jit
 def _issue_tile(ring, bar, s, W, D, layer, t, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr,
                 L: gl.constexpr, TMA: gl.constexpr):
@@ -262,10 +284,12 @@ def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.con
                 R0: gl.constexpr, C0: gl.constexpr, N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr,
                 C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                 N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n0, n1, n2, n3, n_layers,
-                STAGES: gl.constexpr, L: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr):
+                STAGES: gl.constexpr, L: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr, T, row,
+                TRACE: gl.constexpr):
     """One phase from the ring: each of its n tiles waited for, reduced, and its stage refilled with the tile
     STAGES ahead of it in the program's order (the cursor). WORK = 2: the tiles waited for and refilled, not
-    read or reduced (what the copies alone cost)."""
+    read or reduced (what the copies alone cost). TRACE: the clock once the first and the last tile are in,
+    at trace rows `row` and `row` + 1."""
     x = _vector(X, K, C, L)
     for i in range(n):
         if TMA:  # the stage's n-th box, n = c // STAGES: the mbarrier's phase of that parity completed
@@ -273,6 +297,10 @@ def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.con
         else:
             async_copy.wait_group(STAGES - 1)  # (the oldest group: this tile's)
             _cta_barrier()  # every thread's copies of it landed
+        if i == 0:
+            _stamp(T, row, TRACE)
+        if i == n - 1:
+            _stamp(T, row + 1, TRACE)
         if WORK == 1:
             w = _stage(ring, c % STAGES, R, C).load(L)
         t = gl.program_id(0) + i * gl.num_programs(0)
@@ -310,20 +338,22 @@ def _first(W, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr
 
 
 @gluon.jit
-def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TIMEOUTS, n_layers, spin_limit, gap_ns,
+def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TIMEOUTS, T, n_layers, spin_limit,
+                         gap_ns,
                          N0: gl.constexpr, K0: gl.constexpr, R0: gl.constexpr, C0: gl.constexpr,
                          N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
                          N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                          N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr,
                          STAGES: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr = 1,
-                         SYNC: gl.constexpr = 1):
+                         SYNC: gl.constexpr = 1, TRACE: gl.constexpr = False):
     """n_layers layers of four phases, V0 -> V1 -> V2 -> V3 -> V0 (phase p: V[p+1] = W_p[layer] V[p], the
     input cut to K_p), a grid barrier after each phase and the attention phase's stand-in (gap_ns, a barrier after
     it too: five a layer, as decode_layers'); W_p: (layers, N_p, K_p) bf16. STAGES: 0 for tiles through
     registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring). What the
     time goes to, with a ring: WORK = 0 no tiles (the barriers, the vectors' loads and the stand-in alone), 2 the
     tiles copied but not read or reduced, 1 everything; SYNC = 0 no grid barriers (wrong numbers, the copies and
-    reductions alone), 2 the barriers' lean departure (`_depart_lean`)."""
+    reductions alone), 2 the barriers' lean departure (`_depart_lean`). TRACE (a ring): each program's clock at
+    its barriers and tiles into T (`EVENTS` rows a layer)."""
     L: gl.constexpr = TILE_LAYOUT
     programs = gl.num_programs(0)
     n0 = _count(N0, R0)
@@ -349,16 +379,22 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
             cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         c = n_layers * 0
         for layer in range(n_layers):
+            row = layer * _EVENTS
             for p in gl.static_range(4):  # phase p: V_p -> V_{p+1} (V3 -> V0); after Q/K/V the stand-in
                 c, cur_layer, cur_phase, cur_k = _phase_ring(
                     ring, bars, c, (V0, V1, V2, V3)[p], (V1, V2, V3, V0)[p], (N0, N1, N2, N3)[p],
                     (K0, K1, K2, K3)[p], (R0, R1, R2, R3)[p], (C0, C1, C2, C3)[p], (n0, n1, n2, n3)[p], cur_layer,
                     cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2,
-                    C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L, TMA, WORK)
-                _barrier(BAR, (layer * 5 + p + 1 + (p > 0)) * programs, spin_limit, TIMEOUTS, SYNC)
+                    C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L, TMA, WORK, T, row + 10 + 2 * p, TRACE)
+                b = p + (p > 0)  # (barrier 1 follows the stand-in)
+                _stamp(T, row + 2 * b, TRACE)
+                _barrier(BAR, (layer * 5 + b + 1) * programs, spin_limit, TIMEOUTS, SYNC)
+                _stamp(T, row + 2 * b + 1, TRACE)
                 if p == 0:
                     _attention_stand_in(gap_ns)
+                    _stamp(T, row + 2, TRACE)
                     _barrier(BAR, (layer * 5 + 2) * programs, spin_limit, TIMEOUTS, SYNC)
+                    _stamp(T, row + 3, TRACE)
         if TMA:
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
@@ -396,19 +432,20 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
 
 
 def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = False, work: int = 1,
-                    sync: int = 1) -> dict:
+                    sync: int = 1, trace: bool = False) -> dict:
     """The kernel's constexprs for four phases' (N, K), `stages` (0: registers), `tma` (the ring's copies), and
     what to leave out to see what the rest costs (with a ring): `work` 0 (no tiles), 2 (tiles copied, not
-    reduced) or 1 (all), `sync` 0 (no grid barriers); `sync` 2: the barriers' lean departure (with a ring)."""
+    reduced) or 1 (all), `sync` 0 (no grid barriers); `sync` 2: the barriers' lean departure (with a ring);
+    `trace`: the clock at every barrier and phase (with a ring)."""
     if len(widths) != PHASES:
         raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
     if work not in (0, 1, 2):
         raise ValueError(f"weight_stream: work is 0, 1 or 2, not {work!r}")
     if sync not in (0, 1, 2):
         raise ValueError(f"weight_stream: sync is 0, 1 or 2, not {sync!r}")
-    if (work != 1 or sync != 1) and not stages:
-        raise ValueError("weight_stream: work 0 or 2 and sync 0 or 2 run on the ring's path: stages >= 2")
-    out = {"STAGES": stages, "TMA": tma, "WORK": int(work), "SYNC": int(sync)}
+    if (work != 1 or sync != 1 or trace) and not stages:
+        raise ValueError("weight_stream: work 0 or 2, sync 0 or 2 and a trace run on the ring's path: stages >= 2")
+    out = {"STAGES": stages, "TMA": tma, "WORK": int(work), "SYNC": int(sync), "TRACE": bool(trace)}
     for p, (n, k) in enumerate(widths):
         r, c = tile_shape(k)
         out |= {f"N{p}": n, f"K{p}": k, f"R{p}": r, f"C{p}": c}
@@ -444,18 +481,46 @@ def descriptors(ws: list[torch.Tensor]) -> list:
 
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
                   tma: bool = False, gap_ns: int = 0, programs: int | None = None, descs: list | None = None,
-                  spin_limit: int = SPIN_LIMIT, work: int = 1, sync: int = 1) -> None:
+                  spin_limit: int = SPIN_LIMIT, work: int = 1, sync: int = 1,
+                  trace: torch.Tensor | None = None) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
     int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
     stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's
     stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM). descs:
     `descriptors(ws)`, made once by a caller that launches again (else here). work, sync: the parts left out
-    (`shape_constants`; the numbers then wrong), or sync 2 the lean barrier (the same numbers)."""
+    (`shape_constants`; the numbers then wrong), or sync 2 the lean barrier (the same numbers). trace: zeroed
+    int64 (`EVENTS` x layers, programs), a ring's launch: each program's clock at its barriers and tiles
+    (`phase_trace` reads it)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
-    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work, sync)
-    weight_stream_kernel[(programs,)](*v, *ws, *(descs or descriptors(ws)), counts, counts[1:], ws[0].shape[0],
-                                      spin_limit, gap_ns, **consts, num_warps=8, **_cooperative())
+    consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work, sync, trace is not None)
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (EVENTS * ws[0].shape[0], programs)):
+        raise ValueError(f"weight_stream: a trace is int64 ({EVENTS} x layers, programs)")
+    weight_stream_kernel[(programs,)](*v, *ws, *(descs or descriptors(ws)), counts, counts[1:],
+                                      trace if trace is not None else counts, ws[0].shape[0], spin_limit, gap_ns,
+                                      **consts, num_warps=8, **_cooperative())
+
+
+def phase_trace(trace: torch.Tensor) -> dict:
+    """Microseconds a layer, averaged over the layers after the first, from a traced launch (`stream_layers`),
+    cut as decode_layers' `grid_steps` cuts its launch: per phase p, "work" from the last program to leave the
+    barrier in front of it to the last to arrive at the one after it, and "stall" the mean over the programs with
+    a tile in it of the time from leaving that barrier to having the phase's first tile (0: the copies went on
+    through the barrier, the tile was in); per barrier b, "wait" from its last arrival to its last departure."""
+    t = trace.double().cpu().reshape(-1, EVENTS, trace.shape[1]) / 1e3  # (layers, events, programs), us
+    layers = t.shape[0]
+    arrive, leave = t[:, 0:10:2].reshape(5 * layers, -1), t[:, 1:10:2].reshape(5 * layers, -1)  # steps in order
+    before, work, wait = (x.reshape(layers, 5) for x in grid_steps(arrive[0], arrive, leave))
+    first = torch.where(t[:, 10::2] > 0, t[:, 10::2], float("nan"))  # (0: the program had no tile of the phase)
+    own_before = torch.cat([leave.reshape(layers, 5, -1)[:-1, 4:5], leave.reshape(layers, 5, -1)[1:, 1:4]], 1)
+    out = {}
+    for p in range(PHASES):  # (the work of step AFTER[p]: from the barrier in front of phase p to the one after)
+        out[f"phase {p}"] = {"work_us": float(work[1:, AFTER[p]].mean()),
+                             "stall_us": float((first[1:, p] - own_before[:, p]).nanmean())}
+    for b in range(5):
+        out[f"barrier {b}"] = {"wait_us": float(wait[1:, b].mean())}
+    out["layer_us"] = float((work[1:] + wait[1:]).sum(1).mean())  # (a layer's last departure to the next's)
+    return out
 
 
 def reference(ws: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
