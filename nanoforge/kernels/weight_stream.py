@@ -512,7 +512,8 @@ def phase_trace(trace: torch.Tensor) -> dict:
     arrive, leave = t[:, 0:10:2].reshape(5 * layers, -1), t[:, 1:10:2].reshape(5 * layers, -1)  # steps in order
     before, work, wait = (x.reshape(layers, 5) for x in grid_steps(arrive[0], arrive, leave))
     first = torch.where(t[:, 10::2] > 0, t[:, 10::2], float("nan"))  # (0: the program had no tile of the phase)
-    own_before = torch.cat([leave.reshape(layers, 5, -1)[:-1, 4:5], leave.reshape(layers, 5, -1)[1:, 1:4]], 1)
+    lv = leave.reshape(layers, 5, -1)  # each program's departure before phase p of layers 1 ..
+    own_before = torch.stack([lv[:-1, BEFORE[p]] if p == 0 else lv[1:, BEFORE[p]] for p in range(PHASES)], 1)
     out = {}
     for p in range(PHASES):  # (the work of step AFTER[p]: from the barrier in front of phase p to the one after)
         out[f"phase {p}"] = {"work_us": float(work[1:, AFTER[p]].mean()),
