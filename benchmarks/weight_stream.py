@@ -83,8 +83,8 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync:
 def trace_rings(ws, x, ways: dict, stages: int, gap_ns: int, widths, layers: int, name: str, gap: float) -> dict:
     """One traced launch (after three untraced) of each ring of `stages` (cp.async, TMA; decode_layers' barrier
     and the lean one), read by `phase_trace`, printed a line each: the layer's time traced (and untraced, from
-    the timed runs: what the clock's stores cost), each phase's work and its first tile's wait after the barrier
-    in front of it (near 0: the copies went on through the barrier), each barrier's wait."""
+    the timed runs: what the clock's stores cost), each phase's work and when its first and last tiles were in
+    after the barrier in front of it (near 0: the copies went on through the barrier), each barrier's wait."""
     from triton.testing import do_bench
 
     from nanoforge.kernels.weight_stream import EVENTS, phase_trace
@@ -103,11 +103,12 @@ def trace_rings(ws, x, ways: dict, stages: int, gap_ns: int, widths, layers: int
         torch.cuda.synchronize()
         got = out[way] = phase_trace(t) | {"traced_us_per_layer": traced_us,
                                            "untraced_us_per_layer": ways[way]["us_per_layer"]}
-        phases = "  ".join(f"{ph} {got[f'phase {p}']['work_us']:.2f}/{got[f'phase {p}']['stall_us']:.2f}"
+        phases = "  ".join(f"{ph} " + "/".join(f"{got[f'phase {p}'][k]:.2f}" for k in ("work_us", "stall_us",
+                                                                                            "last_tile_us"))
                            for p, ph in enumerate(("qkv", "o", "gate-up", "down")))
         waits = " ".join(f"{got[f'barrier {b}']['wait_us']:.2f}" for b in range(5))
         print(f"{name:<12} {gap:>6.1f} {way + ' trace':<16} layer {got['layer_us']:.2f} us (do_bench traced "
-              f"{traced_us:.2f}, untraced {got['untraced_us_per_layer']:.2f}); us work/first-tile wait: {phases}; "
+              f"{traced_us:.2f}, untraced {got['untraced_us_per_layer']:.2f}); us work/first/last tile in: {phases}; "
               f"barrier waits {waits}", flush=True)
     return out
 

@@ -90,10 +90,10 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
 def test_the_trace_reads_each_phases_work_its_first_tiles_wait_and_each_barriers_wait():
     """`phase_trace` on a trace written by hand (three layers, two programs, in microseconds): barrier b of layer l
     arrived at 100 l + 20 b + 1 and + 3, left at + 5 and + 6; each phase's first tile in 2 and 4 us after the
-    program left the barrier in front of it (program 1 has no tile of attention-out: left out). So every barrier
-    waits 3 us (last arrival to last departure), every phase works 17 (last departure before to last arrival
-    after; Q/K/V's from the layer before's last barrier), the first tiles wait 3 us on average (2 for
-    attention-out), and a layer takes 100; the first layer is left out (nothing before its first phase)."""
+    program left the barrier in front of it (program 1 has no tile of attention-out: left out), its last in 9.
+    So every barrier waits 3 us (last arrival to last departure), every phase works 17 (last departure before to
+    last arrival after; Q/K/V's from the layer before's last barrier), the first tiles wait 3 us on average (2
+    for attention-out), the last 9, and a layer takes 100; the first layer is left out (nothing before it)."""
     layers, programs = 3, 2
     t = torch.zeros(layers, ws.EVENTS, programs, dtype=torch.float64)
     for layer in range(layers):
@@ -113,6 +113,7 @@ def test_the_trace_reads_each_phases_work_its_first_tiles_wait_and_each_barriers
     for p in range(ws.PHASES):
         assert got[f"phase {p}"]["work_us"] == pytest.approx(17)
         assert got[f"phase {p}"]["stall_us"] == pytest.approx(2 if p == 1 else 3)
+        assert got[f"phase {p}"]["last_tile_us"] == pytest.approx(9)
 
 
 def test_a_tma_descriptor_covers_a_phases_layers_one_box_a_tile():

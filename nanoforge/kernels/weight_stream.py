@@ -506,18 +506,21 @@ def phase_trace(trace: torch.Tensor) -> dict:
     cut as decode_layers' `grid_steps` cuts its launch: per phase p, "work" from the last program to leave the
     barrier in front of it to the last to arrive at the one after it, and "stall" the mean over the programs with
     a tile in it of the time from leaving that barrier to having the phase's first tile (0: the copies went on
-    through the barrier, the tile was in); per barrier b, "wait" from its last arrival to its last departure."""
+    through the barrier, the tile was in), "last_tile_us" the same to its last tile (the phase's tiles coming in
+    at once or one by one); per barrier b, "wait" from its last arrival to its last departure."""
     t = trace.double().cpu().reshape(-1, EVENTS, trace.shape[1]) / 1e3  # (layers, events, programs), us
     layers = t.shape[0]
     arrive, leave = t[:, 0:10:2].reshape(5 * layers, -1), t[:, 1:10:2].reshape(5 * layers, -1)  # steps in order
     before, work, wait = (x.reshape(layers, 5) for x in grid_steps(arrive[0], arrive, leave))
-    first = torch.where(t[:, 10::2] > 0, t[:, 10::2], float("nan"))  # (0: the program had no tile of the phase)
+    ready = torch.where(t[:, 10:] > 0, t[:, 10:], float("nan"))  # (0: the program had no tile of the phase)
+    first, last = ready[:, 0::2], ready[:, 1::2]
     lv = leave.reshape(layers, 5, -1)  # each program's departure before phase p of layers 1 ..
     own_before = torch.stack([lv[:-1, BEFORE[p]] if p == 0 else lv[1:, BEFORE[p]] for p in range(PHASES)], 1)
     out = {}
     for p in range(PHASES):  # (the work of step AFTER[p]: from the barrier in front of phase p to the one after)
         out[f"phase {p}"] = {"work_us": float(work[1:, AFTER[p]].mean()),
-                             "stall_us": float((first[1:, p] - own_before[:, p]).nanmean())}
+                             "stall_us": float((first[1:, p] - own_before[:, p]).nanmean()),
+                             "last_tile_us": float((last[1:, p] - own_before[:, p]).nanmean())}
     for b in range(5):
         out[f"barrier {b}"] = {"wait_us": float(wait[1:, b].mean())}
     out["layer_us"] = float((work[1:] + wait[1:]).sum(1).mean())  # (a layer's last departure to the next's)
