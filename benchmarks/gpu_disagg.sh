@@ -54,11 +54,7 @@ DEVICE=${DEVICE:-cuda}
 SERVE_FLAGS=${SERVE_FLAGS:-}  # more `nanoforge serve` flags for every run (e.g. "--kv-pool-workers 1")
 mkdir -p "$OUT"
 
-for candidate in "$TRACE" shared/data/mooncake/synthetic_trace.jsonl ../shared/data/mooncake/synthetic_trace.jsonl \
-                 /work/shared/data/mooncake/synthetic_trace.jsonl; do
-    if [[ -n "$candidate" && -f "$candidate" ]]; then TRACE=$candidate; break; fi
-done
-[[ -f "$TRACE" ]] || { echo "no Mooncake trace found: set TRACE=path/to/trace.jsonl" >&2; exit 2; }
+source benchmarks/trace_path.sh  # TRACE: the Mooncake trace, or exit 2
 sed -n "$((TRACE_START + 1)),$((TRACE_START + NUM_REQUESTS))p" "$TRACE" >"$OUT/trace.jsonl"
 
 # --- what the machine may lack, from what was carried -----------------------------------------------------

@@ -34,10 +34,7 @@ PRESET=${PRESET:-qwen3-0.6b}  # PRESET=tiny-qwen3 DEVICE=cpu: a quick dry run of
 DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
 
-for candidate in "$TRACE" shared/data/mooncake/synthetic_trace.jsonl /work/shared/data/mooncake/synthetic_trace.jsonl; do
-    if [[ -n "$candidate" && -f "$candidate" ]]; then TRACE=$candidate; break; fi
-done
-[[ -f "$TRACE" ]] || { echo "no Mooncake trace found: set TRACE=path/to/trace.jsonl" >&2; exit 2; }
+source benchmarks/trace_path.sh  # TRACE: the Mooncake trace, or exit 2
 
 if ! $PY -c "import fastapi, uvicorn, prometheus_client, httpx" 2>/dev/null; then
     $PY -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client httpx

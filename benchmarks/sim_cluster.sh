@@ -15,11 +15,7 @@ PY=${PYTHON:-python3}
 PROFILE=${1:-h200-qwen3-0.6b}
 OUT=${OUT:-docs/results/sim}
 TRACE=${TRACE:-}
-for candidate in "$TRACE" shared/data/mooncake/synthetic_trace.jsonl ../shared/data/mooncake/synthetic_trace.jsonl \
-                 /work/shared/data/mooncake/synthetic_trace.jsonl; do
-    if [[ -n "$candidate" && -f "$candidate" ]]; then TRACE=$candidate; break; fi
-done
-[[ -f "$TRACE" ]] || { echo "no Mooncake trace found: set TRACE=path/to/trace.jsonl" >&2; exit 2; }
+source benchmarks/trace_path.sh  # TRACE: the Mooncake trace, or exit 2
 NUM_REQUESTS=${NUM_REQUESTS:-1000}
 LINK_GBS=${LINK_GBS-25}
 POOL=${POOL:-64}
