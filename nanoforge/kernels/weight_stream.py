@@ -212,6 +212,7 @@ EVENTS = 18
 _EVENTS = gl.constexpr(EVENTS)
 BEFORE = (4, 1, 2, 3)  # the barrier in front of phase p (4: the layer before's last)
 AFTER = (0, 2, 3, 4)  # the barrier after phase p
+_AFTER = gl.constexpr(AFTER)
 
 
 @gluon.jit
@@ -219,6 +220,16 @@ def _stamp(T, row, TRACE: gl.constexpr):
     """TRACE: this program's clock at row `row` of the trace T."""
     if TRACE:
         gl.store(T + row * gl.num_programs(0) + gl.program_id(0), _clock())
+
+
+@gluon.jit
+def _barrier_at(BAR, layer, b, spin_limit, TIMEOUTS, SYNC: gl.constexpr, T, TRACE: gl.constexpr):
+    """Layer `layer`'s barrier b of five (`_barrier`), its arrival and departure stamped at trace rows 2 b, 2 b + 1
+    of the layer's."""
+    row = layer * _EVENTS + 2 * b
+    _stamp(T, row, TRACE)
+    _barrier(BAR, (layer * 5 + b + 1) * gl.num_programs(0), spin_limit, TIMEOUTS, SYNC)
+    _stamp(T, row + 1, TRACE)
 
 
 @gluon.jit
@@ -379,22 +390,17 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
             cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         c = n_layers * 0
         for layer in range(n_layers):
-            row = layer * _EVENTS
             for p in gl.static_range(4):  # phase p: V_p -> V_{p+1} (V3 -> V0); after Q/K/V the stand-in
                 c, cur_layer, cur_phase, cur_k = _phase_ring(
                     ring, bars, c, (V0, V1, V2, V3)[p], (V1, V2, V3, V0)[p], (N0, N1, N2, N3)[p],
                     (K0, K1, K2, K3)[p], (R0, R1, R2, R3)[p], (C0, C1, C2, C3)[p], (n0, n1, n2, n3)[p], cur_layer,
                     cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2,
-                    C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L, TMA, WORK, T, row + 10 + 2 * p, TRACE)
-                b = p + (p > 0)  # (barrier 1 follows the stand-in)
-                _stamp(T, row + 2 * b, TRACE)
-                _barrier(BAR, (layer * 5 + b + 1) * programs, spin_limit, TIMEOUTS, SYNC)
-                _stamp(T, row + 2 * b + 1, TRACE)
+                    C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L, TMA, WORK, T,
+                    layer * _EVENTS + 10 + 2 * p, TRACE)
+                _barrier_at(BAR, layer, _AFTER[p], spin_limit, TIMEOUTS, SYNC, T, TRACE)
                 if p == 0:
                     _attention_stand_in(gap_ns)
-                    _stamp(T, row + 2, TRACE)
-                    _barrier(BAR, (layer * 5 + 2) * programs, spin_limit, TIMEOUTS, SYNC)
-                    _stamp(T, row + 3, TRACE)
+                    _barrier_at(BAR, layer, 1, spin_limit, TIMEOUTS, SYNC, T, TRACE)
         if TMA:
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
