@@ -16,8 +16,9 @@ and within bf16's rounding of a float64 reference, then timed (triton's do_bench
 launch). Then the ring's kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers
 alone; copies without reductions; no grid barriers; copies alone; numbers then wrong, not checked). --trace:
 one launch of each ring of the first --stages count traced (each program's clock at every barrier and at each
-phase's first and last tile): each phase's work, how long its first tile was still coming once the barrier in
-front of it let the program go (near 0: the copies went on through the barrier), each barrier's wait. Prints a table
+phase's first and last tile): each phase's work, when its first and last tiles were in once the barrier in
+front of it let the program go (near 0: the copies went on through the barrier), each barrier's wait. Prints a
+table
 (us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps; the
 ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
 decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four phases at
@@ -81,7 +82,7 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync:
 
 
 def trace_rings(ws, x, ways: dict, stages: int, gap_ns: int, widths, layers: int, name: str, gap: float) -> dict:
-    """One traced launch (after three untraced) of each ring of `stages` (cp.async, TMA; decode_layers' barrier
+    """One traced launch (after the timed ones) of each ring of `stages` (cp.async, TMA; decode_layers' barrier
     and the lean one), read by `phase_trace`, printed a line each: the layer's time traced (and untraced, from
     the timed runs: what the clock's stores cost), each phase's work and when its first and last tiles were in
     after the barrier in front of it (near 0: the copies went on through the barrier), each barrier's wait."""
@@ -95,9 +96,7 @@ def trace_rings(ws, x, ways: dict, stages: int, gap_ns: int, widths, layers: int
         t = torch.zeros(EVENTS * layers, programs, dtype=torch.int64, device=x.device)
         _, _, launch = run(ws, x, stages, way.startswith("tma"), gap_ns, widths, sync=2 if "lean" in way else 1,
                            trace=t)
-        traced_us = do_bench(launch, warmup=10, rep=100, return_mode="median") * 1e3 / layers
-        for _ in range(3):
-            launch()
+        traced_us = do_bench(launch, warmup=10, rep=100, return_mode="median") * 1e3 / layers  # (warm after it)
         t.zero_()
         launch()
         torch.cuda.synchronize()
@@ -148,7 +147,7 @@ def main() -> None:
     ap.add_argument("--gap-us", default="0,10", help="comma-separated waits standing in for the attention phase")
     ap.add_argument("--trace", action="store_true",
                     help="also trace one launch of each ring of the first --stages (`phase_trace`: each phase's work "
-                         "and its first tile's wait after the barrier, each barrier's wait)")
+                         "and when its first and last tiles were in after its barrier, each barrier's wait)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     stages = [int(s) if s.strip().isdigit() else 0 for s in args.stages.split(",") if s.strip()]
