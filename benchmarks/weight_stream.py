@@ -18,9 +18,8 @@ alone; copies without reductions; no grid barriers; copies alone; numbers then w
 one launch of each ring of the first --stages count traced (each program's clock at every barrier and at each
 phase's first and last tile): each phase's work, when its first and last tiles were in once the barrier in
 front of it let the program go (near 0: the copies went on through the barrier), each barrier's wait. Prints a
-table
-(us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps; the
-ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
+table (us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps;
+the ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
 decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four phases at
 ~1.7-2.6 TB/s, barrier waits included ~16.5 us a Qwen3-0.6B layer.
 """
