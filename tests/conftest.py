@@ -22,7 +22,14 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread a core: under `-n auto` each of the worker processes gets its share of the cores (on 2 cores,
+# one each), and the programs a test starts (CLI runs, torchrun's ranks) inherit it. Two workers of two threads
+# each on two cores made OpenMP's spinning threads wait on each other's time slices: test_train.py took 240 s of
+# the suite where alone it takes 18 s.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(min(_THREADS, torch.get_num_threads()))
 
 
 def pytest_xdist_auto_num_workers(config):
