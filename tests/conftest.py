@@ -34,7 +34,7 @@ torch.set_num_threads(min(_THREADS, torch.get_num_threads()))
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the README's test command): two worker processes on a machine without a GPU, where the suite is
-    bound by the CPU (a clean-clone CI on 2 cores in session 30: 534 s, against 612 s in one process); none (one
+    bound by the CPU (a clean-clone CI on 2 cores in session 37: 301 s, with a thread a worker); none (one
     process, as before) on a GPU machine, whose tests would otherwise share one GPU."""
     return 0 if HAS_CUDA else min(2, os.cpu_count() or 1)
 
