@@ -190,6 +190,10 @@ def main() -> None:
         # float64's, and those ulps travel down the chain (~2.7e-2 after Qwen3-0.6B's 112 phases)
         tolerance = 4e-3 * (4 * layers) ** 0.5
         gap_ns = int(gap * 1000)
+
+        def rate(moved: int, us: float) -> float:  # bytes a second over a launch's time less the stand-in's gaps
+            return moved / (us - gap * layers) * 1e6
+
         base = None
         ways = {}
         for way, depth, tma, sync in [("registers", 0, False, 1)] + [
@@ -200,11 +204,10 @@ def main() -> None:
             err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))
             same = all(torch.equal(g, b) for g, b in zip(got, base))
             us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
-            weights_us = us - gap * layers  # the stand-in's waits taken out
             ways[way] = {"stages": depth, "copies": "tma" if tma else "cp.async" if depth else "registers",
                          "barrier": "lean" if sync == 2 else "decode_layers'", "us": us,
-                         "us_per_layer": us / layers, "weights_tb_s": nbytes / weights_us / 1e6,
-                         "hbm_fraction": nbytes / weights_us / 1e-6 / hbm,
+                         "us_per_layer": us / layers, "weights_tb_s": rate(nbytes, us) / 1e12,
+                         "hbm_fraction": rate(nbytes, us) / hbm,
                          "ratio": ways["registers"]["us"] / us if ways else 1.0, "bitwise_equal_to_registers": same,
                          "relative_error": err, "tolerance": tolerance,
                          "barrier_give_ups": gave_up}
@@ -221,8 +224,8 @@ def main() -> None:
             moved = nbytes if work else 0
             parts[part] = {"stages": depth, "copies": "tma" if tma else "cp.async", "work": work, "sync": sync,
                            "us": us, "us_per_layer": us / layers, "barrier_give_ups": gave_up,
-                           "weights_tb_s": moved / (us - gap * layers) / 1e6 if moved else None}
-            tb = f"{parts[part]['weights_tb_s']:>6.2f} {moved / (us - gap * layers) / 1e-6 / hbm:>6.1%}" if moved \
+                           "weights_tb_s": rate(moved, us) / 1e12 if moved else None}
+            tb = f"{rate(moved, us) / 1e12:>6.2f} {rate(moved, us) / hbm:>6.1%}" if moved \
                 else f"{'':>6} {'':>6}"
             print(f"{name:<12} {gap:>6.1f} {part:<10} {us:>12.1f} {us / layers:>11.2f} {tb} {'':>6}   "
                   f"({note})" + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
