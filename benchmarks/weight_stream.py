@@ -41,7 +41,9 @@ from nanoforge.model.config import preset  # noqa: E402
 
 
 # the ring's kernel with parts left out: (name, stages, tma, work, sync, what it times); work 0 no tiles, 2 tiles
-# copied only; sync 0 no grid barriers, 2 their lean departure (kernels/weight_stream.py's `_depart_lean`)
+# copied only; sync 0 no grid barriers, 2 their lean departure (kernels/weight_stream.py's `_depart_lean`), 3 the
+# two barriers around the attention phase's stand-in local to groups of programs (as a kv head's attention and
+# its columns of attention-out could be: what a layer of three grid barriers would cost)
 PARTS = [("barriers", 2, False, 0, 1, "no tile: five grid barriers a layer, the vectors' loads, the gap"),
          ("copies4", 4, False, 2, 1, "ring4's copies and barriers, no tile read or reduced"),
          ("nosync4", 4, False, 1, 0, "ring4 without grid barriers: copies and reductions"),
@@ -50,7 +52,10 @@ PARTS = [("barriers", 2, False, 0, 1, "no tile: five grid barriers a layer, the 
          ("copies-tma4", 4, True, 2, 1, "tma4's copies and barriers, no tile read or reduced"),
          ("stream-tma4", 4, True, 2, 0, "tma4's copies alone"),
          ("lean-copies4", 4, False, 2, 2, "copies4 with the barriers' lean departure"),
-         ("lean-copies-tma4", 4, True, 2, 2, "copies-tma4 with the barriers' lean departure")]
+         ("lean-copies-tma4", 4, True, 2, 2, "copies-tma4 with the barriers' lean departure"),
+         ("group-barriers", 2, False, 0, 3, "barriers, the two around the gap local to groups of 16 programs"),
+         ("group-copies4", 4, False, 2, 3, "copies4, the two barriers around the gap local to groups of 16"),
+         ("group-ring4", 4, False, 1, 3, "ring4, the two barriers around the gap local to groups of 16")]
 
 
 def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -64,11 +69,12 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync:
         trace: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time (`trace`: each
     launch's events written there)."""
-    from nanoforge.kernels.weight_stream import descriptors, stream_layers
+    from nanoforge.kernels.weight_stream import count_words, descriptors, stream_layers
 
     descs = descriptors(ws)  # (once, not in the timed launches)
     v = [torch.empty(widths[p - 1][0], device=x.device, dtype=torch.bfloat16) for p in range(4)]
-    counts = torch.zeros(2, dtype=torch.int32, device=x.device)
+    counts = torch.zeros(count_words(torch.cuda.get_device_properties(x.device).multi_processor_count),
+                         dtype=torch.int32, device=x.device)
 
     def launch():
         counts.zero_()

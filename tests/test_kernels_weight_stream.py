@@ -49,7 +49,8 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
     """The benchmark's parts (`PARTS`), compiled for sm_90 at Qwen3-0.6B's widths (a ring of 4, in a child
     process: the real compiler, not the interpreter): no tiles (work 0) copies nothing and reads no stage; copies
     only (2) copies but reads no stage; no sync has no barrier's release arrival or acquire, and the lean
-    departure (sync 2) acquires in its poll instead of after it; what is kept is there (five barriers a layer,
+    departure (sync 2) acquires in its poll instead of after it, and with two of the five local to groups of
+    programs (sync 3) the barriers are decode_layers' still; what is kept is there (five barriers a layer,
     the stages read 16 bytes at a time). A traced launch (the last case) stores the clock 18 times a layer
     (`EVENTS`: each barrier's arrival and departure, each phase's first and last tile), an untraced one never
     (its only clock reads the attention stand-in's)."""
@@ -62,7 +63,7 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
 
     _need_cuda_tools()
     cases = [(0, 1, False, False), (2, 1, False, False), (1, 0, False, False), (2, 0, True, False),
-             (1, 2, True, True)]
+             (1, 2, True, True), (1, 3, False, False)]
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
     r = subprocess.run([sys.executable, "-c", _PARTS_CHILD, json.dumps(cases)], env=env, capture_output=True,
                        text=True, timeout=600)
@@ -75,7 +76,7 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
         assert (copies > 0) == (work != 0), (work, sync, tma, n)
         assert (n["ld.shared.v4"] > 0) == (work == 1), (work, sync, tma, n)
         assert n["red.global.gpu.release.add"] == (5 if sync else 0), n  # the arrivals
-        assert n["ld.global.gpu.acquire"] == (5 if sync == 1 else 0), n  # (the lean departure's polls acquire)
+        assert n["ld.global.gpu.acquire"] == (5 if sync in (1, 3) else 0), n  # (the lean departure's polls acquire)
         assert n["ld.acquire.gpu.global"] == (5 if sync == 2 else 0), n
     with pytest.raises(ValueError, match="work is 0, 1 or 2, not 3"):
         ws.shape_constants(QWEN3, 4, work=3)
@@ -83,8 +84,8 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
         ws.shape_constants(QWEN3, 0, sync=2)
     with pytest.raises(ValueError, match="run on the ring's path"):
         ws.shape_constants(QWEN3, 0, trace=True)
-    with pytest.raises(ValueError, match="sync is 0, 1 or 2, not 3"):
-        ws.shape_constants(QWEN3, 4, sync=3)
+    with pytest.raises(ValueError, match="sync is 0, 1, 2 or 3, not 4"):
+        ws.shape_constants(QWEN3, 4, sync=4)
 
 
 def test_the_trace_reads_each_phases_work_its_first_tiles_wait_and_each_barriers_wait():
@@ -162,7 +163,7 @@ def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
                                       (4, True, 2, False), (4, False, 1, True), (4, True, 2, True)):
         v = [torch.full((widths[p - 1][0],), float("nan"), device="cuda", dtype=torch.bfloat16) for p in range(4)]
         v[0].copy_(x)
-        counts = torch.zeros(2, dtype=torch.int32, device="cuda")
+        counts = torch.zeros(ws.count_words(grid), dtype=torch.int32, device="cuda")
         trace = torch.zeros(ws.EVENTS * 3, grid, dtype=torch.int64, device="cuda") if traced else None
         ws.stream_layers(w, v, stages, counts, tma=tma, gap_ns=2000 if stages == 6 else 0, programs=programs,
                          sync=sync, trace=trace)
@@ -177,6 +178,36 @@ def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
             assert bool((arrive > 0).all()) and bool((depart >= arrive).all())
             assert bool((depart.amin(2) >= arrive.amax(2)).all())
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 20])  # one an SM (8 groups of 16 and one of 4); a group of 4 last
+def test_gpu_barriers_local_to_groups_hold_within_each_group(programs):
+    """sync 3 (the benchmark's `group-*` parts): the two barriers around the stand-in local to groups of
+    GROUP_PROGRAMS programs, the other three grid-wide. Traced: every program stamps every barrier, none leaves a
+    local one before the last of its group has arrived, or a grid one before the last of all; each group's count
+    and the grid's are what three layers add to them; no wait gives up."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = [(torch.randn(3, n, k, generator=gen, device="cuda") / k**0.5).bfloat16() for n, k in QWEN3]
+    grid = programs or torch.cuda.get_device_properties(0).multi_processor_count
+    v = [torch.zeros((QWEN3[p - 1][0],), device="cuda", dtype=torch.bfloat16) for p in range(4)]
+    counts = torch.zeros(ws.count_words(grid), dtype=torch.int32, device="cuda")
+    trace = torch.zeros(ws.EVENTS * 3, grid, dtype=torch.int64, device="cuda")
+    ws.stream_layers(w, v, 4, counts, gap_ns=1000, programs=programs, sync=3, trace=trace)
+    torch.cuda.synchronize()
+    groups = -(-grid // ws.GROUP_PROGRAMS)
+    sizes = [min(ws.GROUP_PROGRAMS, grid - g * ws.GROUP_PROGRAMS) for g in range(groups)]
+    assert int(counts[1]) == 0 and int(counts[0]) == 3 * 3 * grid
+    assert [int(counts[ws.LINE * (1 + g)]) for g in range(groups)] == [3 * 2 * n for n in sizes]
+    t = trace.reshape(3, ws.EVENTS, grid)
+    arrive, depart = t[:, 0:10:2], t[:, 1:10:2]  # (layers, barriers, programs)
+    assert bool((arrive > 0).all()) and bool((depart >= arrive).all())
+    assert bool((depart[:, 2:].amin(2) >= arrive[:, 2:].amax(2)).all())
+    for g in range(groups):
+        own = slice(g * ws.GROUP_PROGRAMS, g * ws.GROUP_PROGRAMS + sizes[g])
+        assert bool((depart[:, :2, own].amin(2) >= arrive[:, :2, own].amax(2)).all())
 
 
 def test_the_benchmark_refuses_bad_input_in_one_line():

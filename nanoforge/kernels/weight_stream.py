@@ -225,13 +225,34 @@ def _stamp(T, row, TRACE: gl.constexpr):
         gl.store(T + row * gl.num_programs(0) + gl.program_id(0), _clock())
 
 
+# SYNC = 3: the two barriers around the attention phase's stand-in (0 and 1) each local to a group of
+# GROUP_PROGRAMS consecutive programs (as a kv head's attention and its columns of attention-out could be), counted
+# at BAR + LINE * (1 + group), a 128-byte line a group; the other three grid-wide at BAR, three a layer
+GROUP_PROGRAMS = 16
+LINE = 32  # int32s
+_GROUP_PROGRAMS, _LINE = gl.constexpr(GROUP_PROGRAMS), gl.constexpr(LINE)
+
+
+def count_words(programs: int) -> int:
+    """The int32 counts a launch of `programs` needs zeroed: the grid barrier's line, a line a group (SYNC 3)."""
+    return LINE * (1 + triton.cdiv(programs, GROUP_PROGRAMS))
+
+
 @gluon.jit
 def _barrier_at(BAR, layer, b, spin_limit, TIMEOUTS, SYNC: gl.constexpr, T, TRACE: gl.constexpr):
-    """Layer `layer`'s barrier b of five (`_barrier`), its arrival and departure stamped at trace rows 2 b, 2 b + 1
-    of the layer's."""
+    """Layer `layer`'s barrier b of five (`_barrier`; SYNC 3: b = 0, 1 local to the program's group, the others
+    grid-wide), its arrival and departure stamped at trace rows 2 b, 2 b + 1 of the layer's."""
     row = layer * _EVENTS + 2 * b
     _stamp(T, row, TRACE)
-    _barrier(BAR, (layer * 5 + b + 1) * gl.num_programs(0), spin_limit, TIMEOUTS, SYNC)
+    if SYNC == 3:
+        if b < 2:
+            group = gl.program_id(0) // _GROUP_PROGRAMS
+            size = gl.minimum(gl.num_programs(0) - group * _GROUP_PROGRAMS, _GROUP_PROGRAMS)
+            _barrier(BAR + _LINE * (1 + group), (layer * 2 + b + 1) * size, spin_limit, TIMEOUTS, 1)
+        else:
+            _barrier(BAR, (layer * 3 + b - 1) * gl.num_programs(0), spin_limit, TIMEOUTS, 1)
+    else:
+        _barrier(BAR, (layer * 5 + b + 1) * gl.num_programs(0), spin_limit, TIMEOUTS, SYNC)
     _stamp(T, row + 1, TRACE)
 
 
@@ -366,8 +387,9 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
     registers, else the shared-memory ring's stages, TMA how they are filled (see the module's docstring). What the
     time goes to, with a ring: WORK = 0 no tiles (the barriers, the vectors' loads and the stand-in alone), 2 the
     tiles copied but not read or reduced, 1 everything; SYNC = 0 no grid barriers (wrong numbers, the copies and
-    reductions alone), 2 the barriers' lean departure (`_depart_lean`). TRACE (a ring): each program's clock at
-    its barriers and tiles into T (`EVENTS` rows a layer)."""
+    reductions alone), 2 the barriers' lean departure (`_depart_lean`), 3 the two around the stand-in local to
+    groups of GROUP_PROGRAMS (attention-out then reads vectors not yet written: wrong numbers). TRACE (a ring):
+    each program's clock at its barriers and tiles into T (`EVENTS` rows a layer)."""
     L: gl.constexpr = TILE_LAYOUT
     programs = gl.num_programs(0)
     n0 = _count(N0, R0)
@@ -444,16 +466,18 @@ def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = Fals
                     sync: int = 1, trace: bool = False) -> dict:
     """The kernel's constexprs for four phases' (N, K), `stages` (0: registers), `tma` (the ring's copies), and
     what to leave out to see what the rest costs (with a ring): `work` 0 (no tiles), 2 (tiles copied, not
-    reduced) or 1 (all), `sync` 0 (no grid barriers); `sync` 2: the barriers' lean departure (with a ring);
-    `trace`: the clock at every barrier and phase (with a ring)."""
+    reduced) or 1 (all), `sync` 0 (no grid barriers) or 3 (the two around the stand-in local to groups of
+    programs); `sync` 2: the barriers' lean departure (with a ring); `trace`: the clock at every barrier and
+    phase (with a ring)."""
     if len(widths) != PHASES:
         raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
     if work not in (0, 1, 2):
         raise ValueError(f"weight_stream: work is 0, 1 or 2, not {work!r}")
-    if sync not in (0, 1, 2):
-        raise ValueError(f"weight_stream: sync is 0, 1 or 2, not {sync!r}")
+    if sync not in (0, 1, 2, 3):
+        raise ValueError(f"weight_stream: sync is 0, 1, 2 or 3, not {sync!r}")
     if (work != 1 or sync != 1 or trace) and not stages:
-        raise ValueError("weight_stream: work 0 or 2, sync 0 or 2 and a trace run on the ring's path: stages >= 2")
+        raise ValueError("weight_stream: work 0 or 2, sync 0, 2 or 3 and a trace run on the ring's path: "
+                         "stages >= 2")
     out = {"STAGES": stages, "TMA": tma, "WORK": int(work), "SYNC": int(sync), "TRACE": bool(trace)}
     for p, (n, k) in enumerate(widths):
         r, c = tile_shape(k)
@@ -493,15 +517,17 @@ def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, co
                   spin_limit: int = SPIN_LIMIT, work: int = 1, sync: int = 1,
                   trace: torch.Tensor | None = None) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
-    vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts: two zeroed
-    int32, [0] the barrier's arrivals, [1] the waits that gave up (0 unless the programs were not all resident).
-    stages: 0 for registers, else the ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's
-    stand-in, a wait between Q/K/V and attention-out. programs: the grid (default one an SM). descs:
-    `descriptors(ws)`, made once by a caller that launches again (else here). work, sync: the parts left out
-    (`shape_constants`; the numbers then wrong), or sync 2 the lean barrier (the same numbers). trace: zeroed
-    int64 (`EVENTS` x layers, programs), a ring's launch: each program's clock at its barriers and tiles
-    (`phase_trace` reads it)."""
+    vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts:
+    `count_words(programs)` zeroed int32, [0] the grid barrier's arrivals, [1] the waits that gave up (0 unless
+    the programs were not all resident), then a line a group's (sync 3). stages: 0 for registers, else the
+    ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's stand-in, a wait between Q/K/V and
+    attention-out. programs: the grid (default one an SM). descs: `descriptors(ws)`, made once by a caller that
+    launches again (else here). work, sync: the parts left out (`shape_constants`; the numbers then wrong: sync 0
+    or 3), or sync 2 the lean barrier (the same numbers). trace: zeroed int64 (`EVENTS` x layers, programs), a
+    ring's launch: each program's clock at its barriers and tiles (`phase_trace` reads it)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
+    if counts.dtype != torch.int32 or counts.numel() < count_words(programs):
+        raise ValueError(f"weight_stream: counts are {count_words(programs)} zeroed int32 for {programs} programs")
     consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work, sync, trace is not None)
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (EVENTS * ws[0].shape[0], programs)):
         raise ValueError(f"weight_stream: a trace is int64 ({EVENTS} x layers, programs)")
