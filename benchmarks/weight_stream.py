@@ -14,10 +14,11 @@ cp.async (`ringN`) and by TMA (`tmaN`), and each ring again with the barriers' l
 thread's acquire polls, no re-read or atomic after them). Each way is checked bit for bit against the baseline
 and within bf16's rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every
 launch). Then the ring's kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers
-alone; copies without reductions; no grid barriers; copies alone; numbers then wrong, not checked). --trace:
-one launch of each ring of the first --stages count traced (each program's clock at every barrier and at each
-phase's first and last tile): each phase's work, when its first and last tiles were in once the barrier in
-front of it let the program go (near 0: the copies went on through the barrier), each barrier's wait. Prints a
+alone; copies without reductions; no grid barriers; copies alone; the two barriers around the gap local to
+groups of 16 programs, `group-*`; numbers then wrong, not checked). --trace: one launch of each ring of the first
+--stages count traced, and of `group-ring4` at 4 (each program's clock at every barrier and at each phase's first
+and last tile): each phase's work, when its first and last tiles were in once the barrier in front of it let the
+program go (near 0: the copies went on through the barrier), each barrier's wait (a local one's, its group's). Prints a
 table (us a launch and a layer; the weights' TB/s and share of the GPU's HBM peak over the time less the gaps;
 the ratio to the baseline) and writes weight_stream.json and weight_stream.png under --out. For scale:
 decode_layers.py's trace of the whole persistent kernel on an H100 (session 34) had these four phases at
@@ -86,27 +87,30 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync:
     return [t.clone() for t in v], int(counts[1]), launch
 
 
-def trace_rings(ws, x, ways: dict, stages: int, gap_ns: int, widths, layers: int, name: str, gap: float) -> dict:
+def trace_rings(ws, x, ways: dict, parts: dict, stages: int, gap_ns: int, widths, layers: int, name: str,
+                gap: float) -> dict:
     """One traced launch (after the timed ones) of each ring of `stages` (cp.async, TMA; decode_layers' barrier
-    and the lean one), read by `phase_trace`, printed a line each: the layer's time traced (and untraced, from
-    the timed runs: what the clock's stores cost), each phase's work and when its first and last tiles were in
-    after the barrier in front of it (near 0: the copies went on through the barrier), each barrier's wait."""
+    and the lean one) and of the `group-ring4` part (sync 3: its two local barriers' waits each group's own), read
+    by `phase_trace`, printed a line each: the layer's time traced (and untraced, from the timed runs: what the
+    clock's stores cost), each phase's work and when its first and last tiles were in after the barrier in front
+    of it (near 0: the copies went on through the barrier), each barrier's wait."""
     from triton.testing import do_bench
 
-    from nanoforge.kernels.weight_stream import EVENTS, phase_trace
+    from nanoforge.kernels.weight_stream import EVENTS, GROUP_PROGRAMS, phase_trace
 
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count
     out = {}
-    for way in [f"{kind}{stages}{lean}" for lean in ("", "-lean") for kind in ("ring", "tma")]:
+    runs = [(f"{kind}{stages}{lean}", kind == "tma", 2 if lean else 1, ways) for lean in ("", "-lean")
+            for kind in ("ring", "tma")] + [("group-ring4", False, 3, parts)] * (stages == 4)
+    for way, tma, sync, untraced in runs:
         t = torch.zeros(EVENTS * layers, programs, dtype=torch.int64, device=x.device)
-        _, _, launch = run(ws, x, stages, way.startswith("tma"), gap_ns, widths, sync=2 if "lean" in way else 1,
-                           trace=t)
+        _, _, launch = run(ws, x, stages, tma, gap_ns, widths, sync=sync, trace=t)
         traced_us = do_bench(launch, warmup=10, rep=100, return_mode="median") * 1e3 / layers  # (warm after it)
         t.zero_()
         launch()
         torch.cuda.synchronize()
-        got = out[way] = phase_trace(t) | {"traced_us_per_layer": traced_us,
-                                           "untraced_us_per_layer": ways[way]["us_per_layer"]}
+        got = out[way] = phase_trace(t, GROUP_PROGRAMS if sync == 3 else None) | {
+            "traced_us_per_layer": traced_us, "untraced_us_per_layer": untraced[way]["us_per_layer"]}
         phases = "  ".join(f"{ph} " + "/".join(f"{got[f'phase {p}'][k]:.2f}" for k in ("work_us", "stall_us",
                                                                                             "last_tile_us"))
                            for p, ph in enumerate(("qkv", "o", "gate-up", "down")))
@@ -151,8 +155,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="layers (default: the preset's)")
     ap.add_argument("--gap-us", default="0,10", help="comma-separated waits standing in for the attention phase")
     ap.add_argument("--trace", action="store_true",
-                    help="also trace one launch of each ring of the first --stages (`phase_trace`: each phase's work "
-                         "and when its first and last tiles were in after its barrier, each barrier's wait)")
+                    help="also trace one launch of each ring of the first --stages, and of group-ring4 at 4 "
+                         "(`phase_trace`: each phase's work and when its first and last tiles were in after its "
+                         "barrier, each barrier's wait)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     stages = [int(s) if s.strip().isdigit() else 0 for s in args.stages.split(",") if s.strip()]
@@ -236,7 +241,7 @@ def main() -> None:
             print(f"{name:<12} {gap:>6.1f} {part:<10} {us:>12.1f} {us / layers:>11.2f} {tb} {'':>6}   "
                   f"({note})" + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
             bad_parts += [f"{name} gap {gap:g} us {part}"] * bool(gave_up)
-        traces = trace_rings(ws, x, ways, stages[0], gap_ns, widths, layers, name, gap) if args.trace else {}
+        traces = trace_rings(ws, x, ways, parts, stages[0], gap_ns, widths, layers, name, gap) if args.trace else {}
         rows[f"{name} gap {gap:g} us"] = {
             "shape": name, "gap_us": gap, "layers": layers, "widths": widths, "bytes": nbytes, "hbm_peak": hbm,
             "hbm_bound_us_per_layer": nbytes / hbm / layers * 1e6 + gap, "ways": ways, "parts": parts,

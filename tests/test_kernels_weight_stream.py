@@ -117,6 +117,24 @@ def test_the_trace_reads_each_phases_work_its_first_tiles_wait_and_each_barriers
         assert got[f"phase {p}"]["last_tile_us"] == pytest.approx(9)
 
 
+def test_the_trace_reads_barriers_local_to_groups_group_by_group():
+    """A sync-3 launch's trace (`group`): barriers 0 and 1 each group's own, so their wait is each group's last
+    arrival to its last departure, averaged over the groups (here 3 and 1 us: 2), not the grid's (1 us: group 1
+    arrived last and left soon after, while group 0 had waited 3); the grid-wide ones as before (3 us)."""
+    layers, programs = 3, 4
+    t = torch.zeros(layers, ws.EVENTS, programs, dtype=torch.float64)
+    for layer in range(layers):
+        for b in range(5):
+            base = 100 * layer + 20 * b
+            local = b < 2
+            t[layer, 2 * b] = base + torch.tensor([1.0, 2, 10, 11] if local else [1.0, 3, 1, 3])
+            t[layer, 2 * b + 1] = base + torch.tensor([5.0, 5, 12, 12] if local else [5.0, 6, 5, 6])
+    trace = (t * 1000).reshape(layers * ws.EVENTS, programs).long()
+    got, grid = ws.phase_trace(trace, group=2), ws.phase_trace(trace)
+    assert [got[f"barrier {b}"]["wait_us"] for b in range(5)] == pytest.approx([2, 2, 3, 3, 3])
+    assert [grid[f"barrier {b}"]["wait_us"] for b in range(5)] == pytest.approx([1, 1, 3, 3, 3])
+
+
 def test_a_tma_descriptor_covers_a_phases_layers_one_box_a_tile():
     w = [torch.zeros(2, n, k, dtype=torch.bfloat16) for n, k in QWEN3]
     d = ws.descriptors(w)

@@ -536,13 +536,15 @@ def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, co
                                       **consts, num_warps=8, **_cooperative())
 
 
-def phase_trace(trace: torch.Tensor) -> dict:
+def phase_trace(trace: torch.Tensor, group: int | None = None) -> dict:
     """Microseconds a layer, averaged over the layers after the first, from a traced launch (`stream_layers`),
     cut as decode_layers' `grid_steps` cuts its launch: per phase p, "work" from the last program to leave the
     barrier in front of it to the last to arrive at the one after it, and "stall" the mean over the programs with
     a tile in it of the time from leaving that barrier to having the phase's first tile (0: the copies went on
     through the barrier, the tile was in), "last_tile_us" the same to its last tile (the phase's tiles coming in
-    at once or one by one); per barrier b, "wait" from its last arrival to its last departure."""
+    at once or one by one); per barrier b, "wait" from its last arrival to its last departure. `group` (a launch
+    with sync 3: barriers 0 and 1 local to groups of that many programs): those two barriers' waits are each
+    group's own (its last arrival to its last departure), averaged over the groups."""
     t = trace.double().cpu().reshape(-1, EVENTS, trace.shape[1]) / 1e3  # (layers, events, programs), us
     layers = t.shape[0]
     arrive, leave = t[:, 0:10:2].reshape(5 * layers, -1), t[:, 1:10:2].reshape(5 * layers, -1)  # steps in order
@@ -558,6 +560,11 @@ def phase_trace(trace: torch.Tensor) -> dict:
                              "last_tile_us": float((last[1:, p] - own_before[:, p]).nanmean())}
     for b in range(5):
         out[f"barrier {b}"] = {"wait_us": float(wait[1:, b].mean())}
+    if group:
+        a, d = arrive.reshape(layers, 5, -1)[1:, :2], lv[1:, :2]  # (layers after the first, barriers 0-1, programs)
+        waits = [d[..., g:g + group].amax(2) - a[..., g:g + group].amax(2) for g in range(0, a.shape[2], group)]
+        for b, w in enumerate(torch.stack(waits).mean(0).mean(0).tolist()):
+            out[f"barrier {b}"] = {"wait_us": w}
     out["layer_us"] = float((work[1:] + wait[1:]).sum(1).mean())  # (a layer's last departure to the next's)
     return out
 
