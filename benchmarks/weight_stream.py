@@ -11,7 +11,9 @@ Qwen3-0.6B layer at context 384 on an H100; each gap a run of its own). Through 
 tiles go (the baseline: two tiles in registers, the phase's first loaded during the barrier's wait), then
 through a ring of each --stages count of 32 KB shared-memory stages kept filled across phases and barriers, by
 cp.async (`ringN`) and by TMA (`tmaN`), and each ring again with the barriers' lean departure (`-lean`: one
-thread's acquire polls, no re-read or atomic after them). Each way is checked bit for bit against the baseline
+thread's acquire polls, no re-read or atomic after them) and with no barrier at all (`-tagged`: each vector
+stored as words tagged with its phase, the next phase's load waiting for the tags, NCCL's LL protocol; its launch
+tags its input: one small kernel more). Each way is checked bit for bit against the baseline
 and within bf16's rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every
 launch). Then the ring's kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers
 alone; copies without reductions; no grid barriers; copies alone; the two barriers around the gap local to
@@ -69,22 +71,28 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
 def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync: int = 1,
         trace: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time (`trace`: each
-    launch's events written there)."""
-    from nanoforge.kernels.weight_stream import count_words, descriptors, stream_layers
+    launch's events written there). sync 4: the vectors are tagged words, a launch's input tagged with its number
+    (one small kernel more a launch than the others' copy of x; read back as bf16)."""
+    from nanoforge.kernels.weight_stream import count_words, descriptors, stream_layers, tag_words, untag
 
     descs = descriptors(ws)  # (once, not in the timed launches)
-    v = [torch.empty(widths[p - 1][0], device=x.device, dtype=torch.bfloat16) for p in range(4)]
+    tagged = sync == 4
+    v = [torch.zeros(widths[p - 1][0], device=x.device, dtype=torch.int32 if tagged else torch.bfloat16)
+         for p in range(4)]
     counts = torch.zeros(count_words(torch.cuda.get_device_properties(x.device).multi_processor_count),
                          dtype=torch.int32, device=x.device)
+    launches = [0]
 
     def launch():
         counts.zero_()
-        v[0].copy_(x)
-        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work, sync=sync, trace=trace)
+        v[0].copy_(tag_words(x, launches[0], ws[0].shape[0]) if tagged else x)
+        stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work, sync=sync, trace=trace,
+                      epoch=launches[0])
+        launches[0] += 1
 
     launch()
     torch.cuda.synchronize()
-    return [t.clone() for t in v], int(counts[1]), launch
+    return [untag(t) if tagged else t.clone() for t in v], int(counts[1]), launch
 
 
 def trace_rings(ws, x, ways: dict, parts: dict, stages: int, gap_ns: int, widths, layers: int, name: str,
@@ -208,15 +216,15 @@ def main() -> None:
         base = None
         ways = {}
         for way, depth, tma, sync in [("registers", 0, False, 1)] + [
-                (f"{kind}{s}{lean}", s, kind == "tma", 2 if lean else 1)
-                for lean in ("", "-lean") for kind in ("ring", "tma") for s in stages]:
+                (f"{kind}{s}{lean}", s, kind == "tma", {"": 1, "-lean": 2, "-tagged": 4}[lean])
+                for lean in ("", "-lean", "-tagged") for kind in ("ring", "tma") for s in stages]:
             got, gave_up, launch = run(ws, x, depth, tma, gap_ns, widths, sync=sync)
             base = got if base is None else base
             err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))
             same = all(torch.equal(g, b) for g, b in zip(got, base))
             us = do_bench(launch, warmup=10, rep=200, return_mode="median") * 1e3
             ways[way] = {"stages": depth, "copies": "tma" if tma else "cp.async" if depth else "registers",
-                         "barrier": "lean" if sync == 2 else "decode_layers'", "us": us,
+                         "barrier": {2: "lean", 4: "tagged vectors"}.get(sync, "decode_layers'"), "us": us,
                          "us_per_layer": us / layers, "weights_tb_s": rate(nbytes, us) / 1e12,
                          "hbm_fraction": rate(nbytes, us) / hbm,
                          "ratio": ways["registers"]["us"] / us if ways else 1.0, "bitwise_equal_to_registers": same,

@@ -36,11 +36,13 @@ from nanoforge.kernels import inspect as ki
 out = {}
 for work, sync, tma, trace in json.loads(sys.argv[1]):
     spec = ki._weight_stream(4, tma=tma)
+    if sync == 4:  # tagged words
+        spec = dataclasses.replace(spec, signature={**spec.signature, **{v: "*i32" for v in ("V0", "V1", "V2", "V3")}})
     spec = dataclasses.replace(spec, constexprs={**spec.constexprs, "WORK": work, "SYNC": int(sync), "TRACE": trace})
     ptx = ki._compile_triton("weight_stream_part", spec).ptx
     out[f"{work} {sync} {tma} {trace}"] = {p: ptx.count(p) for p in (
         "cp.async.bulk.tensor", "cp.async.cg.shared.global", "ld.shared.v4", "red.global.gpu.release.add",
-        "ld.global.gpu.acquire", "ld.acquire.gpu.global", "%globaltimer", "st.global.b64")}
+        "ld.global.gpu.acquire", "ld.acquire.gpu.global", "%globaltimer", "st.global.b64", "ld.volatile.global.v4")}
 print(json.dumps(out))
 """
 
@@ -49,8 +51,9 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
     """The benchmark's parts (`PARTS`), compiled for sm_90 at Qwen3-0.6B's widths (a ring of 4, in a child
     process: the real compiler, not the interpreter): no tiles (work 0) copies nothing and reads no stage; copies
     only (2) copies but reads no stage; no sync has no barrier's release arrival or acquire, and the lean
-    departure (sync 2) acquires in its poll instead of after it, and with two of the five local to groups of
-    programs (sync 3) the barriers are decode_layers' still; what is kept is there (five barriers a layer,
+    departure (sync 2) acquires in its poll instead of after it, with two of the five local to groups of
+    programs (sync 3) the barriers are decode_layers' still, and tagged vectors (sync 4) have none, their loads
+    volatile; what is kept is there (five barriers a layer,
     the stages read 16 bytes at a time). A traced launch (the last case) stores the clock 18 times a layer
     (`EVENTS`: each barrier's arrival and departure, each phase's first and last tile), an untraced one never
     (its only clock reads the attention stand-in's)."""
@@ -63,7 +66,7 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
 
     _need_cuda_tools()
     cases = [(0, 1, False, False), (2, 1, False, False), (1, 0, False, False), (2, 0, True, False),
-             (1, 2, True, True), (1, 3, False, False)]
+             (1, 2, True, True), (1, 3, False, False), (1, 4, False, False), (1, 4, True, False)]
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
     r = subprocess.run([sys.executable, "-c", _PARTS_CHILD, json.dumps(cases)], env=env, capture_output=True,
                        text=True, timeout=600)
@@ -75,17 +78,22 @@ def test_the_parts_left_out_are_gone_from_the_compiled_kernel():
         copies = n["cp.async.bulk.tensor"] if tma else n["cp.async.cg.shared.global"]
         assert (copies > 0) == (work != 0), (work, sync, tma, n)
         assert (n["ld.shared.v4"] > 0) == (work == 1), (work, sync, tma, n)
-        assert n["red.global.gpu.release.add"] == (5 if sync else 0), n  # the arrivals
+        assert n["red.global.gpu.release.add"] == (5 if sync in (1, 2, 3) else 0), n  # the arrivals
         assert n["ld.global.gpu.acquire"] == (5 if sync in (1, 3) else 0), n  # (the lean departure's polls acquire)
         assert n["ld.acquire.gpu.global"] == (5 if sync == 2 else 0), n
+        assert (n["ld.volatile.global.v4"] > 0) == (sync == 4), n  # (tagged vectors: loaded again until tagged)
     with pytest.raises(ValueError, match="work is 0, 1 or 2, not 3"):
         ws.shape_constants(QWEN3, 4, work=3)
     with pytest.raises(ValueError, match="run on the ring's path"):
         ws.shape_constants(QWEN3, 0, sync=2)
     with pytest.raises(ValueError, match="run on the ring's path"):
         ws.shape_constants(QWEN3, 0, trace=True)
-    with pytest.raises(ValueError, match="sync is 0, 1, 2 or 3, not 4"):
-        ws.shape_constants(QWEN3, 4, sync=4)
+    with pytest.raises(ValueError, match="sync is 0, 1, 2, 3 or 4, not 5"):
+        ws.shape_constants(QWEN3, 4, sync=5)
+    with pytest.raises(ValueError, match="sync 4 .* every tile's work and untraced"):
+        ws.shape_constants(QWEN3, 4, work=2, sync=4)
+    with pytest.raises(ValueError, match="sync 4 .* every tile's work and untraced"):
+        ws.shape_constants(QWEN3, 4, sync=4, trace=True)
 
 
 def test_the_trace_reads_each_phases_work_its_first_tiles_wait_and_each_barriers_wait():
@@ -133,6 +141,20 @@ def test_the_trace_reads_barriers_local_to_groups_group_by_group():
     got, grid = ws.phase_trace(trace, group=2), ws.phase_trace(trace)
     assert [got[f"barrier {b}"]["wait_us"] for b in range(5)] == pytest.approx([2, 2, 3, 3, 3])
     assert [grid[f"barrier {b}"]["wait_us"] for b in range(5)] == pytest.approx([1, 1, 3, 3, 3])
+
+
+def test_tagged_words_hold_the_bf16_bits_and_the_tag_the_kernel_expects_first():
+    """`tag_words` / `untag` (sync 4): the value's 16 bits round-trip bit for bit (negative values and NaN
+    included), the tag is the kernel's first, `_tag(epoch x 4 x layers, 0)`, 1 .. TAGS, and consecutive
+    launches' tags differ (a graph-free launch's stale words never pass for this launch's)."""
+    x = torch.tensor([1.5, -2.25, 0.0, -0.0, float("nan"), 3e38, -1e-30], dtype=torch.bfloat16)
+    for epoch in (0, 1, 291, ws.TAGS - 1, ws.TAGS, 10**6):
+        words = ws.tag_words(x, epoch, 28)
+        assert words.dtype == torch.int32
+        assert torch.equal(ws.untag(words).view(torch.int16), x.view(torch.int16))
+        tags = set((words >> 16).tolist())
+        assert tags == {(epoch % ws.TAGS) * 4 * 28 % ws.TAGS + 1} and 1 <= min(tags) <= ws.TAGS
+        assert tags != set((ws.tag_words(x, epoch + 1, 28) >> 16).tolist())
 
 
 def test_a_tma_descriptor_covers_a_phases_layers_one_box_a_tile():
@@ -196,6 +218,34 @@ def test_gpu_the_ring_computes_what_registers_do_bit_for_bit(widths, programs):
             assert bool((arrive > 0).all()) and bool((depart >= arrive).all())
             assert bool((depart.amin(2) >= arrive.amax(2)).all())
     assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+@pytest.mark.parametrize("programs", [None, 7])
+def test_gpu_tagged_vectors_compute_what_the_barriers_do_launch_after_launch(programs, tma):
+    """sync 4 (the benchmark's `-tagged` ways): no grid barrier, each phase's output tagged and the next phase's
+    load waiting for the tags: the same bits as the registers' way with its barriers, at Qwen3-0.6B's widths,
+    in three launches in a row on the same buffers (each launch's tags new, so none reads the last one's words),
+    the attention stand-in waiting or not; no wait gives up, and no barrier is counted."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = [(torch.randn(3, n, k, generator=gen, device="cuda") / k**0.5).bfloat16() for n, k in QWEN3]
+    x = torch.randn(QWEN3[0][1], generator=gen, device="cuda").bfloat16()
+    grid = programs or torch.cuda.get_device_properties(0).multi_processor_count
+    v = [torch.full((QWEN3[p - 1][0],), float("nan"), device="cuda", dtype=torch.bfloat16) for p in range(4)]
+    v[0].copy_(x)
+    counts = torch.zeros(ws.count_words(grid), dtype=torch.int32, device="cuda")
+    ws.stream_layers(w, v, 0, counts, programs=programs)  # the registers' way, with its barriers
+    words = [torch.zeros(t.numel(), device="cuda", dtype=torch.int32) for t in v]
+    for epoch, gap_ns in enumerate((0, 2000, 0)):
+        counts.zero_()
+        words[0].copy_(ws.tag_words(x, epoch, 3))
+        ws.stream_layers(w, words, 4, counts, tma=tma, gap_ns=gap_ns, programs=programs, sync=4, epoch=epoch)
+        torch.cuda.synchronize()
+        assert int(counts[1]) == 0 and int(counts[0]) == 0
+        assert all(torch.equal(ws.untag(got), want) for got, want in zip(words, v)), epoch
 
 
 @pytest.mark.gpu

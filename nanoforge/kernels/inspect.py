@@ -302,7 +302,7 @@ def _weight_stream(stages: int, tma: bool = False) -> TritonKernel:
     layout = repr(ws.BOX_LAYOUT.value)
     signature = {**{a: "*bf16" for a in ("V0", "V1", "V2", "V3", "W0", "W1", "W2", "W3")},
                  **{f"D{p}": f"tensordesc<bf16{ws.box_shape(k)},{layout}>" for p, (_, k) in enumerate(widths)},
-                 "BAR": "*i32", "TIMEOUTS": "*i32", "T": "*i64", **_i32("n_layers", "spin_limit", "gap_ns")}
+                 "BAR": "*i32", "TIMEOUTS": "*i32", "T": "*i64", **_i32("n_layers", "spin_limit", "gap_ns", "epoch")}
     return TritonKernel(ws.weight_stream_kernel, signature, ws.shape_constants(widths, stages, tma), num_warps=8)
 
 

@@ -31,7 +31,10 @@ Qwen3; tma4-lean Qwen3's best, 1.19x the registers). `TRACE` (`phase_trace`) tim
 each phase's first tile after its barrier in one launch. Session 37 (an H100) ran it: every phase's first tile is
 in ~0.3 us after its barrier, attention-out's single tile (asked for a phase and two barriers before) too, so the
 ring is full when a barrier lets a program go; the barriers' waits (~1.0 us where the arrivals come together,
-1.2-2.3 after a phase) are half of Qwen3's layer. Fewer barriers a layer, not more copies in flight, is the lever.
+1.2-2.3 after a phase) are half of Qwen3's layer. Fewer barriers a layer, not more copies in flight, is the lever,
+or cheaper ones: `SYNC = 4` has none, each phase's output stored as tagged words that the next phase's load
+waits for (NCCL's LL protocol; `TAGS`), where a barrier is four or five dependent L2 round trips (session 37's
+record). Session 37 also built `SYNC = 3`, two of a layer's five barriers local to groups of programs.
 
 All three reduce a tile with the same layout and order: the same bits. Gluon (Triton's explicit-layout
 language, `triton.experimental.gluon`) is what allows shared memory held across phases; it has no CPU
@@ -131,6 +134,48 @@ def _reduce(w, x, Y, rows, N):
     """Y[rows] = the tile's rows times x (fp32 sums, stored in Y's type)."""
     acc = gl.sum(gl.sum(w.to(gl.float32) * x[None, :, :], axis=2), axis=1)
     gl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=rows < N)
+
+
+# SYNC = 4: no grid barrier; each phase stores its output as tagged 32-bit words (the bf16 value in the low 16
+# bits, the phase's tag, 1 .. TAGS, in the high ones: one 4-byte store, single-copy atomic, so no fence orders the
+# value before its tag), and the next phase's load of that vector is the wait: it loads again until every word
+# carries the tag it expects (NCCL's LL protocol, in 4 bytes). A vector is written again only a layer later, after
+# every program has read it (its writer needs the layer's last vector, which follows every program's reads).
+TAGS = 32767
+
+
+@gluon.jit
+def _tag(base, step):
+    """The tag of the vector written at step `step` of a launch whose tags start at `base` (1 .. TAGS)."""
+    return (base + step) % 32767 + 1
+
+
+@gluon.jit
+def _vector_tagged(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr, tag, spin_limit, TIMEOUTS):
+    """`_vector` of tagged words (SYNC = 4): loaded again (from L2) until each carries `tag`, then their values; a
+    wait past spin_limit loads gives up and counts it at TIMEOUTS, and every later wait of the launch then
+    gives up at once (so that a bug ends the launch, with wrong numbers)."""
+    b = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(0, L)))
+    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
+    at = b[:, None] * 1024 + j[None, :]
+    inside = at < K
+    w = gl.load(X + at, mask=inside, other=0, volatile=True)
+    missing = gl.sum(gl.sum((((w >> 16) != tag) & inside).to(gl.int32), axis=1), axis=0)
+    spins = gl.where(gl.load(TIMEOUTS, volatile=True) > 0, spin_limit, 0)
+    while (missing > 0) & (spins < spin_limit):
+        w = gl.load(X + at, mask=inside, other=0, volatile=True)
+        missing = gl.sum(gl.sum((((w >> 16) != tag) & inside).to(gl.int32), axis=1), axis=0)
+        spins += 1
+    gl.atomic_add(TIMEOUTS, 1, mask=missing > 0)
+    return (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _reduce_tagged(w, x, Y, rows, N, tag):
+    """`_reduce`, each output stored as a tagged word (SYNC = 4)."""
+    acc = gl.sum(gl.sum(w.to(gl.float32) * x[None, :, :], axis=2), axis=1)
+    bits = acc.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    gl.store(Y + rows, bits | (tag << 16), mask=rows < N)
 
 
 @gluon.jit
@@ -320,12 +365,16 @@ def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.con
                 C1: gl.constexpr, N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
                 N3: gl.constexpr, K3: gl.constexpr, R3: gl.constexpr, C3: gl.constexpr, n0, n1, n2, n3, n_layers,
                 STAGES: gl.constexpr, L: gl.constexpr, TMA: gl.constexpr, WORK: gl.constexpr, T, row,
-                TRACE: gl.constexpr):
+                TRACE: gl.constexpr, SYNC: gl.constexpr, tag_in, tag_out, spin_limit, TIMEOUTS):
     """One phase from the ring: each of its n tiles waited for, reduced, and its stage refilled with the tile
     STAGES ahead of it in the program's order (the cursor). WORK = 2: the tiles waited for and refilled, not
     read or reduced (what the copies alone cost). TRACE: the clock once the first and the last tile are in,
-    at trace rows `row` and `row` + 1."""
-    x = _vector(X, K, C, L)
+    at trace rows `row` and `row` + 1. SYNC = 4: X and Y tagged words, X waited for until it carries tag_in,
+    Y stored with tag_out."""
+    if SYNC == 4:
+        x = _vector_tagged(X, K, C, L, tag_in, spin_limit, TIMEOUTS)
+    else:
+        x = _vector(X, K, C, L)
     for i in range(n):
         if TMA:  # the stage's n-th box, n = c // STAGES: the mbarrier's phase of that parity completed
             mbarrier.wait(bars.index(c % STAGES), (c // STAGES) & 1)
@@ -347,7 +396,10 @@ def _phase_ring(ring, bars, c, X, Y, N: gl.constexpr, K: gl.constexpr, R: gl.con
                N1, K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n_layers, L, TMA)
         cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         if WORK == 1:
-            _reduce(w, x, Y, rows, N)
+            if SYNC == 4:
+                _reduce_tagged(w, x, Y, rows, N, tag_out)
+            else:
+                _reduce(w, x, Y, rows, N)
         c += 1
     return c, cur_layer, cur_phase, cur_k
 
@@ -374,7 +426,7 @@ def _first(W, N: gl.constexpr, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr
 
 @gluon.jit
 def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TIMEOUTS, T, n_layers, spin_limit,
-                         gap_ns,
+                         gap_ns, epoch,
                          N0: gl.constexpr, K0: gl.constexpr, R0: gl.constexpr, C0: gl.constexpr,
                          N1: gl.constexpr, K1: gl.constexpr, R1: gl.constexpr, C1: gl.constexpr,
                          N2: gl.constexpr, K2: gl.constexpr, R2: gl.constexpr, C2: gl.constexpr,
@@ -388,8 +440,9 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
     time goes to, with a ring: WORK = 0 no tiles (the barriers, the vectors' loads and the stand-in alone), 2 the
     tiles copied but not read or reduced, 1 everything; SYNC = 0 no grid barriers (wrong numbers, the copies and
     reductions alone), 2 the barriers' lean departure (`_depart_lean`), 3 the two around the stand-in local to
-    groups of GROUP_PROGRAMS (attention-out then reads vectors not yet written: wrong numbers). TRACE (a ring):
-    each program's clock at its barriers and tiles into T (`EVENTS` rows a layer)."""
+    groups of GROUP_PROGRAMS (attention-out then reads vectors not yet written: wrong numbers), 4 none, the
+    vectors tagged words (`_vector_tagged`; their tags from `epoch`, the launch's number). TRACE (a ring): each
+    program's clock at its barriers and tiles into T (`EVENTS` rows a layer)."""
     L: gl.constexpr = TILE_LAYOUT
     programs = gl.num_programs(0)
     n0 = _count(N0, R0)
@@ -414,6 +467,7 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
                    K1, R1, C1, N2, K2, R2, C2, N3, K3, R3, C3, n_layers, L, TMA)
             cur_layer, cur_phase, cur_k = _advance(cur_layer, cur_phase, cur_k, n0, n1, n2, n3, n_layers)
         c = n_layers * 0
+        base = epoch * 4 * n_layers  # (SYNC = 4: the tags of this launch; the host's input carries _tag(base, 0))
         for layer in range(n_layers):
             for p in gl.static_range(4):  # phase p: V_p -> V_{p+1} (V3 -> V0); after Q/K/V the stand-in
                 c, cur_layer, cur_phase, cur_k = _phase_ring(
@@ -421,11 +475,14 @@ def weight_stream_kernel(V0, V1, V2, V3, W0, W1, W2, W3, D0, D1, D2, D3, BAR, TI
                     (K0, K1, K2, K3)[p], (R0, R1, R2, R3)[p], (C0, C1, C2, C3)[p], (n0, n1, n2, n3)[p], cur_layer,
                     cur_phase, cur_k, W0, W1, W2, W3, D0, D1, D2, D3, N0, K0, R0, C0, N1, K1, R1, C1, N2, K2, R2,
                     C2, N3, K3, R3, C3, n0, n1, n2, n3, n_layers, STAGES, L, TMA, WORK, T,
-                    layer * _EVENTS + 10 + 2 * p, TRACE)
-                _barrier_at(BAR, layer, _AFTER[p], spin_limit, TIMEOUTS, SYNC, T, TRACE)
+                    layer * _EVENTS + 10 + 2 * p, TRACE, SYNC, _tag(base, layer * 4 + p),
+                    _tag(base, layer * 4 + p + 1), spin_limit, TIMEOUTS)
+                if SYNC != 4:
+                    _barrier_at(BAR, layer, _AFTER[p], spin_limit, TIMEOUTS, SYNC, T, TRACE)
                 if p == 0:
                     _attention_stand_in(gap_ns)
-                    _barrier_at(BAR, layer, 1, spin_limit, TIMEOUTS, SYNC, T, TRACE)
+                    if SYNC != 4:
+                        _barrier_at(BAR, layer, 1, spin_limit, TIMEOUTS, SYNC, T, TRACE)
         if TMA:
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
@@ -467,14 +524,16 @@ def shape_constants(widths: list[tuple[int, int]], stages: int, tma: bool = Fals
     """The kernel's constexprs for four phases' (N, K), `stages` (0: registers), `tma` (the ring's copies), and
     what to leave out to see what the rest costs (with a ring): `work` 0 (no tiles), 2 (tiles copied, not
     reduced) or 1 (all), `sync` 0 (no grid barriers) or 3 (the two around the stand-in local to groups of
-    programs); `sync` 2: the barriers' lean departure (with a ring); `trace`: the clock at every barrier and
-    phase (with a ring)."""
+    programs); `sync` 2: the barriers' lean departure, 4: no barriers, tagged vectors (`TAGS`; with a ring);
+    `trace`: the clock at every barrier and phase (with a ring)."""
     if len(widths) != PHASES:
         raise ValueError(f"weight_stream: {PHASES} phases, not {len(widths)}")
     if work not in (0, 1, 2):
         raise ValueError(f"weight_stream: work is 0, 1 or 2, not {work!r}")
-    if sync not in (0, 1, 2, 3):
-        raise ValueError(f"weight_stream: sync is 0, 1, 2 or 3, not {sync!r}")
+    if sync not in (0, 1, 2, 3, 4):
+        raise ValueError(f"weight_stream: sync is 0, 1, 2, 3 or 4, not {sync!r}")
+    if sync == 4 and (work != 1 or trace):
+        raise ValueError("weight_stream: sync 4 (tagged vectors) runs with every tile's work and untraced")
     if (work != 1 or sync != 1 or trace) and not stages:
         raise ValueError("weight_stream: work 0 or 2, sync 0, 2 or 3 and a trace run on the ring's path: "
                          "stages >= 2")
@@ -515,7 +574,7 @@ def descriptors(ws: list[torch.Tensor]) -> list:
 def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, counts: torch.Tensor, *,
                   tma: bool = False, gap_ns: int = 0, programs: int | None = None, descs: list | None = None,
                   spin_limit: int = SPIN_LIMIT, work: int = 1, sync: int = 1,
-                  trace: torch.Tensor | None = None) -> None:
+                  trace: torch.Tensor | None = None, epoch: int = 0) -> None:
     """Launch the kernel over weights ws (four (layers, N_p, K_p) bf16 tensors) and vectors v (four bf16
     vectors, v[p] N_{p-1} long, at least K_p; v[0] the input, the layers' output left in it). counts:
     `count_words(programs)` zeroed int32, [0] the grid barrier's arrivals, [1] the waits that gave up (0 unless
@@ -523,17 +582,33 @@ def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, co
     ring's, filled by cp.async or (`tma`) TMA. gap_ns: the attention phase's stand-in, a wait between Q/K/V and
     attention-out. programs: the grid (default one an SM). descs: `descriptors(ws)`, made once by a caller that
     launches again (else here). work, sync: the parts left out (`shape_constants`; the numbers then wrong: sync 0
-    or 3), or sync 2 the lean barrier (the same numbers). trace: zeroed int64 (`EVENTS` x layers, programs), a
-    ring's launch: each program's clock at its barriers and tiles (`phase_trace` reads it)."""
+    or 3), or sync 2 the lean barrier (the same numbers), or sync 4 tagged vectors: v int32 words, v[0]
+    `tag_words(x, epoch, layers)`, the others zeroed once and never holding this launch's tags (`epoch`: a
+    launch's number, a new one each launch; `untag` reads them). trace: zeroed int64 (`EVENTS` x layers,
+    programs), a ring's launch: each program's clock at its barriers and tiles (`phase_trace` reads it)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
     if counts.dtype != torch.int32 or counts.numel() < count_words(programs):
         raise ValueError(f"weight_stream: counts are {count_words(programs)} zeroed int32 for {programs} programs")
     consts = shape_constants([tuple(w.shape[1:]) for w in ws], stages, tma, work, sync, trace is not None)
+    if any(t.dtype != (torch.int32 if sync == 4 else torch.bfloat16) for t in v):
+        raise ValueError("weight_stream: the vectors are bf16, or int32 tagged words with sync 4")
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (EVENTS * ws[0].shape[0], programs)):
         raise ValueError(f"weight_stream: a trace is int64 ({EVENTS} x layers, programs)")
     weight_stream_kernel[(programs,)](*v, *ws, *(descs or descriptors(ws)), counts, counts[1:],
                                       trace if trace is not None else counts, ws[0].shape[0], spin_limit, gap_ns,
+                                      epoch % TAGS,
                                       **consts, num_warps=8, **_cooperative())
+
+
+def tag_words(x: torch.Tensor, epoch: int, n_layers: int) -> torch.Tensor:
+    """A bf16 vector as the tagged words a sync-4 launch numbered `epoch` reads as its first layer's input."""
+    tag = (epoch % TAGS) * 4 * n_layers % TAGS + 1  # (the kernel's _tag(base, 0))
+    return (x.view(torch.int16).to(torch.int32) & 0xFFFF) | (tag << 16)
+
+
+def untag(words: torch.Tensor) -> torch.Tensor:
+    """The bf16 values of tagged words."""
+    return (words & 0xFFFF).to(torch.int16).view(torch.bfloat16)
 
 
 def phase_trace(trace: torch.Tensor, group: int | None = None) -> dict:
