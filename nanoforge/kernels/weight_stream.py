@@ -120,12 +120,18 @@ def _tile(W, t, N, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, L: gl.cons
 
 
 @gluon.jit
+def _vector_at(C: gl.constexpr, L: gl.constexpr):
+    """A phase's input vector's offsets, [C, CHUNK] in the tile's layout less its rows."""
+    b = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(0, L)))
+    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
+    return b[:, None] * 1024 + j[None, :]
+
+
+@gluon.jit
 def _vector(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
     """The phase's input (written by other programs of this launch: read from L2), fp32, as [C, CHUNK] in the
     tile's layout less its rows; zero past K."""
-    b = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(0, L)))
-    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
-    at = b[:, None] * 1024 + j[None, :]
+    at = _vector_at(C, L)
     return gl.load(X + at, mask=at < K, other=0.0, cache_modifier=".cg").to(gl.float32)
 
 
@@ -155,9 +161,7 @@ def _vector_tagged(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr, tag, sp
     """`_vector` of tagged words (SYNC = 4): loaded again (from L2) until each carries `tag`, then their values; a
     wait past spin_limit loads gives up and counts it at TIMEOUTS, and every later wait of the launch then
     gives up at once (so that a bug ends the launch, with wrong numbers)."""
-    b = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(0, L)))
-    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
-    at = b[:, None] * 1024 + j[None, :]
+    at = _vector_at(C, L)
     inside = at < K
     w = gl.load(X + at, mask=inside, other=0, volatile=True)
     missing = gl.sum(gl.sum((((w >> 16) != tag) & inside).to(gl.int32), axis=1), axis=0)
