@@ -13,7 +13,7 @@ through a ring of each --stages count of 32 KB shared-memory stages kept filled 
 cp.async (`ringN`) and by TMA (`tmaN`), and each ring again with the barriers' lean departure (`-lean`: one
 thread's acquire polls, no re-read or atomic after them) and with no barrier at all (`-tagged`: each vector
 stored as words tagged with its phase, the next phase's load waiting for the tags, NCCL's LL protocol; its launch
-tags its input: one small kernel more). Each way is checked bit for bit against the baseline
+inputs tagged beforehand). Each way is checked bit for bit against the baseline
 and within bf16's rounding of a float64 reference, then timed (triton's do_bench: L2 cleared before every
 launch). Then the ring's kernel with parts left out, to split the time (`PARTS`: no tile at all, the barriers
 alone; copies without reductions; no grid barriers; copies alone; the two barriers around the gap local to
@@ -43,6 +43,8 @@ import torch  # noqa: E402
 from nanoforge.model.config import preset  # noqa: E402
 
 
+# each ring's ways: (name suffix, sync): decode_layers' barriers, their lean departure, none (tagged vectors)
+RING_WAYS = {"": 1, "-lean": 2, "-tagged": 4}
 # the ring's kernel with parts left out: (name, stages, tma, work, sync, what it times); work 0 no tiles, 2 tiles
 # copied only; sync 0 no grid barriers, 2 their lean departure (kernels/weight_stream.py's `_depart_lean`), 3 the
 # two barriers around the attention phase's stand-in local to groups of programs (as a kv head's attention and
@@ -71,8 +73,9 @@ def make(widths: list[tuple[int, int]], layers: int, device) -> tuple[list[torch
 def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync: int = 1,
         trace: torch.Tensor | None = None) -> tuple[list[torch.Tensor], int, callable]:
     """The four vectors after one launch, the barrier waits that gave up, and a launch to time (`trace`: each
-    launch's events written there). sync 4: the vectors are tagged words, a launch's input tagged with its number
-    (one small kernel more a launch than the others' copy of x; read back as bf16)."""
+    launch's events written there). sync 4: the vectors are tagged words, read back as bf16; launches numbered 0
+    and 1 in turn (consecutive ones' tags differ, which is all a launch needs), each input tagged beforehand, so
+    that a launch copies its input as the other ways do."""
     from nanoforge.kernels.weight_stream import count_words, descriptors, stream_layers, tag_words, untag
 
     descs = descriptors(ws)  # (once, not in the timed launches)
@@ -81,13 +84,15 @@ def run(ws, x, stages: int, tma: bool, gap_ns: int, widths, work: int = 1, sync:
          for p in range(4)]
     counts = torch.zeros(count_words(torch.cuda.get_device_properties(x.device).multi_processor_count),
                          dtype=torch.int32, device=x.device)
+    inputs = [tag_words(x, epoch, ws[0].shape[0]) if tagged else x for epoch in (0, 1)]
     launches = [0]
 
     def launch():
+        epoch = launches[0] % 2
         counts.zero_()
-        v[0].copy_(tag_words(x, launches[0], ws[0].shape[0]) if tagged else x)
+        v[0].copy_(inputs[epoch])
         stream_layers(ws, v, stages, counts, tma=tma, gap_ns=gap_ns, descs=descs, work=work, sync=sync, trace=trace,
-                      epoch=launches[0])
+                      epoch=epoch)
         launches[0] += 1
 
     launch()
@@ -108,8 +113,8 @@ def trace_rings(ws, x, ways: dict, parts: dict, stages: int, gap_ns: int, widths
 
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count
     out = {}
-    runs = [(f"{kind}{stages}{lean}", kind == "tma", 2 if lean else 1, ways) for lean in ("", "-lean")
-            for kind in ("ring", "tma")] + [("group-ring4", False, 3, parts)] * (stages == 4)
+    runs = [(f"{kind}{stages}{suffix}", kind == "tma", sync, ways) for suffix, sync in RING_WAYS.items()
+            if sync != 4 for kind in ("ring", "tma")] + [("group-ring4", False, 3, parts)] * (stages == 4)
     for way, tma, sync, untraced in runs:
         t = torch.zeros(EVENTS * layers, programs, dtype=torch.int64, device=x.device)
         _, _, launch = run(ws, x, stages, tma, gap_ns, widths, sync=sync, trace=t)
@@ -216,8 +221,8 @@ def main() -> None:
         base = None
         ways = {}
         for way, depth, tma, sync in [("registers", 0, False, 1)] + [
-                (f"{kind}{s}{lean}", s, kind == "tma", {"": 1, "-lean": 2, "-tagged": 4}[lean])
-                for lean in ("", "-lean", "-tagged") for kind in ("ring", "tma") for s in stages]:
+                (f"{kind}{s}{suffix}", s, kind == "tma", sync)
+                for suffix, sync in RING_WAYS.items() for kind in ("ring", "tma") for s in stages]:
             got, gave_up, launch = run(ws, x, depth, tma, gap_ns, widths, sync=sync)
             base = got if base is None else base
             err = max(float((g.double() - w).norm() / w.norm()) for g, w in zip(got, want))

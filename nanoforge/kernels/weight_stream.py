@@ -148,12 +148,13 @@ def _reduce(w, x, Y, rows, N):
 # carries the tag it expects (NCCL's LL protocol, in 4 bytes). A vector is written again only a layer later, after
 # every program has read it (its writer needs the layer's last vector, which follows every program's reads).
 TAGS = 32767
+_TAGS = gl.constexpr(TAGS)
 
 
 @gluon.jit
 def _tag(base, step):
     """The tag of the vector written at step `step` of a launch whose tags start at `base` (1 .. TAGS)."""
-    return (base + step) % 32767 + 1
+    return (base + step) % _TAGS + 1
 
 
 @gluon.jit
@@ -163,10 +164,10 @@ def _vector_tagged(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr, tag, sp
     gives up at once (so that a bug ends the launch, with wrong numbers)."""
     at = _vector_at(C, L)
     inside = at < K
-    w = gl.load(X + at, mask=inside, other=0, volatile=True)
-    missing = gl.sum(gl.sum((((w >> 16) != tag) & inside).to(gl.int32), axis=1), axis=0)
-    spins = gl.where(gl.load(TIMEOUTS, volatile=True) > 0, spin_limit, 0)
-    while (missing > 0) & (spins < spin_limit):
+    w = at * 0  # (the words, loaded at least once below)
+    missing = spin_limit * 0 + 1
+    spins = gl.where(gl.load(TIMEOUTS, volatile=True) > 0, spin_limit, 0)  # (after a give-up: one load)
+    while (missing > 0) & (spins <= spin_limit):
         w = gl.load(X + at, mask=inside, other=0, volatile=True)
         missing = gl.sum(gl.sum((((w >> 16) != tag) & inside).to(gl.int32), axis=1), axis=0)
         spins += 1
@@ -588,7 +589,7 @@ def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, co
     launches again (else here). work, sync: the parts left out (`shape_constants`; the numbers then wrong: sync 0
     or 3), or sync 2 the lean barrier (the same numbers), or sync 4 tagged vectors: v int32 words, v[0]
     `tag_words(x, epoch, layers)`, the others zeroed once and never holding this launch's tags (`epoch`: a
-    launch's number, a new one each launch; `untag` reads them). trace: zeroed int64 (`EVENTS` x layers,
+    launch's number, other than the last launch's on these buffers; `untag` reads them). trace: zeroed int64 (`EVENTS` x layers,
     programs), a ring's launch: each program's clock at its barriers and tiles (`phase_trace` reads it)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
     if counts.dtype != torch.int32 or counts.numel() < count_words(programs):
