@@ -157,12 +157,21 @@ def _tag(base, step):
     return (base + step) % _TAGS + 1
 
 
+# a tagged vector as it is polled, [chunks, CHUNK] words: each word in one thread only (4 a thread, 8 warps a
+# chunk). The tile's layout holds the vector twice (once for each warp over the rows), and a reduction over it
+# counts one copy, taking the other to be equal: words polled at two moments are not, so the poll's warps must
+# each hold words of their own, and the tile's copies come from one poll's (through shared memory)
+POLL_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 8], [1, 0]))
+
+
 @gluon.jit
 def _vector_tagged(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr, tag, spin_limit, TIMEOUTS):
-    """`_vector` of tagged words (SYNC = 4): loaded again (from L2) until each carries `tag`, then their values; a
-    wait past spin_limit loads gives up and counts it at TIMEOUTS, and every later wait of the launch then
-    gives up at once (so that a bug ends the launch, with wrong numbers)."""
-    at = _vector_at(C, L)
+    """`_vector` of tagged words (SYNC = 4): loaded again (from L2) until each carries `tag` (`POLL_LAYOUT`),
+    then their values in the tile's layout; a wait past spin_limit loads gives up and counts it at TIMEOUTS, and
+    every later wait of the launch then gives up at once (so that a bug ends the launch, with wrong numbers)."""
+    b = gl.arange(0, C, layout=gl.SliceLayout(1, POLL_LAYOUT))
+    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, POLL_LAYOUT))
+    at = b[:, None] * 1024 + j[None, :]
     inside = at < K
     w = at * 0  # (the words, loaded at least once below)
     missing = spin_limit * 0 + 1
@@ -172,7 +181,8 @@ def _vector_tagged(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr, tag, sp
         missing = gl.sum(gl.sum((((w >> 16) != tag) & inside).to(gl.int32), axis=1), axis=0)
         spins += 1
     gl.atomic_add(TIMEOUTS, 1, mask=missing > 0)
-    return (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True).to(gl.float32)
+    x = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(x, gl.SliceLayout(0, L)).to(gl.float32)
 
 
 @gluon.jit
