@@ -316,7 +316,8 @@ def test_a_put_grants_no_lease_a_read_or_lookup_does(touch, leaving):
     """What the simulator's pool assumes of Mooncake (`sim/pool.py`): PutEnd grants no lease, a read
     (batch_get_into) or a lookup (batch_is_exist) one of default_kv_lease_ttl (10 s). Objects are written one at
     a time, 20 ms apart (the master's eviction thread runs every 10 ms once usage is over 90%), into a segment
-    that holds half of them: written only, every one is admitted (the master evicts the unread ones behind them);
+    that holds half of them: written only, every one is admitted (the master evicts the unread ones behind them;
+    a put refused before its eviction thread ran is put again, up to 0.5 s later);
     each read or looked up right after its put, the pool fills and turns every later put away. (A put's object has
     no lease until that read: on a loaded box the eviction thread can take it first, and the read misses; it
     freed its room, so the test goes on.)"""
@@ -330,6 +331,11 @@ def test_a_put_grants_no_lease_a_read_or_lookup_does(touch, leaving):
         admitted, leased = [], []
         for key in keys:
             admitted += store.put_from([key], [buf.data_ptr()], size)
+            for _ in range(10 if touch == "nothing" else 0):  # (refused while the eviction thread had not yet
+                if admitted[-1]:  # run, on a loaded box: unleased objects are its to take, so it makes room)
+                    break
+                time.sleep(0.05)
+                admitted[-1] = store.put_from([key], [buf.data_ptr()], size)[0]
             if admitted[-1] and touch != "nothing":
                 touched = store.get_into([key], [buf.data_ptr()], size) if touch == "get" else store.contains([key])
                 if touched[0]:  # (missed: evicted before it, see above)
