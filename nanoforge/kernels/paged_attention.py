@@ -849,6 +849,37 @@ def _bench_case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, 
     return row
 
 
+def _prefill_lever_rows(b: int, t: int, hq: int, hkv: int, d: int) -> list[dict]:
+    """(c)'s step again (b fresh prompts of t tokens): the kernel with its exponentials by FMAs
+    (NANOFORGE_ATTN_EXP2 half and poly) against itself with ex2, and with ex2 against cuDNN's attention on the same
+    shapes dense ([b, heads, t, d], causal, GQA), the fastest library kernel session 38 found (1.33x ours at
+    D 64, 1.85x at D 128 on an H100; FlashAttention-2, HF's SDPA default, 0.73x and 1.02x)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nanoforge.kernels.bench import make_row, time_ms
+
+    batch = make_paged_batch([t] * b, [t] * b, hq, hkv, d, 16, torch.bfloat16, "cuda")
+    flops = 4 * b * (t * (t + 1) // 2) * hq * d
+    shape = f"prefill B{b} ctx {t} q/seq {t} Hq{hq} Hkv{hkv} D{d} torch.bfloat16"
+    ms = {}
+    for mode in EXP2_MODES:
+        with mock.patch.dict(os.environ, {"NANOFORGE_ATTN_EXP2": mode}):
+            ms[mode] = time_ms(lambda: paged_attention(**batch, max_q_len=t))
+    rows = [make_row(f"paged_prefill_exp2_{mode}", shape, ms[mode], ms["mufu"], "the same kernel, ex2 (mufu)", flops,
+                     _kv_bytes([t] * b, hkv, d, torch.bfloat16)) for mode in EXP2_MODES[1:]]
+    q = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            dense = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                     enable_gqa=True))
+    except RuntimeError as e:  # (no cuDNN attention in this build: the row says so)
+        print(f"paged prefill: no cuDNN attention here ({str(e).splitlines()[0]})")
+        return rows
+    return rows + [make_row("paged_prefill", shape, ms["mufu"], dense, "cuDNN SDPA, dense (no pages)", flops,
+                            _kv_bytes([t] * b, hkv, d, torch.bfloat16))]
+
+
 def bench_rows(quick: bool) -> list[dict]:
     """Decode at batch 64 with Llama-8B heads over 4k-32k contexts, and a chunked prefill, vs the torch reference;
     and batch-1 decode with Llama-3.2-1B's heads, timed in CUDA graphs (its context split across the GPU: a
@@ -863,5 +894,6 @@ def bench_rows(quick: bool) -> list[dict]:
     if not quick:  # gpu_engine.py (c)'s step: 8 fresh prompts of 2,000 tokens, Llama-3.2-1B's heads (D 64), where
         # session 7's profile of one 16K-token step had this kernel at 11.1 of ~58 ms (~190 TFLOP/s)
         rows.append(_bench_case("prefill", [2000] * 8, [2000] * 8, 32, 8, 64, torch.bfloat16))
+        rows += [r for hq, d in ((32, 64), (16, 128)) for r in _prefill_lever_rows(8, 2000, hq, 8, d)]
     return rows + [_bench_case("decode", [1024], [1], 32, 8, 64, torch.bfloat16, combine, graph=True)  # CUDA graphs:
                    for combine in ("kernel", "fused")]  # the GPU's time, as the engine replays a decode step
