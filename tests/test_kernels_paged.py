@@ -232,11 +232,20 @@ def test_the_fma_exponential_is_within_its_fit_of_float64():
 @pytest.mark.parametrize("mode", ["half", "poly"])
 def test_chunked_prefill_with_fma_exponentials_matches_float64(poisoned, monkeypatch, mode):
     """NANOFORGE_ATTN_EXP2: a prefill tile's exponentials by the polynomial, all of them or alternate columns
-    (whole prompts, chunks on cached prefixes, a decode, which keeps ex2): within the fit's error of float64."""
-    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", mode)
+    (whole prompts, chunks on cached prefixes and a decode in one step): within the fit's error of float64, not
+    the bits of ex2's; a decode step's launch keeps ex2 (the same bits)."""
     ctx, qlens = [150, 20, 9, 170, 1], [150, 20, 1, 37, 0]
     b = batch(ctx, qlens, 4, 2, 16, 8, seed=3)
-    check(b, pa.paged_attention(**b, max_q_len=max(qlens)), rtol=3e-4, atol=3e-4)
+    ex2 = pa.paged_attention(**b, max_q_len=max(qlens))
+    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", mode)
+    out = pa.paged_attention(**b, max_q_len=max(qlens))
+    check(b, out, rtol=3e-4, atol=3e-4)
+    assert not torch.equal(out, ex2)  # (the polynomial ran)
+    d = batch([150, 20, 9], [1, 1, 1], 4, 2, 16, 8, seed=4)  # a decode step keeps ex2: the same bits
+    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", "mufu")
+    want = pa.paged_attention(**d, max_q_len=1)
+    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", mode)
+    assert torch.equal(pa.paged_attention(**d, max_q_len=1), want)
     monkeypatch.setenv("NANOFORGE_ATTN_EXP2", "fast")
     with pytest.raises(NanoforgeError, match="NANOFORGE_ATTN_EXP2"):
         pa.paged_attention(**b, max_q_len=max(qlens))
