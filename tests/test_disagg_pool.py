@@ -331,9 +331,9 @@ def test_a_put_grants_no_lease_a_read_or_lookup_does(touch, leaving):
         admitted, leased = [], []
         for key in keys:
             admitted += store.put_from([key], [buf.data_ptr()], size)
-            for _ in range(10 if touch == "nothing" else 0):  # (refused while the eviction thread had not yet
-                if admitted[-1]:  # run, on a loaded box: unleased objects are its to take, so it makes room)
-                    break
+            retries = 10 if touch == "nothing" else 0  # (refused before the eviction thread ran, on a loaded
+            while not admitted[-1] and retries:  # box: unleased objects are its to take, so it makes room)
+                retries -= 1
                 time.sleep(0.05)
                 admitted[-1] = store.put_from([key], [buf.data_ptr()], size)[0]
             if admitted[-1] and touch != "nothing":

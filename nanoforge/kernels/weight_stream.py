@@ -120,18 +120,12 @@ def _tile(W, t, N, K: gl.constexpr, R: gl.constexpr, C: gl.constexpr, L: gl.cons
 
 
 @gluon.jit
-def _vector_at(C: gl.constexpr, L: gl.constexpr):
-    """A phase's input vector's offsets, [C, CHUNK] in the tile's layout less its rows."""
-    b = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(0, L)))
-    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
-    return b[:, None] * 1024 + j[None, :]
-
-
-@gluon.jit
 def _vector(X, K: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
     """The phase's input (written by other programs of this launch: read from L2), fp32, as [C, CHUNK] in the
     tile's layout less its rows; zero past K."""
-    at = _vector_at(C, L)
+    b = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(0, L)))
+    j = gl.arange(0, 1024, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
+    at = b[:, None] * 1024 + j[None, :]
     return gl.load(X + at, mask=at < K, other=0.0, cache_modifier=".cg").to(gl.float32)
 
 
