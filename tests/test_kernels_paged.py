@@ -228,6 +228,41 @@ def test_the_fma_exponential_is_within_its_fit_of_float64():
     assert (got >= 0).all() and (got[~normal] <= 2.0**-125).all()
 
 
+_EXP2_CHILD = """
+import dataclasses, json
+from nanoforge.kernels import inspect as ki
+out = {}
+for e in (0, 1, 2):
+    spec = ki.TRITON_KERNELS["paged_attention_prefill_wide"]
+    ptx = ki._compile_triton("x", dataclasses.replace(spec, constexprs={**spec.constexprs, "EXP2": e})).ptx
+    out[e] = {p: ptx.count(p) for p in ("ex2.approx", "st.shared", "ld.shared", "shfl.sync", "wgmma.mma_async")}
+print(json.dumps(out))
+"""
+
+
+def test_the_fma_exponentials_leave_the_ex2_unit_and_move_nothing_through_shared_memory():
+    """The prefill tile at Llama-3.2-1B's heads (`paged_attention_prefill_wide`), compiled for sm_90 (a child
+    process: the real compiler) with each NANOFORGE_ATTN_EXP2 mode: `half` takes half the tile's ex2s away and
+    `poly` all of them (those left: the rescale's, a row each), and the column split stays in each thread's
+    registers: no more shared-memory traffic or shuffles than ex2's way, the same products."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_kernels_inspect import _need_cuda_tools
+
+    _need_cuda_tools()
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
+    r = subprocess.run([sys.executable, "-c", _EXP2_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    n = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    rescale = n[2]["ex2.approx"]
+    assert rescale < n[0]["ex2.approx"] // 8 and n[1]["ex2.approx"] - rescale == (n[0]["ex2.approx"] - rescale) // 2
+    for kept in ("st.shared", "ld.shared", "shfl.sync", "wgmma.mma_async"):
+        assert n[0][kept] == n[1][kept] == n[2][kept], (kept, n)
+
+
 @interpreter
 @pytest.mark.parametrize("mode", ["half", "poly"])
 def test_chunked_prefill_with_fma_exponentials_matches_float64(poisoned, monkeypatch, mode):
