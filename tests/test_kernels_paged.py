@@ -232,7 +232,7 @@ _EXP2_CHILD = """
 import dataclasses, json
 from nanoforge.kernels import inspect as ki
 out = {}
-for e in (0, 1, 2):
+for e in (0, 1, 2, 3):
     spec = ki.TRITON_KERNELS["paged_attention_prefill_wide"]
     ptx = ki._compile_triton("x", dataclasses.replace(spec, constexprs={**spec.constexprs, "EXP2": e})).ptx
     out[e] = {p: ptx.count(p) for p in ("ex2.approx", "st.shared", "ld.shared", "shfl.sync", "wgmma.mma_async")}
@@ -242,9 +242,9 @@ print(json.dumps(out))
 
 def test_the_fma_exponentials_leave_the_ex2_unit_and_move_nothing_through_shared_memory():
     """The prefill tile at Llama-3.2-1B's heads (`paged_attention_prefill_wide`), compiled for sm_90 (a child
-    process: the real compiler) with each NANOFORGE_ATTN_EXP2 mode: `half` takes half the tile's ex2s away and
-    `poly` all of them (those left: the rescale's, a row each), and the column split stays in each thread's
-    registers: no more shared-memory traffic or shuffles than ex2's way, the same products."""
+    process: the real compiler) with each NANOFORGE_ATTN_EXP2 mode: `half` takes half the tile's ex2s away,
+    `quarter` a quarter and `poly` all of them (those left: the rescale's, a row each), and the column split stays
+    in each thread's registers: no more shared-memory traffic or shuffles than ex2's way, the same products."""
     import json
     import os
     import subprocess
@@ -258,16 +258,18 @@ def test_the_fma_exponentials_leave_the_ex2_unit_and_move_nothing_through_shared
     assert r.returncode == 0, r.stderr[-3000:]
     n = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
     rescale = n[2]["ex2.approx"]
-    assert rescale < n[0]["ex2.approx"] // 8 and n[1]["ex2.approx"] - rescale == (n[0]["ex2.approx"] - rescale) // 2
+    tile = n[0]["ex2.approx"] - rescale
+    assert rescale < tile // 8 and n[1]["ex2.approx"] - rescale == tile // 2
+    assert n[3]["ex2.approx"] - rescale == tile * 3 // 4
     for kept in ("st.shared", "ld.shared", "shfl.sync", "wgmma.mma_async"):
-        assert n[0][kept] == n[1][kept] == n[2][kept], (kept, n)
+        assert n[0][kept] == n[1][kept] == n[2][kept] == n[3][kept], (kept, n)
 
 
 @interpreter
-@pytest.mark.parametrize("mode", ["half", "poly"])
+@pytest.mark.parametrize("mode", ["half", "poly", "quarter"])
 def test_chunked_prefill_with_fma_exponentials_matches_float64(poisoned, monkeypatch, mode):
-    """NANOFORGE_ATTN_EXP2: a prefill tile's exponentials by the polynomial, all of them or alternate columns
-    (whole prompts, chunks on cached prefixes and a decode in one step): within the fit's error of float64, not
+    """NANOFORGE_ATTN_EXP2: a prefill tile's exponentials by the polynomial, all of them, alternate columns or a
+    quarter (whole prompts, chunks on cached prefixes and a decode in one step): within the fit's error of float64, not
     the bits of ex2's; a decode step's launch keeps ex2 (the same bits)."""
     ctx, qlens = [150, 20, 9, 170, 1], [150, 20, 1, 37, 0]
     b = batch(ctx, qlens, 4, 2, 16, 8, seed=3)
@@ -405,7 +407,7 @@ def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, hkv, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["half", "poly"])
+@pytest.mark.parametrize("mode", ["half", "quarter", "poly"])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (16, 8, 128), (12, 12, 64), (14, 2, 64)],
                          ids=["llama3-1b", "qwen3-0.6b", "gpt2", "qwen2-0.5b"])  # each family's heads
 def test_gpu_prefill_with_fma_exponentials_full_size_bf16(poisoned, monkeypatch, mode, hq, hkv, d):

@@ -138,10 +138,11 @@ def combine_mode() -> str:
 
 # how a prefill tile's exponentials are taken (`NANOFORGE_ATTN_EXP2`): "mufu" every one by the special function
 # unit's ex2 (`tl.exp2`; the default), "poly" every one by fused multiply-adds and integer ops (`exp2_fma`), "half"
-# alternate columns each way. At head dim 64 a tile's ex2s take the special function unit (16 a cycle an SM) as
-# long as its two products take the tensor cores (session 7's reading), so moving some onto the FMA pipe (128 a
-# cycle) may shorten the loop; decode tiles (memory-bound) keep ex2.
-EXP2_MODES = ("mufu", "half", "poly")
+# alternate columns each way, "quarter" a quarter of the columns by `exp2_fma`. At head dim 64 a tile's ex2s take
+# the special function unit (16 a cycle an SM) as long as its two products take the tensor cores (session 7's
+# reading), so moving some onto the FMA pipe (128 a cycle) may shorten the loop; decode tiles (memory-bound) keep
+# ex2.
+EXP2_MODES = ("mufu", "half", "poly", "quarter")
 
 
 def exp2_mode() -> str:
@@ -735,15 +736,22 @@ def _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr,
 @triton.jit
 def _exp2_tile(x, EXP2: tl.constexpr):
     """2^x of a (rows, columns) tile of x <= 0 (`EXP2_MODES`: 0 ex2, 2 `exp2_fma`, 1 even columns by ex2 and odd
-    ones by `exp2_fma`: a thread of a product's accumulator holds pairs of neighbouring columns, so the split is
-    in its registers)."""
+    ones by `exp2_fma`, 3 the odd columns of every other group of 8: a thread of a product's accumulator holds a
+    pair of neighbouring columns in each group of 8, so either split is in its registers)."""
     if EXP2 == 0:
         return tl.exp2(x)
     elif EXP2 == 2:
         return exp2_fma(x)
-    else:
+    elif EXP2 == 1:
         even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
         return tl.reshape(tl.join(tl.exp2(even), exp2_fma(odd)), [x.shape[0], x.shape[1]])
+    else:  # 3: a quarter, the odd columns of every other group of 8
+        g = tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 16, 2, 8]), [0, 1, 3, 2])
+        first, second = tl.split(g)
+        even, odd = tl.split(tl.reshape(second, [x.shape[0], x.shape[1] // 16, 4, 2]))
+        second = tl.reshape(tl.join(tl.exp2(even), exp2_fma(odd)), [x.shape[0], x.shape[1] // 16, 8])
+        g = tl.permute(tl.join(tl.exp2(first), second), [0, 1, 3, 2])
+        return tl.reshape(g, [x.shape[0], x.shape[1]])
 
 
 # 2^f on [-1/2, 1/2], degree 3, fitted for relative error (at most 7.5e-5; the product takes p in bf16, 3.9e-3)
