@@ -201,7 +201,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, t0, bad_parts = {}, time.time(), []
     print(f"{torch.cuda.get_device_name()}, HBM peak {hbm / 1e12:.2f} TB/s")
-    print(f"{'shape':<12} {'gap us':>6} {'way':<10} {'us a launch':>12} {'us a layer':>11} {'TB/s':>6} {'HBM':>6} "
+    print(f"{'shape':<12} {'gap us':>6} {'way':<16} {'us a launch':>12} {'us a layer':>11} {'TB/s':>6} {'HBM':>6} "
           f"{'ratio':>6}   (TB/s and HBM: the weights' bytes over the time less the gaps)")
     runs = [(name.strip(), cfg, gap) for name, cfg in zip(args.presets.split(","), presets) for gap in gaps]
     for i, (name, cfg, gap) in enumerate(runs):
@@ -236,7 +236,7 @@ def main() -> None:
                          "relative_error": err, "tolerance": tolerance,
                          "barrier_give_ups": gave_up}
             r = ways[way]
-            print(f"{name:<12} {gap:>6.1f} {way:<10} {us:>12.1f} {r['us_per_layer']:>11.2f} {r['weights_tb_s']:>6.2f} "
+            print(f"{name:<12} {gap:>6.1f} {way:<16} {us:>12.1f} {r['us_per_layer']:>11.2f} {r['weights_tb_s']:>6.2f} "
                   f"{r['hbm_fraction']:>6.1%} {r['ratio']:>5.2f}x" + ("" if same else "  NOT EQUAL")
                   + (f"  rel.err {err:.1e}" if err > tolerance else "") + (f"  {gave_up} give-ups" if gave_up else ""),
                   flush=True)
@@ -251,7 +251,7 @@ def main() -> None:
                            "weights_tb_s": rate(moved, us) / 1e12 if moved else None}
             tb = f"{rate(moved, us) / 1e12:>6.2f} {rate(moved, us) / hbm:>6.1%}" if moved \
                 else f"{'':>6} {'':>6}"
-            print(f"{name:<12} {gap:>6.1f} {part:<10} {us:>12.1f} {us / layers:>11.2f} {tb} {'':>6}   "
+            print(f"{name:<12} {gap:>6.1f} {part:<16} {us:>12.1f} {us / layers:>11.2f} {tb} {'':>6}   "
                   f"({note})" + (f"  {gave_up} give-ups" if gave_up else ""), flush=True)
             bad_parts += [f"{name} gap {gap:g} us {part}"] * bool(gave_up)
         traces = trace_rings(ws, x, ways, parts, stages[0], gap_ns, widths, layers, name, gap) if args.trace else {}

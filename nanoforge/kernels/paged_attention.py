@@ -848,44 +848,48 @@ def _bench_case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, 
     with mock.patch.dict(os.environ, {"NANOFORGE_ATTN_COMBINE": combine}):
         ours = time_ms(lambda: paged_attention(**batch, max_q_len=max(qlens)), graph=graph)
     base = time_ms(lambda: paged_attention_ref(**batch), graph=graph)
-    pairs = sum(sum(c - j for j in range(n)) for c, n in zip(ctx, qlens))  # each query token sees its prefix
-    shape = (f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max(qlens)} Hq{hq} Hkv{hkv} D{d} {dtype}"
-             + (" fused combine" if combine == "fused" else ""))
-    kv = _kv_bytes(ctx, hkv, d, dtype)
-    row = make_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", 4 * pairs * hq * d, kv)
+    shape, flops, kv = _case(kind, ctx, qlens, hq, hkv, d, dtype)
+    shape += " fused combine" if combine == "fused" else ""
+    row = make_row(f"paged_{kind}", shape, ours, base, "torch reference (gather + SDPA)", flops, kv)
     row["hbm_fraction"] = row["ours_gbps"] / (HBM_COPY_TBPS * 1000)
     return row
 
 
+def _case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, d: int,
+          dtype: torch.dtype) -> tuple[str, int, int]:
+    """A benchmark row's shape, its FLOPs (each query token sees its prefix) and its K/V bytes."""
+    pairs = sum(sum(c - j for j in range(n)) for c, n in zip(ctx, qlens))
+    shape = f"{kind} B{len(ctx)} ctx {min(ctx)}-{max(ctx)} q/seq {max(qlens)} Hq{hq} Hkv{hkv} D{d} {dtype}"
+    return shape, 4 * pairs * hq * d, _kv_bytes(ctx, hkv, d, dtype)
+
+
 def _prefill_lever_rows(b: int, t: int, hq: int, hkv: int, d: int) -> list[dict]:
-    """(c)'s step again (b fresh prompts of t tokens): the kernel with its exponentials by FMAs
-    (NANOFORGE_ATTN_EXP2 half and poly) against itself with ex2, and with ex2 against cuDNN's attention on the same
-    shapes dense ([b, heads, t, d], causal, GQA), the fastest library kernel session 38 found (1.33x ours at
-    D 64, 1.85x at D 128 on an H100; FlashAttention-2, HF's SDPA default, 0.73x and 1.02x)."""
+    """(c)'s step again (b fresh prompts of t tokens): the kernel with each NANOFORGE_ATTN_EXP2 mode against
+    itself with ex2, and with ex2 against cuDNN's attention on the same shapes dense ([b, heads, t, d], causal,
+    GQA), the fastest library kernel session 38 found (1.33x ours at D 64, 1.85x at D 128 on an H100;
+    FlashAttention-2, HF's SDPA default, 0.73x and 1.02x)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nanoforge.kernels.bench import make_row, time_ms
 
     batch = make_paged_batch([t] * b, [t] * b, hq, hkv, d, 16, torch.bfloat16, "cuda")
-    flops = 4 * b * (t * (t + 1) // 2) * hq * d
-    shape = f"prefill B{b} ctx {t} q/seq {t} Hq{hq} Hkv{hkv} D{d} torch.bfloat16"
+    shape, flops, kv = _case("prefill", [t] * b, [t] * b, hq, hkv, d, torch.bfloat16)
     ms = {}
     for mode in EXP2_MODES:
         with mock.patch.dict(os.environ, {"NANOFORGE_ATTN_EXP2": mode}):
             ms[mode] = time_ms(lambda: paged_attention(**batch, max_q_len=t))
     rows = [make_row(f"paged_prefill_exp2_{mode}", shape, ms[mode], ms["mufu"], "the same kernel, ex2 (mufu)", flops,
-                     _kv_bytes([t] * b, hkv, d, torch.bfloat16)) for mode in EXP2_MODES[1:]]
+                     kv) for mode in EXP2_MODES[1:]]
     q = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     try:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             dense = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                      enable_gqa=True))
-    except RuntimeError as e:  # (no cuDNN attention in this build: the row says so)
+    except RuntimeError as e:  # (no cuDNN attention in this build: no row, a line saying so)
         print(f"paged prefill: no cuDNN attention here ({str(e).splitlines()[0]})")
         return rows
-    return rows + [make_row("paged_prefill", shape, ms["mufu"], dense, "cuDNN SDPA, dense (no pages)", flops,
-                            _kv_bytes([t] * b, hkv, d, torch.bfloat16))]
+    return rows + [make_row("paged_prefill", shape, ms["mufu"], dense, "cuDNN SDPA, dense (no pages)", flops, kv)]
 
 
 def bench_rows(quick: bool) -> list[dict]:

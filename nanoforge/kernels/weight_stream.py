@@ -34,7 +34,10 @@ ring is full when a barrier lets a program go; the barriers' waits (~1.0 us wher
 1.2-2.3 after a phase) are half of Qwen3's layer. Fewer barriers a layer, not more copies in flight, is the lever,
 or cheaper ones: `SYNC = 4` has none, each phase's output stored as tagged words that the next phase's load
 waits for (NCCL's LL protocol; `TAGS`), where a barrier is four or five dependent L2 round trips (session 37's
-record). Session 37 also built `SYNC = 3`, two of a layer's five barriers local to groups of programs.
+record). Session 37 also built `SYNC = 3`, two of a layer's five barriers local to groups of programs. Session
+38 (an H100) ran both: local barriers save ~0.25 us each (1-3%), tagged vectors take Qwen3's weight phases to
+14.09 us a layer against the best barriers' 17.30 (1.23x; Llama 1.06x), once the poll had a layout of its own
+(`POLL_LAYOUT`).
 
 All three reduce a tile with the same layout and order: the same bits. Gluon (Triton's explicit-layout
 language, `triton.experimental.gluon`) is what allows shared memory held across phases; it has no CPU
@@ -593,8 +596,9 @@ def stream_layers(ws: list[torch.Tensor], v: list[torch.Tensor], stages: int, co
     launches again (else here). work, sync: the parts left out (`shape_constants`; the numbers then wrong: sync 0
     or 3), or sync 2 the lean barrier (the same numbers), or sync 4 tagged vectors: v int32 words, v[0]
     `tag_words(x, epoch, layers)`, the others zeroed once and never holding this launch's tags (`epoch`: a
-    launch's number, other than the last launch's on these buffers; `untag` reads them). trace: zeroed int64 (`EVENTS` x layers,
-    programs), a ring's launch: each program's clock at its barriers and tiles (`phase_trace` reads it)."""
+    launch's number, other than the last launch's on these buffers; `untag` reads them). trace: zeroed int64
+    (`EVENTS` x layers, programs), a ring's launch: each program's clock at its barriers and tiles (`phase_trace`
+    reads it)."""
     programs = programs or torch.cuda.get_device_properties(ws[0].device).multi_processor_count
     if counts.dtype != torch.int32 or counts.numel() < count_words(programs):
         raise ValueError(f"weight_stream: counts are {count_words(programs)} zeroed int32 for {programs} programs")
