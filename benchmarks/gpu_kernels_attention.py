@@ -136,8 +136,11 @@ def sweep_paged_decode() -> list[dict]:
 
 # (name, query heads, kv heads, head dim): the engine's prefill shapes of gpu_engine.py's (c) and (a)
 PREFILL_SHAPES = (("llama3-1b", 32, 8, 64), ("qwen3-0.6b", 16, 8, 128))
-# the prefill sweep's launch configurations: (BLOCK_M, BLOCK_N, warps, stages)
-PREFILL_TILES = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+# the prefill sweep's launch configurations: (BLOCK_M, BLOCK_N, warps, stages); 256 rows (session 39): a key tile's
+# loads, addresses and loop shared by twice the rows (sm_90, D 64: 0.27-0.29 instructions a (row, key) pair
+# against the default's 0.33), one block an SM of 8 or 16 warps where the default fits two
+PREFILL_TILES = ([(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+                 + [(256, n, w, s) for n in (32, 64) for w, s in ((8, 2), (16, 2), (16, 3))])
 
 
 def default_prefill_tile(group: int, head_dim: int) -> tuple[int, int, int, int]:

@@ -609,7 +609,7 @@ def test_gpu_rope_and_kv_write_inside_attention_in_a_cuda_graph(poisoned, monkey
 @interpreter
 def test_the_prefill_sweep_checks_every_tile_and_names_the_fastest_as_a_setting(poisoned, capsys, monkeypatch):
     """benchmarks/gpu_kernels_attention.py --prefill-sweep (never run on a GPU yet) on the CPU at a tiny size, a
-    stand-in timer: every one of its 24 tiles per head shape computes the reference's output, the engine's
+    stand-in timer: every one of its 30 tiles per head shape computes the reference's output, the engine's
     default is among them, and the fastest comes out as a NANOFORGE_ATTN_PREFILL_TILE setting the engine takes."""
     import sys
     from pathlib import Path
@@ -620,10 +620,10 @@ def test_the_prefill_sweep_checks_every_tile_and_names_the_fastest_as_a_setting(
     monkeypatch.setattr(pa, "interpreting", lambda: False)  # the default it marks: a GPU's, not the interpreter's
     times = iter(range(1000, 0, -1))  # each tile timed faster than the one before: the last is the fastest
     rows = sweep.sweep_paged_prefill(prompts=1, length=20, device="cpu", timer=lambda f: float(next(times)))
-    assert len(rows) == 48 and all(r["ok"] for r in rows)
+    assert len(rows) == 60 and all(r["ok"] for r in rows)
     for shape in ("llama3-1b", "qwen3-0.6b"):
         mine = [r for r in rows if r["shape"] == shape]
         assert sum(r["default"] for r in mine) == 1
         (best,) = [r for r in mine if "setting" in r]
-        assert best is mine[-1] and pa._parse_tile(best["setting"]) == (128, 128, 8, 3)
-    assert "in the engine: NANOFORGE_ATTN_PREFILL_TILE=128x128w8s3" in capsys.readouterr().out
+        assert best is mine[-1] and pa._parse_tile(best["setting"]) == (256, 64, 16, 3)
+    assert "in the engine: NANOFORGE_ATTN_PREFILL_TILE=256x64w16s3" in capsys.readouterr().out
