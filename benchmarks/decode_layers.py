@@ -2,7 +2,7 @@
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
     python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
-    python benchmarks/decode_layers.py --variants preload_kv,prefetch_kv2           # A/B
+    python benchmarks/decode_layers.py --variants tagged,preload_kv,prefetch_kv2    # A/B
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -17,8 +17,9 @@ other numbers of pieces a kv head (the default's 16 leave most of them empty at 
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
 same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
-each attention item's first K and V tile loaded before its query), joined with `+`. Each traced launch also
-cuts the attention phase at its marks (`phase_times`' "B ..." parts).
+each attention item's first K and V tile loaded before its query), `tagged` (NANOFORGE_DECODE_SYNC=tagged: no
+barriers, the phases' vectors polled as tagged words; not traced, as a trace clocks barriers), joined with `+`.
+Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
 
@@ -159,7 +160,8 @@ def plot(rows: dict, path: Path) -> None:
     plt.close(fig)
 
 
-SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"}}  # --variants' parts without a number
+SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
+            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}}
 COUNTS = {"prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 4)}
 
 
@@ -206,7 +208,7 @@ def ours_with(model, kernel: LayerKernel, c: dict, device, replays: int, base_fn
             us = time_us(fn, device, replays)
             diff = (base_fn() - fn()).abs().max().item()
         out = {"one_kernel_us": us, "ratio": base_us / us, "max_abs_difference": diff}
-        if device.type == "cuda":
+        if device.type == "cuda" and dl.sync_mode() == "barrier":  # (a trace clocks the barriers: none tagged)
             out["phases_us"] = traced_phases(model, kernel, c, device)
         return out
     finally:
@@ -231,7 +233,7 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, prefetch_kvN (N 1-4), joined with + (e.g. prefetch_kv1+preload_kv)")
+                    "preload_kv, tagged, prefetch_kvN (N 1-4), joined with + (e.g. prefetch_kv1+preload_kv)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

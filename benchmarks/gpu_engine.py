@@ -376,6 +376,9 @@ DECODE_VARIANTS = {
     # each attention item's first K and V tile loaded before its query (session 32's preload;
     # `benchmarks/decode_layers.py --variants` times it alone)
     "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
+    # no barriers: each phase's vector stored as tagged words and polled (NANOFORGE_DECODE_SYNC=tagged, session 39)
+    "persistent_tagged": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_SYNC": "tagged"},
+    "auto_tagged": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged"},
 }
 
 

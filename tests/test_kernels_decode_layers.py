@@ -146,12 +146,85 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
     with torch.inference_mode():
         want = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=False)
         dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True, programs=2)
-        with pytest.raises(RuntimeError, match="gave up waiting at a grid barrier 1 time"):
+        with pytest.raises(RuntimeError, match="gave up waiting 1 time"):
             kernel.check(cpu)
         assert dl.barrier_timeouts(cpu) == 0  # the check read and reset the count
         got = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert dl.barrier_timeouts(cpu) == 0
+
+
+@interpreter
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name):
+    """NANOFORGE_DECODE_SYNC=tagged, bf16: the persistent launch with no barrier (each phase's vector stored as
+    words carrying the launch's tag, polled by the phases that read it; the residual stream in every program's
+    registers), interpreted with one program, which wrote each word before it reads it: bit for bit the launches
+    per phase, three times over. Each launch takes the next tag (its count), the attention splits' own counts
+    stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
+    stale."""
+    from nanoforge.kernels import decode_layers as dl
+    from nanoforge.kernels.dispatch import arrival_counters
+
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    torch.manual_seed(0)
+    model = Transformer(preset(name, max_seq_len=256)).eval().bfloat16()
+    case = decode_case(model, 70)
+    kernel = layer_kernel.LayerKernel(model)
+    hkv, cpu = model.cfg.n_kv_heads, torch.device("cpu")
+    with torch.inference_mode():
+        args = kernel_inputs(model, case)
+        want = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
+        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", "tagged")
+        for launch in range(1, 4):
+            args = kernel_inputs(model, case)
+            got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            (tags, _, counts), = kernel.layers.tagged.values()
+            assert counts.tolist() == [launch * model.cfg.n_layers * dl.INTERPRET_SPLITS] * hkv + [launch, 0]
+            assert arrival_counters(cpu, hkv + 2)[:hkv + 2].eq(0).all()
+            words = tags.view(model.cfg.n_layers, -1)
+            assert torch.equal(words >> 16, torch.full_like(words, launch))  # every word this launch's (tags 1, 2, ...)
+    assert dl.barrier_timeouts(cpu) == 0
+
+
+@interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (the launch that read stale words computes garbage)
+def test_a_tagged_launch_whose_words_never_come_counts_them_and_ends(monkeypatch):
+    """Tagged, two programs under the interpreter, which runs them one after the other: the first finds the
+    words the second has not written yet stale, counts them and goes on (on a GPU after the spin limit) instead
+    of waiting forever; the engine's check raises in one line, and the next launch computes the right numbers."""
+    from nanoforge.kernels import decode_layers as dl
+
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny-qwen3", max_seq_len=256)).eval().bfloat16()
+    case = decode_case(model, 37)
+    kernel = layer_kernel.LayerKernel(model)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        want = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=False)
+        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", "tagged")
+        dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True, programs=2)
+        with pytest.raises(RuntimeError, match="gave up waiting [0-9]+ time"):
+            kernel.check(cpu)
+        got = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert dl.barrier_timeouts(cpu) == 0
+
+
+def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
+    """The tagged poll's PTX: `pack` words a thread, each reloaded (predicated, all in flight) only while stale,
+    the loop's branch not claimed uniform (a warp's threads leave it apart); its width a power of two that
+    divides the words any layout of a vector gives each of 256 threads (at least width / 256: 4 from 1,024)."""
+    from nanoforge.kernels import decode_layers as dl
+
+    assert [dl.poll_pack(w) for w in (64, 512, 1024, 2048, 4096, 8192, 16384)] == [1, 1, 4, 8, 16, 16, 16]
+    for n in dl.POLL_PACKS:
+        ptx = dl.poll_tags_ptx(n)
+        assert ptx.count("ld.relaxed.gpu.global.u32") == n and ptx.count("setp.ne.u32") == n
+        assert f"${n - 1}, [${2 * n - 1}]" in ptx and f"mov.b32 $0, ${2 * n};" in ptx  # (outputs, addresses, words)
+        assert "bra.uni" not in ptx and dl.poll_constraints(n).count(",") == 5 * n - 1
 
 
 @pytest.mark.gpu
@@ -397,6 +470,74 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [1, 300, 3000])
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
+    """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
+    (cooperative, then plain), three launches in a row and three replays of a CUDA graph of it (each its own
+    tag, read from the launch count on the GPU), every one bit for bit the launches per phase (the same sums in
+    the same order: any difference is a word read before it was written, or an old one taken for new), none
+    stale."""
+    from nanoforge.kernels import decode_layers as dl
+
+    torch.manual_seed(0)
+    model = Transformer(preset(name, **GPU_SHAPES[name], max_seq_len=4096)).cuda().bfloat16().eval()
+    case = decode_case(model, ctx)
+    kernel = layer_kernel.LayerKernel(model)
+    x = model.embed(case["ids"])[0]
+    cs = torch.stack((case["rope"][0].reshape(-1), case["rope"][1].reshape(-1)))
+
+    def launch(persistent=True):
+        k, v = case["k"].clone(), case["v"].clone()
+        return dl.decode_layers(kernel.layers, x, cs, k, v, case["table"][0], case["seq_lens"], case["slot"],
+                                persistent=persistent) + (k, v)
+
+    with torch.inference_mode():
+        want = launch(persistent=False)
+        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", "tagged")
+        outs = [launch() for _ in range(3)]
+        with monkeypatch.context() as m:
+            m.setenv("NANOFORGE_DECODE_COOPERATIVE", "0")
+            outs.append(launch())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = launch()
+        for _ in range(3):
+            graph.replay()
+            outs.append(tuple(t.clone() for t in captured))
+    for got in outs:
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert dl.barrier_timeouts(x.device) == 0
+    (_, _, counts), = kernel.layers.tagged.values()
+    assert counts[model.cfg.n_kv_heads].item() == 7  # launches (a capture launches nothing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gpu_engine_with_tagged_vectors_decodes_what_it_does_with_barriers(tok, monkeypatch, name):
+    """NANOFORGE_DECODE_LAYERS=persistent in bf16 (tagged words hold 16-bit values): the engine's batch-1 decode
+    graph replayed with NANOFORGE_DECODE_SYNC=tagged decodes exactly the tokens it decodes with barriers (the same
+    sums in the same order), greedy and seeded, one sequence at a time and then several at once."""
+    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "persistent")
+    model = make_model(tok, name).cuda().bfloat16()
+    ps = prompts(4, random.Random(13), 3, 40)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True)
+    out = {}
+    for sync in ("barrier", "tagged"):
+        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", sync)
+        llm = LLM(model, tok, num_gpu_blocks=48, max_num_seqs=4)
+        runner = llm.engine.runner
+        out[sync] = ([llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps[:2]],
+                     llm.generate([ps[0]], seeded)[0].outputs[0].token_ids,
+                     [o.outputs[0].token_ids for o in llm.generate(ps, greedy)])
+        assert runner.graph_replays.get((True, 1), 0) > 40  # the batch-1 graph decoded them
+        assert bool(runner.layer_kernel.layers.tagged) == (sync == "tagged")  # (its buffers: tagged launches ran)
+        del llm, runner
+    assert out["tagged"] == out["barrier"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, monkeypatch, name):
     """NANOFORGE_DECODE_LAYERS=persistent on the GPU: one sequence at a time (its decode steps the one-launch
@@ -475,7 +616,7 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not preload_kv, tagged or prefetch_kv1 .. prefetch_kv4"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():

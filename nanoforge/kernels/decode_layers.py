@@ -37,7 +37,7 @@ The caller (`serve/layer_kernel.py`) stacks the layers' weights and decides when
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -46,7 +46,7 @@ import triton.language as tl
 from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, env_count, interpreting, sm_count
 from nanoforge.kernels.flash_attention import LOG2E
-from nanoforge.kernels.gemv import _finish
+from nanoforge.kernels.gemv import _epilogue
 from nanoforge.kernels.paged_attention import (
     _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, load_key_tile,
     split_span,
@@ -68,6 +68,7 @@ CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 pro
 ATTN_BLOCK_N = 64  # keys a step of attention's loop
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: each takes more than one tile, as on a GPU
 WARPS = 8  # a program's warps on a GPU (one under the interpreter)
+_WARPS = tl.constexpr(WARPS)
 INTERPRET_SPLITS = 4
 # A persistent launch is cooperative where Triton can ask for it (NANOFORGE_DECODE_COOPERATIVE=1, the default):
 # the driver then starts every program at once or fails the launch, so that two such kernels on one GPU (two
@@ -131,6 +132,37 @@ class Layers:
     n_kv_heads: int
     head_dim: int
     eps: float
+    # NANOFORGE_DECODE_SYNC=tagged's buffers, made at the first such launch on a device (`_tagged_buffers`)
+    tagged: dict = field(default_factory=dict)
+
+
+def sync_mode() -> str:
+    """NANOFORGE_DECODE_SYNC: how a persistent launch's phases wait for the ones before them. `barrier` (the
+    default): a grid barrier after each phase, five a layer. `tagged`: none; each vector a phase writes is stored
+    as 32-bit words, a 16-bit value and the launch's tag, and a phase that reads one loads each word again until
+    it carries the tag (flags in the data, as NCCL's LL protocol: session 38's probe, kernels/weight_stream.py,
+    took Qwen3-0.6B's weight phases 1.23x faster than the best barrier). fp16 and bf16 models; with a trace (a
+    diagnostic of the barriers) or launches per phase, barriers."""
+    return env_choice("NANOFORGE_DECODE_SYNC", ("barrier", "tagged"))
+
+
+def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int) -> tuple[torch.Tensor, ...]:
+    """A tagged launch's buffers for these layers on this device: every layer's tagged vectors (zeros: no
+    launch's tag), each program's copy of Q/K/V's layout for its attention items, and [0, hkv) the attention
+    splits' counts, hkv the launches so far (the tag), hkv + 1 the programs finished. Made at the first tagged
+    launch, which is eager (as `_timeouts`' count): a graph captured later launches with them."""
+    key = (_device_key(dev), programs)
+    if key not in w.tagged:
+        if capturing(dev):
+            raise RuntimeError("decode_layers: first launched tagged inside a CUDA graph capture; launch it eagerly "
+                               "first")
+        n_layers, n_qkv, d = w.wqkv.shape
+        words = n_qkv + w.n_heads * w.head_dim + d + w.w_out.shape[2] + d
+        with torch.inference_mode(False):
+            w.tagged[key] = (torch.zeros(n_layers * words, device=dev, dtype=torch.int32),
+                             torch.zeros(programs, n_qkv, device=dev, dtype=ty),
+                             torch.zeros(w.n_kv_heads + 2, device=dev, dtype=torch.int32))
+    return w.tagged[key]
 
 
 def prefetch_tiles() -> int:
@@ -169,7 +201,7 @@ def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, spli
     return dict(D=d, DP=p2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group, GROUP_P2=p2(group), DH=dh, BLOCK_D=p2(dh),
                 BLOCK_M=max(16, p2(group)), F=f, FP=p2(f), AP=p2(hq * dh), BN_QKV=_rows_per_tile(d),
                 BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
-                SPLITS=splits, SPLITS_P2=p2(splits))
+                SPLITS=splits, SPLITS_P2=p2(splits), ITEM_P2=p2(group * dh + 2 * dh), GDP=p2(group * dh))
 
 
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -209,15 +241,18 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     lse_part = torch.empty(hq * splits, device=dev, dtype=torch.float32)
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     timeouts = _timeouts(dev)
+    tagged = (persistent and trace is None and sync_mode() == "tagged" and ty in (torch.bfloat16, torch.float16))
+    tags, scratch, ws = _tagged_buffers(w, dev, ty, programs) if tagged else (counts, x_in, counts)
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
-                ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv())
+                ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
+                TAGGED=tagged, BARRIERS=persistent and not tagged)
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
-    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts,
+    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts, tags, scratch, ws,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
@@ -307,6 +342,47 @@ def poll_one_thread_ptx(load: str = "ld.relaxed.gpu.global", give_up: str = "") 
 
 
 POLL_ONE_THREAD = tl.constexpr(poll_one_thread_ptx())  # `_poll_one_thread`'s
+
+
+def poll_tags_ptx(pack: int) -> str:
+    """PTX in which a thread takes `pack` tagged words (outputs $0.., addresses, the words as first loaded, the
+    tag, a spin limit: `pack` operands each) and loads the stale ones again (predicated, all in flight at once)
+    until each carries the tag in its high 16 bits or the limit's rounds have gone by (`_poll`)."""
+    n = pack
+    out = [f"${i}" for i in range(n)]
+    addr, first, tag, limit = ([f"${i}" for i in range(k * n, (k + 1) * n)] for k in range(1, 5))
+    stale = [f"nfS{i}" for i in range(n)]
+    lines = [f"mov.b32 {o}, {f};" for o, f in zip(out, first)] + ["mov.s32 nfN, 0;", "NF_TAGS_AGAIN:"]
+    for o, st in zip(out, stale):
+        lines += [f"shr.u32 nfT, {o}, 16;", f"setp.ne.u32 {st}, nfT, {tag[0]};"]
+    lines += [f"or.pred nfAny, {stale[0]}, {stale[0]};"] + [f"or.pred nfAny, nfAny, {st};" for st in stale[1:]]
+    lines += ["@!nfAny bra NF_TAGS_DONE;", f"setp.ge.s32 nfAny, nfN, {limit[0]};", "@nfAny bra NF_TAGS_DONE;",
+              "add.s32 nfN, nfN, 1;"]
+    lines += [f"@{st} ld.relaxed.gpu.global.u32 {o}, [{a}];" for st, o, a in zip(stale, out, addr)]
+    lines += ["bra NF_TAGS_AGAIN;", "NF_TAGS_DONE:"]
+    regs = f".reg .pred {', '.join(stale)}, nfAny;\n.reg .u32 nfT;\n.reg .s32 nfN;"
+    return "{\n" + regs + "\n" + "\n".join(lines) + "\n}"
+
+
+def poll_constraints(pack: int) -> str:
+    """`poll_tags_ptx(pack)`'s operands: the words out, their addresses, the words in, the tags, the limits."""
+    return ",".join(["=r"] * pack + ["l"] * pack + ["r"] * 3 * pack)
+
+
+# a poll takes as many words a thread at once as a vector of its width gives each of WARPS warps' threads (at
+# least that many, in any layout: a multiple of it, as widths are powers of two), up to 16
+POLL_PACKS = (1, 4, 8, 16)
+_POLL_PTX = [tl.constexpr(poll_tags_ptx(n)) for n in POLL_PACKS]
+_POLL_CONSTRAINTS = [tl.constexpr(poll_constraints(n)) for n in POLL_PACKS]
+POLL_1, POLL_4, POLL_8, POLL_16 = _POLL_PTX
+POLL_1_OPS, POLL_4_OPS, POLL_8_OPS, POLL_16_OPS = _POLL_CONSTRAINTS
+
+
+def poll_pack(width: int, warps: int = 8) -> int:
+    """The words a thread polls at once in a vector of `width` (a power of two) over `warps` warps."""
+    return max(n for n in POLL_PACKS if n <= max(1, width // (32 * warps)))
+TAGS = 32767  # a launch's tag: 1 .. TAGS (never 0: a word of zeros is no launch's), from the launch count
+_TAGS = tl.constexpr(TAGS)
 
 
 @triton.jit
@@ -407,10 +483,55 @@ def _add_norm(X, A, G, S, eps, K, KP: tl.constexpr, HAS_A: tl.constexpr = True):
     s = s.to(ty)
     if tl.program_id(0) == 0:
         tl.store(S + k, s, mask=k < K)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, 0) / K + eps)
+    return _norm(s.to(tl.float32), G, eps, K, KP, ty)
+
+
+@triton.jit
+def _norm(s, G, eps, K, KP: tl.constexpr, ty: tl.constexpr):
+    """rms_norm(s) with weight G (s: fp32 values of ty, 0 past K), rounded as `rmsnorm.add_rms_norm` rounds it."""
+    k = tl.arange(0, KP)
+    rstd = tl.rsqrt(tl.sum(s * s, 0) / K + eps)
     g = tl.load(G + k, mask=k < K, other=0.0).to(tl.float32)
-    return (sf * rstd * g).to(ty).to(tl.float32)
+    return (s * rstd * g).to(ty).to(tl.float32)
+
+
+@triton.jit
+def _tag_words(v, tag):
+    """16-bit values v (any shape) as tagged words: the value's bits low, the launch's tag high."""
+    return (v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (tag << 16)
+
+
+@triton.jit
+def _poll(XT, idx, inside, tag, spin_limit, TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr):
+    """The values of the tagged words XT[idx] (where inside; 0 elsewhere) as fp32, once each carries `tag`:
+    loaded, then on a GPU (SPIN) every thread loads its own stale words again until none is (`poll_tags_ptx`:
+    `poll_pack` words a thread at once), so whichever threads hold a copy of a word, each copy is the
+    tagged one; after spin_limit rounds, or at once after a give-up earlier in the launch, any still stale
+    are counted at TIMEOUTS (wrong numbers follow). Under the interpreter the launch's one program wrote them."""
+    at = tl.where(inside, XT + idx, XT)
+    w = tl.where(inside, tl.load(at, mask=inside, other=0, volatile=True), tag << 16)
+    if SPIN:
+        limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit) + idx * 0
+        ops = [at, w, tag + idx * 0, limit]
+        per_thread: tl.constexpr = idx.shape[0] // (32 * _WARPS)  # (`poll_pack`)
+        if per_thread >= 16:
+            w = tl.inline_asm_elementwise(POLL_16, POLL_16_OPS, ops, dtype=tl.int32, is_pure=False, pack=16)
+        elif per_thread >= 8:
+            w = tl.inline_asm_elementwise(POLL_8, POLL_8_OPS, ops, dtype=tl.int32, is_pure=False, pack=8)
+        elif per_thread >= 4:
+            w = tl.inline_asm_elementwise(POLL_4, POLL_4_OPS, ops, dtype=tl.int32, is_pure=False, pack=4)
+        else:
+            w = tl.inline_asm_elementwise(POLL_1, POLL_1_OPS, ops, dtype=tl.int32, is_pure=False, pack=1)
+    tl.atomic_add(TIMEOUTS + idx * 0, 1, mask=((w >> 16) & 0xFFFF) != tag)
+    return (w & 0xFFFF).to(tl.int16).to(ty, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _poll_vector(XT, K, KP: tl.constexpr, tag, spin_limit, TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr):
+    """`_vector` of a tagged vector (`_poll`)."""
+    k = tl.arange(0, KP)
+    return _poll(XT, k, k < K, tag, spin_limit, TIMEOUTS, ty, SPIN)
+
 
 
 @triton.jit
@@ -430,16 +551,15 @@ def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexp
 
 @triton.jit
 def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr,
-             HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr):
+             HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr, tag, TAGGED: tl.constexpr):
     """Y = h W^T (+ B) for this program's tiles of BN rows, the first (w, and u with SWIGLU) from `_first_tile`
-    (SWIGLU: silu of rows n times rows n + N, W being 2N rows), rounded as `gemv` rounds it; each tile's loads
-    issued before the tile before it is reduced, and with AHEAD, the tile after that asked of L2 (registers
-    hold two tiles; L2 a third, so that HBM has more in flight)."""
+    (SWIGLU: silu of rows n times rows n + N, W being 2N rows), rounded as `gemv` rounds it (TAGGED: stored as
+    words tagged `tag`); each tile's loads issued before the tile before it is reduced, and with AHEAD, the
+    tile after that asked of L2 (registers hold two tiles; L2 a third, so that HBM has more in flight)."""
     k = tl.arange(0, KP)
     k_ok = k < K
     rows = tl.arange(0, BN)
-    one = tl.arange(0, 1)
-    ty = Y.dtype.element_ty
+    ty = W.dtype.element_ty
     step = tl.num_programs(0)
     tiles = tl.cdiv(N, BN)
     t = tl.program_id(0)
@@ -459,7 +579,11 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
         up = acc
         if SWIGLU:
             up = tl.sum(u.to(tl.float32) * h[None, :], 1)[None, :]
-        _finish(acc, up, B, Y, one, n, one < 1, n < N, N, 0, SWIGLU, HAS_BIAS, ty)
+        out = _epilogue(acc, up, B, n, n < N, N, SWIGLU, HAS_BIAS, ty)
+        if TAGGED:
+            tl.store(Y + n[None, :], _tag_words(out, tag), mask=(n < N)[None, :])
+        else:
+            tl.store(Y + n[None, :], out, mask=(n < N)[None, :])
         t = nxt
         n = n_next
         w = w_next
@@ -499,19 +623,43 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
 
 
 @triton.jit
+def _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, TIMEOUTS, HQ: tl.constexpr, HKV: tl.constexpr,
+               GROUP: tl.constexpr, DH: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):
+    """Kv head hk's query rows, key and value from the tagged Q/K/V into the same places of SCRATCH (QKV's
+    layout), every thread's stores made before the program reads them."""
+    j = tl.arange(0, ITEM_P2)
+    gd: tl.constexpr = GROUP * DH
+    at = tl.where(j < gd, hk * gd + j,
+                  tl.where(j < gd + DH, (HQ + hk) * DH + j - gd, (HQ + HKV + hk) * DH + j - gd - DH))
+    inside = j < gd + 2 * DH
+    ty = SCRATCH.dtype.element_ty
+    v = _poll(QKV_T, at, inside, tag, spin_limit, TIMEOUTS, ty, SPIN)
+    tl.store(SCRATCH + at, v.to(ty), mask=inside)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale,
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
-               TRACE: tl.constexpr, PRELOAD: tl.constexpr):  # fmt: skip
+               TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, TIMEOUTS,
+               TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, GDP: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
     query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
     rows MARKS + m * programs (a program's last item's). PRELOAD: each item's first key tile (K and V) is loaded
     before its query, so that the HBM loads of the one overlap the L2 loads and the norm and rotation of the
-    other (`load_key_tile`; attended masked, as the last tile of a span is: the same sums)."""
+    other (`load_key_tile`; attended masked, as the last tile of a span is: the same sums).
+
+    TAGGED (no barriers): each item polls its query rows, key and value from the tagged Q/K/V (QKV_T) into the
+    program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
+    the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
+    combined heads are stored tagged to ATT_T (ATT holds them for the program to read back)."""
+    if TAGGED:
+        QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -529,6 +677,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         if PRELOAD:
             kt0, v0 = load_key_tile(K, V, TABLE, lo, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
                                     BLOCK_N, BLOCK_SIZE)
+        if TAGGED:
+            _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN, ITEM_P2)
         q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
         _mark(MARKS, 0, TRACE)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -551,18 +701,25 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         tl.store(O_PART + part[:, None] * DH + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
         tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
         tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
-        last = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel") == SPLITS - 1
+        counted = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel")
+        last = (counted % SPLITS if TAGGED else counted) == SPLITS - 1
         _mark(MARKS, 2, TRACE)
         if last:
-            tl.atomic_xchg(COUNTS + hk, 0, sem="relaxed")  # (ordered before the next layer's count by the barrier)
+            if not TAGGED:
+                tl.atomic_xchg(COUNTS + hk, 0, sem="relaxed")  # (ordered before the next layer's count by the barrier)
             combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH, BLOCK_D,
                           GROUP_P2, SPLITS_P2)
+            if TAGGED:
+                tl.debug_barrier()  # (every thread's stores of the combined heads made: read back by others)
+                j = tl.arange(0, GDP)
+                a = tl.load(ATT + hk * GROUP * DH + j, mask=j < GROUP * DH)
+                tl.store(ATT_T + hk * GROUP * DH + j, _tag_words(a, tag), mask=j < GROUP * DH)
         _mark(MARKS, 3, TRACE)
 
 
 @triton.jit(do_not_specialize=["first_layer", "spin_limit"])
 def _decode_layers_kernel(
-    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS,
+    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS, TAGGED_T, SCRATCH, WS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
     spin_limit, first_layer, n_layers,
@@ -574,18 +731,33 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, GDP: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
-    [1] inside one); PEND: the MLP output the next layer adds."""
+    [1] inside one); PEND: the MLP output the next layer adds.
+
+    TAGGED (a persistent launch of every layer; BARRIERS off): no barrier. Each phase's output vector is stored
+    to its layer's place in TAGGED_T as tagged words (`_tag_words`; the tag from the launch count at WS + HKV),
+    and the phases that read it poll it (`_poll`). Every program keeps the residual stream in registers (all
+    compute the same sums); program 0 stores it and the last MLP output to XS and PEND at the end."""
     BAR = COUNTS + HKV
     X_MID = XS + D
     AQ = HQ * DH
+    ty = XS.dtype.element_ty
     trace_at = TRACE_T + tl.program_id(0)
     if TRACE:
         tl.store(trace_at, tl.extra.cuda.globaltimer())
     if PERSISTENT:  # each phase's first tile of weights is loaded during the wait at the barrier in front of it
         wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
+    tag = 0
+    x = tl.zeros([DP], dtype=tl.float32)
+    if TAGGED:  # (first_layer 0: every layer)
+        tag = tl.load(WS + HKV, volatile=True) % _TAGS + 1
+        x = _vector(X_IN, D, DP)
+        SCRATCH += tl.program_id(0) * NQKV
+        COUNTS = WS
+    words: tl.constexpr = NQKV + AQ + D + F + D  # a layer's tagged words: Q/K/V, attention, o, SwiGLU, MLP out
     for i in range(0, n_layers):
         layer = first_layer + i
         lw = layer.to(tl.int64)
@@ -595,20 +767,34 @@ def _decode_layers_kernel(
         w_o = WO + lw * D * AQ
         w_in = WIN + lw * 2 * F * D
         w_out = WOUT + lw * D * F
+        qkv_t = TAGGED_T + lw * words  # this layer's tagged vectors (TAGGED)
+        att_t = qkv_t + NQKV
+        o_t = att_t + AQ
+        act_t = o_t + D
+        pend_t = act_t + F
         if PERSISTENT or PHASE == 0:  # A: x += pending; Q/K/V of the normalised x
             if not PERSISTENT:
                 wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
-            if layer == 0:  # the embedding's output, nothing pending
-                h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
+            if TAGGED:
+                if layer > 0:
+                    x = (x + _poll_vector(pend_t - words, D, DP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)).to(ty)
+                    x = x.to(tl.float32)
+                h = _norm(x, G1 + lw * D, eps, D, DP, ty)
+                _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
+                         tag, True)
             else:
-                h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
-            _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD)
-            _arrive(BAR, step, trace_at, PERSISTENT, TRACE)
-            if PERSISTENT and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
+                if layer == 0:  # the embedding's output, nothing pending
+                    h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
+                else:
+                    h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
+                _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD, 0,
+                         False)
+            _arrive(BAR, step, trace_at, BARRIERS, TRACE)
+            if BARRIERS and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
                                   stride_kh, stride_vb, stride_vs, stride_vh, HKV, SPLITS, DH, BLOCK_N, BLOCK_SIZE,
                                   PREFETCH_KV)
-            _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
@@ -616,43 +802,67 @@ def _decode_layers_kernel(
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
-                       PRELOAD_KV)
-            _arrive(BAR, step + 1, trace_at, PERSISTENT, TRACE)
+                       PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, TIMEOUTS, TAGGED, ONE_POLLER, ITEM_P2,
+                       GDP)
+            _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
-            _depart(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD)
-            _arrive(BAR, step + 2, trace_at, PERSISTENT, TRACE)
+            if TAGGED:
+                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)
+                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True)
+            else:
+                _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False)
+            _arrive(BAR, step + 2, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
-            _depart(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
-            h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
-            _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD)
-            _arrive(BAR, step + 3, trace_at, PERSISTENT, TRACE)
+            if TAGGED:
+                x = (x + _poll_vector(o_t, D, DP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)).to(ty).to(tl.float32)
+                h = _norm(x, G2 + lw * D, eps, D, DP, ty)
+                _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True)
+            else:
+                h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
+                _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False)
+            _arrive(BAR, step + 3, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
-            _depart(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
+            _depart(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
             if not PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
             following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
-            _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
-                     AHEAD)
-            _arrive(BAR, step + 4, trace_at, PERSISTENT, TRACE)
+            if TAGGED:
+                a = _poll_vector(act_t, F, FP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)
+                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True)
+            else:
+                _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
+                         AHEAD, 0, False)
+            _arrive(BAR, step + 4, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
-            _depart(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, PERSISTENT, TRACE, ONE_POLLER)
-    if PERSISTENT:  # the last program out resets the barrier's count for the next launch
+            _depart(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
+    if TAGGED:
+        if tl.program_id(0) == 0:  # the residual stream and the last MLP output, as the barrier way leaves them
+            k = tl.arange(0, DP)
+            tl.store(XS + k, x.to(ty), mask=k < D)
+            last = TAGGED_T + (first_layer + n_layers).to(tl.int64) * words - D
+            tl.store(PEND + k, _poll_vector(last, D, DP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER).to(ty),
+                     mask=k < D)
+        if tl.atomic_add(WS + HKV + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # the last program out: the
+            tl.atomic_xchg(WS + HKV + 1, 0, sem="relaxed")  # next launch's tag (every program has read this one's)
+            tl.atomic_add(WS + HKV, 1, sem="relaxed")
+    if BARRIERS:  # the last program out resets the barrier's count for the next launch
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(BAR, 0, sem="relaxed")
             tl.atomic_xchg(BAR + 1, 0, sem="relaxed")

@@ -454,17 +454,22 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-            ty: tl.constexpr):
-    """The tile's epilogue from its fp32 sums: the bias, SwiGLU, the store."""
+def _epilogue(acc, up, B, offs_n, n_ok, N, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, ty: tl.constexpr):
+    """The tile's outputs in `ty` from its fp32 sums: the bias, SwiGLU."""
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SWIGLU:
             up += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:  # F.linear's outputs rounded, silu(gate) rounded, then the product (swiglu.silu_mul's rounding)
-        out = swiglu_round(acc, up, ty)
-    else:
-        out = acc.to(ty)
+        return swiglu_round(acc, up, ty)
+    return acc.to(ty)
+
+
+@triton.jit
+def _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+            ty: tl.constexpr):
+    """The tile's epilogue from its fp32 sums: the bias, SwiGLU, the store."""
+    out = _epilogue(acc, up, B, offs_n, n_ok, N, SWIGLU, HAS_BIAS, ty)
     tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 

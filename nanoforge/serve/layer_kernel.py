@@ -84,12 +84,12 @@ class LayerKernel:
         return x[None], pending[None]
 
     def check(self, device: torch.device) -> None:
-        """Raise if a launch on this device gave up waiting at a barrier since the last check (it syncs): a launch
-        whose programs were not all resident at once, whose numbers are wrong. The engine checks after its
-        warm-up, which runs the kernel."""
+        """Raise if a launch on this device gave up waiting at a barrier, or for a tagged vector, since the last
+        check (it syncs): a launch whose programs were not all resident at once, whose numbers are wrong. The
+        engine checks after its warm-up, which runs the kernel."""
         n = barrier_timeouts(device)
         if n:
             raise RuntimeError(
-                f"the persistent decode kernel gave up waiting at a grid barrier {n} time(s) on {device}: its programs "
-                "were not all running at once (a bug, or another kernel holding SMs), so its results are wrong; "
-                "NANOFORGE_DECODE_LAYERS=kernels runs the layers one by one")
+                f"the persistent decode kernel gave up waiting {n} time(s) on {device} (at a grid barrier, or for a "
+                "vector another program writes): its programs were not all running at once (a bug, or another kernel "
+                "holding SMs), so its results are wrong; NANOFORGE_DECODE_LAYERS=kernels runs the layers one by one")
