@@ -195,9 +195,10 @@ def traced_phases(model: Transformer, kernel: LayerKernel, c: dict, device) -> d
 
 
 def ours_with(model, kernel: LayerKernel, c: dict, device, replays: int, base_fn, base_us: float, *,
-              splits: int | None = None, env: dict | None = None) -> dict:
+              splits: int | None = None, env: dict | None = None, default_fn=None) -> dict:
     """The kernel timed (and, on a GPU, traced) with its attention phase cut into `splits` pieces a kv head, or
-    under the switches `env` (read at each launch)."""
+    under the switches `env` (read at each launch); with `default_fn` (the kernel without them), whether the
+    two give the same bits (switches that change no sum must)."""
     saved, saved_env = (dl.CONTEXT_SPLITS, dl.INTERPRET_SPLITS), {k: os.environ.get(k) for k in env or {}}
     if splits is not None:
         dl.CONTEXT_SPLITS = dl.INTERPRET_SPLITS = splits  # (read at each launch; the interpreter's count on the CPU)
@@ -207,7 +208,8 @@ def ours_with(model, kernel: LayerKernel, c: dict, device, replays: int, base_fn
         with torch.inference_mode():
             us = time_us(fn, device, replays)
             diff = (base_fn() - fn()).abs().max().item()
-        out = {"one_kernel_us": us, "ratio": base_us / us, "max_abs_difference": diff}
+            same = None if default_fn is None else torch.equal(default_fn(), fn())
+        out = {"one_kernel_us": us, "ratio": base_us / us, "max_abs_difference": diff, "bits_equal_default": same}
         if device.type == "cuda" and dl.sync_mode() == "barrier":  # (a trace clocks the barriers: none tagged)
             out["phases_us"] = traced_phases(model, kernel, c, device)
         return out
@@ -286,12 +288,15 @@ def main() -> None:
                   + phase_line(r["phases_us"], r["phase_tb_s"]))
             print("   attention phase's parts: " + attention_parts(r["phases_us"]))
         runs = [("splits", n, {"splits": n}) for n in splits]
-        runs += [("variants", v, {"env": e}) for v, e in variants.items()]
+        runs += [("variants", v, {"env": e, "default_fn": ours_fn}) for v, e in variants.items()]
         for group, key, how in runs:  # (session 26: the attention phase 11.3 us a Qwen3 layer)
             t = r.setdefault(group, {})[key] = ours_with(model, kernel, c, device, replays, base_fn, base_us, **how)
             ph = t.get("phases_us")
             label = f"{key} splits" if group == "splits" else key
-            print(f"   {label}: {t['one_kernel_us']:.1f} us ({t['ratio']:.2f}x)" + (
+            print(f"   {label}: {t['one_kernel_us']:.1f} us ({t['ratio']:.2f}x)"
+                  + ("" if t["bits_equal_default"] is None
+                     else f", bits equal to the default's: {t['bits_equal_default']}")
+                  + (
                 f"; attention phase {ph['B work']:.1f} us ({attention_parts(ph)}), barrier waits "
                 f"{sum(v for p, v in ph.items() if p.endswith('wait')):.1f} us" if ph else ""))
         r["barrier_timeouts"] = dl.barrier_timeouts(device)  # not 0: its numbers are wrong (a barrier gave up)

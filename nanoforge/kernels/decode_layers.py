@@ -508,7 +508,7 @@ def _poll(XT, idx, inside, tag, spin_limit, TIMEOUTS, ty: tl.constexpr, SPIN: tl
     `poll_pack` words a thread at once), so whichever threads hold a copy of a word, each copy is the
     tagged one; after spin_limit rounds, or at once after a give-up earlier in the launch, any still stale
     are counted at TIMEOUTS (wrong numbers follow). Under the interpreter the launch's one program wrote them."""
-    at = tl.where(inside, XT + idx, XT)
+    at = XT + idx  # (a word outside is never loaded: it starts out carrying the tag; contiguous idx: wide loads)
     w = tl.where(inside, tl.load(at, mask=inside, other=0, volatile=True), tag << 16)
     if SPIN:
         limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit) + idx * 0
