@@ -21,9 +21,7 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     `--prefill-variants` runs (a) and (c) again with prefill levers: another tile of prefill attention
     (NANOFORGE_ATTN_PREFILL_TILE, e.g. 64x64w4s3); gate-and-up's GEMM and SwiGLU as cuBLAS + the SwiGLU
     kernel (`swiglu_off`) or one GEMM with SwiGLU in its epilogue on the tiled schedule (`swiglu_tiled`) or the
-    persistent one (`swiglu_persistent`: the default from 1,024 rows on Hopper); prefill attention's
-    exponentials by fused multiply-adds, a quarter (`exp2_quarter`), alternate columns (`exp2_half`) or all
-    (`exp2_poly`); or several at once
+    persistent one (`swiglu_persistent`: the default from 1,024 rows on Hopper); or several at once
     (`64x64w4s3+swiglu_off`).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
@@ -93,10 +91,7 @@ OTHER_NAME = "graphed" if OTHER else "eager"
 # (NANOFORGE_ATTN_PREFILL_TILE, kernels/paged_attention.py)
 PREFILL_LEVERS = {"swiglu_off": {"NANOFORGE_SWIGLU_EPILOGUE": "0"},  # gate-and-up by cuBLAS, then the SwiGLU kernel
                   "swiglu_tiled": {"NANOFORGE_SWIGLU_EPILOGUE": "tiled"},  # ... in one GEMM, a program a tile
-                  "swiglu_persistent": {"NANOFORGE_SWIGLU_EPILOGUE": "persistent"},  # ... programs loop over tiles
-                  # prefill attention's exponentials: a quarter, alternate columns, or all, by FMAs, not the ex2 unit
-                  "exp2_quarter": {"NANOFORGE_ATTN_EXP2": "quarter"}, "exp2_half": {"NANOFORGE_ATTN_EXP2": "half"},
-                  "exp2_poly": {"NANOFORGE_ATTN_EXP2": "poly"}}
+                  "swiglu_persistent": {"NANOFORGE_SWIGLU_EPILOGUE": "persistent"}}  # ... programs loop over tiles
 
 
 def prefill_env(variant: str) -> dict[str, str]:

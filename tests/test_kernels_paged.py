@@ -202,92 +202,6 @@ def test_chunked_prefill_with_each_prefill_tile_matches_float64(poisoned, tile):
         check(b, launch(b, max(qlens), (rows, rows // (hq // hkv), keys, warps, stages)))
 
 
-@interpreter
-def test_the_fma_exponential_is_within_its_fit_of_float64():
-    """`exp2_fma` (2^x by a polynomial and the exponent's bits, no ex2) against float64 over the softmax's
-    arguments, x <= 0: within the fit's 7.5e-5 relative error down to -125 (2^f's fit joined at every half
-    integer), below that at most 2^-125, never negative; -inf (a masked key) gives ~1e-38."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def fma_exp2(X, Y, N: tl.constexpr):
-        i = tl.arange(0, N)
-        tl.store(Y + i, pa.exp2_fma(tl.load(X + i)))
-
-    x = torch.cat([-torch.rand(4000, dtype=torch.float64) * 130, -torch.arange(0, 130, 0.5, dtype=torch.float64),
-                   torch.tensor([0.0, -1e-7, -0.49999, -0.5, -0.50001, -125.0, -126.0, -127.5, -float("inf")],
-                                dtype=torch.float64)]).float()
-    x = torch.cat([x, x.new_zeros(8192 - x.numel())])
-    y = torch.empty_like(x)
-    fma_exp2[(1,)](x, y, N=x.numel())
-    want = torch.exp2(x.double())
-    got = y.double()
-    normal = x >= -125
-    assert ((got[normal] - want[normal]).abs() / want[normal]).max() < 7.6e-5
-    assert (got >= 0).all() and (got[~normal] <= 2.0**-125).all()
-
-
-_EXP2_CHILD = """
-import dataclasses, json
-from nanoforge.kernels import inspect as ki
-out = {}
-for e in (0, 1, 2, 3):
-    spec = ki.TRITON_KERNELS["paged_attention_prefill_wide"]
-    ptx = ki._compile_triton("x", dataclasses.replace(spec, constexprs={**spec.constexprs, "EXP2": e})).ptx
-    out[e] = {p: ptx.count(p) for p in ("ex2.approx", "st.shared", "ld.shared", "shfl.sync", "wgmma.mma_async")}
-print(json.dumps(out))
-"""
-
-
-def test_the_fma_exponentials_leave_the_ex2_unit_and_move_nothing_through_shared_memory():
-    """The prefill tile at Llama-3.2-1B's heads (`paged_attention_prefill_wide`), compiled for sm_90 (a child
-    process: the real compiler) with each NANOFORGE_ATTN_EXP2 mode: `half` takes half the tile's ex2s away,
-    `quarter` a quarter and `poly` all of them (those left: the rescale's, a row each), and the column split stays
-    in each thread's registers: no more shared-memory traffic or shuffles than ex2's way, the same products."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from test_kernels_inspect import _need_cuda_tools
-
-    _need_cuda_tools()
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
-    r = subprocess.run([sys.executable, "-c", _EXP2_CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    n = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
-    rescale = n[2]["ex2.approx"]
-    tile = n[0]["ex2.approx"] - rescale
-    assert rescale < tile // 8 and n[1]["ex2.approx"] - rescale == tile // 2
-    assert n[3]["ex2.approx"] - rescale == tile * 3 // 4
-    for kept in ("st.shared", "ld.shared", "shfl.sync", "wgmma.mma_async"):
-        assert n[0][kept] == n[1][kept] == n[2][kept] == n[3][kept], (kept, n)
-
-
-@interpreter
-@pytest.mark.parametrize("mode", ["half", "poly", "quarter"])
-def test_chunked_prefill_with_fma_exponentials_matches_float64(poisoned, monkeypatch, mode):
-    """NANOFORGE_ATTN_EXP2: a prefill tile's exponentials by the polynomial, all of them, alternate columns or a
-    quarter (whole prompts, chunks on cached prefixes and a decode in one step): within the fit's error of float64, not
-    the bits of ex2's; a decode step's launch keeps ex2 (the same bits)."""
-    ctx, qlens = [150, 20, 9, 170, 1], [150, 20, 1, 37, 0]
-    b = batch(ctx, qlens, 4, 2, 16, 8, seed=3)
-    ex2 = pa.paged_attention(**b, max_q_len=max(qlens))
-    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", mode)
-    out = pa.paged_attention(**b, max_q_len=max(qlens))
-    check(b, out, rtol=3e-4, atol=3e-4)
-    assert not torch.equal(out, ex2)  # (the polynomial ran)
-    d = batch([150, 20, 9], [1, 1, 1], 4, 2, 16, 8, seed=4)  # a decode step keeps ex2: the same bits
-    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", "mufu")
-    want = pa.paged_attention(**d, max_q_len=1)
-    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", mode)
-    assert torch.equal(pa.paged_attention(**d, max_q_len=1), want)
-    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", "fast")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_ATTN_EXP2"):
-        pa.paged_attention(**b, max_q_len=max(qlens))
-
-
 def test_the_prefill_tile_comes_from_the_environment(monkeypatch):
     """NANOFORGE_ATTN_PREFILL_TILE sets prefill steps' launch (decode keeps its own), rows widened to a group's
     heads; unset, the tile depends on the head dim (two warpgroups over 128 rows at 64, session 30's sweep); a
@@ -404,22 +318,6 @@ def test_gpu_prefill_tiles_full_size_bf16(poisoned, monkeypatch, tile, hq, hkv, 
                             "cuda")
     out = pa.paged_attention(**b, max_q_len=2000)
     assert rel_error(out, pa.paged_attention_ref(**as_float64(b))) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["half", "quarter", "poly"])
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (16, 8, 128), (12, 12, 64), (14, 2, 64)],
-                         ids=["llama3-1b", "qwen3-0.6b", "gpt2", "qwen2-0.5b"])  # each family's heads
-def test_gpu_prefill_with_fma_exponentials_full_size_bf16(poisoned, monkeypatch, mode, hq, hkv, d):
-    """NANOFORGE_ATTN_EXP2 on the compiled kernel, each family's heads at the default tile: whole prompts, a chunk
-    after a long cached prefix and decodes in one step, as close to float64 as ex2's way is."""
-    b = pa.make_paged_batch([2000, 2000, 5000, 700, 33], [2000, 2000, 300, 1, 1], hq, hkv, d, 16, torch.bfloat16,
-                            "cuda")
-    want = pa.paged_attention_ref(**as_float64(b))
-    base = rel_error(pa.paged_attention(**b, max_q_len=2000), want)
-    monkeypatch.setenv("NANOFORGE_ATTN_EXP2", mode)
-    got = rel_error(pa.paged_attention(**b, max_q_len=2000), want)
-    assert got < 1e-2 and got < 1.5 * base + 1e-4, (got, base)
 
 
 @pytest.mark.gpu

@@ -256,21 +256,13 @@ _PAGED_SIGNATURE = {  # paged attention's kernel: decode and prefill differ in c
 _PAGED_ALIGNED = tuple(a for a in _PAGED_SIGNATURE if a.startswith("stride_") and a != "stride_bt")
 
 
-def _prefill_exp2() -> int:
-    from nanoforge.kernels import paged_attention as pa
-
-    return pa.EXP2_MODES.index(pa.exp2_mode())
-
-
 def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
     """Paged attention's kernel with these constants (BLOCK_D = HEAD_D, 16-token cache blocks, 64-key tiles and
-    the optional parts off unless given; a prefill's exponentials as NANOFORGE_ATTN_EXP2 says, read when
-    compiled)."""
+    the optional parts off unless given)."""
     return TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel", _PAGED_SIGNATURE,
         {"BLOCK_D": constexprs["HEAD_D"], "BLOCK_SIZE": 16, "BLOCK_N": 64, "FUSE": False, "SPLITS_P2": 32,
-         "PDL": False, "ROPE": False, "HAS_NORM": False, "PRELOAD": False,
-         "EXP2": _prefill_exp2 if constexprs["VARLEN"] else 0, **constexprs},
+         "PDL": False, "ROPE": False, "HAS_NORM": False, "PRELOAD": False, **constexprs},
         num_warps=num_warps, aligned=_PAGED_ALIGNED,
     )  # fmt: skip
 

@@ -136,19 +136,6 @@ def combine_mode() -> str:
     return env_choice("NANOFORGE_ATTN_COMBINE", ("kernel", "fused"))
 
 
-# how a prefill tile's exponentials are taken (`NANOFORGE_ATTN_EXP2`): "mufu" every one by the special function
-# unit's ex2 (`tl.exp2`; the default), "poly" every one by fused multiply-adds and integer ops (`exp2_fma`), "half"
-# alternate columns each way, "quarter" a quarter of the columns by `exp2_fma`. At head dim 64 a tile's ex2s take
-# the special function unit (16 a cycle an SM) as long as its two products take the tensor cores (session 7's
-# reading), so moving some onto the FMA pipe (128 a cycle) may shorten the loop; decode tiles (memory-bound) keep
-# ex2.
-EXP2_MODES = ("mufu", "half", "poly", "quarter")
-
-
-def exp2_mode() -> str:
-    return env_choice("NANOFORGE_ATTN_EXP2", EXP2_MODES)
-
-
 def query_tile_starts(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       max_q_len: int) -> torch.Tensor | None:
     """Where each sequence's query tiles start among the programs (int32, num_seqs + 1: the last is the
@@ -361,7 +348,6 @@ def _paged_attention_triton(
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, SPLIT=num_splits > 1, FUSE=fuse, SPLITS_P2=_SPLITS_P2, VARLEN=varlen, PDL=on,
         ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), PRELOAD=not varlen and preload_mode() == "1",
-        EXP2=EXP2_MODES.index(exp2_mode()) if varlen else 0,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(on),
     )  # fmt: skip
     if num_splits > 1 and not fuse:
@@ -395,7 +381,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     FUSE: tl.constexpr, SPLITS_P2: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PRELOAD: tl.constexpr, EXP2: tl.constexpr = 0,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if PRELOAD:  # decode: the split's first tile of cached keys, loaded while the kernel before this one runs
@@ -471,7 +457,7 @@ def _paged_attn_kernel(
     full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_D == BLOCK_D,
-                                (BLOCK_N + BLOCK_Q) * VARLEN, EXP2)
+                                (BLOCK_N + BLOCK_Q) * VARLEN)
     if ROPE:
         if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
             acc, l_i, m_i = attend_new_key(
@@ -625,7 +611,7 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
 @triton.jit
 def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr, EXP2: tl.constexpr = 0):
+                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr):
     """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
     without a mask, the rest masked (`_attend_keys`): the diagonal of a tile's query tokens, a split's ragged end.
 
@@ -653,7 +639,7 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
             block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
                                          stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
-                                         False, EXP2)
+                                         False)
     for n0 in range(full_hi, hi, BLOCK_N):
         if TAIL_KEYS > 0:
             keys = n0 + tl.arange(0, BLOCK_N)
@@ -661,15 +647,14 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
         else:
             block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D, True,
-                                     EXP2)
+                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D, True)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
                  stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 EVEN_D: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr = 0):  # fmt: skip
+                 EVEN_D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One online-softmax step of a tile over keys n0 .. n0 + BLOCK_N, each in cache block `block` (int64, one a
     key, from the block table); MASKED: the block may hold keys past `hi` or past a row's position (else every
     row sees all of them); EVEN_D: the head dimension fills BLOCK_D (no mask along it). V is loaded after the
@@ -680,7 +665,7 @@ def _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_sc
         kt = tl.load(k_ptrs)  # (BLOCK_D, BLOCK_N)
     else:
         kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    p, alpha, l_i, m_new = _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N, MASKED, EXP2)
+    p, alpha, l_i, m_new = _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N, MASKED)
     if EVEN_D and not MASKED:
         v = tl.load(v_ptrs)
     else:
@@ -716,59 +701,19 @@ def _key_tile_ptrs(K, V, block, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stri
 
 
 @triton.jit
-def _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  EXP2: tl.constexpr = 0):
+def _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """The scores of q against a tile's keys (kt: (BLOCK_D, BLOCK_N), keys n0 ..), in log2 units, and the online
     softmax's step over them: (p, the running sums' rescale alpha, l, the new max). The scale goes into the
     exponent's argument (one fused multiply-add an element: the row's max is taken of the raw scores and scaled
-    once, as qk_scale > 0), not onto the scores (a multiply and a subtraction an element). EXP2: how the tile's
-    exponentials are taken (`EXP2_MODES`' index)."""
+    once, as qk_scale > 0), not onto the scores (a multiply and a subtraction an element)."""
     s = _dot(q, kt, None)  # (BLOCK_M, BLOCK_N), unscaled
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         s = tl.where((offs_n < hi)[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = _exp2_tile(s * qk_scale - m_new[:, None], EXP2)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
-
-
-@triton.jit
-def _exp2_tile(x, EXP2: tl.constexpr):
-    """2^x of a (rows, columns) tile of x <= 0 (`EXP2_MODES`: 0 ex2, 2 `exp2_fma`, 1 even columns by ex2 and odd
-    ones by `exp2_fma`, 3 the odd columns of every other group of 8: a thread of a product's accumulator holds a
-    pair of neighbouring columns in each group of 8, so either split is in its registers)."""
-    if EXP2 == 0:
-        return tl.exp2(x)
-    elif EXP2 == 2:
-        return exp2_fma(x)
-    elif EXP2 == 1:
-        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        return tl.reshape(tl.join(tl.exp2(even), exp2_fma(odd)), [x.shape[0], x.shape[1]])
-    else:  # 3: a quarter, the odd columns of every other group of 8
-        g = tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 16, 2, 8]), [0, 1, 3, 2])
-        first, second = tl.split(g)
-        even, odd = tl.split(tl.reshape(second, [x.shape[0], x.shape[1] // 16, 4, 2]))
-        second = tl.reshape(tl.join(tl.exp2(even), exp2_fma(odd)), [x.shape[0], x.shape[1] // 16, 8])
-        g = tl.permute(tl.join(tl.exp2(first), second), [0, 1, 3, 2])
-        return tl.reshape(g, [x.shape[0], x.shape[1]])
-
-
-# 2^f on [-1/2, 1/2], degree 3, fitted for relative error (at most 7.5e-5; the product takes p in bf16, 3.9e-3)
-_EXP2_C0, _EXP2_C1, _EXP2_C2, _EXP2_C3 = (tl.constexpr(c) for c in (0.99992806, 0.69326097, 0.24261114, 0.055171650))
-
-
-@triton.jit
-def exp2_fma(x):
-    """2^x for x <= 0 without the special function unit: x = j + f with j = round(x) (added to 1.5 * 2^23, whose
-    low mantissa bits then hold j), 2^f by a polynomial, 2^j added into its exponent bits. x below -126 (-inf:
-    a masked key) counts as -126, ~1e-38 where ex2 gives 0."""
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = ((_EXP2_C3 * f + _EXP2_C2) * f + _EXP2_C1) * f + _EXP2_C0
-    j = t.to(tl.int32, bitcast=True) - 0x4B400000
-    return (p.to(tl.int32, bitcast=True) + (j << 23)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -864,23 +809,18 @@ def _case(kind: str, ctx: list[int], qlens: list[int], hq: int, hkv: int, d: int
     return shape, 4 * pairs * hq * d, _kv_bytes(ctx, hkv, d, dtype)
 
 
-def _prefill_lever_rows(b: int, t: int, hq: int, hkv: int, d: int) -> list[dict]:
-    """(c)'s step again (b fresh prompts of t tokens): the kernel with each NANOFORGE_ATTN_EXP2 mode against
-    itself with ex2, and with ex2 against cuDNN's attention on the same shapes dense ([b, heads, t, d], causal,
-    GQA), the fastest library kernel session 38 found (1.33x ours at D 64, 1.85x at D 128 on an H100;
-    FlashAttention-2, HF's SDPA default, 0.73x and 1.02x)."""
+def _prefill_cudnn_rows(b: int, t: int, hq: int, hkv: int, d: int) -> list[dict]:
+    """(c)'s step again (b fresh prompts of t tokens): the kernel against cuDNN's attention on the same shapes
+    dense ([b, heads, t, d], causal, GQA), the fastest library kernel session 38 found (1.33x ours at D 64, 1.85x
+    at D 128 on an H100; FlashAttention-2, HF's SDPA default, 0.73x and 1.02x). No row (a line saying so) where
+    this build has no cuDNN attention."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from nanoforge.kernels.bench import make_row, time_ms
 
     batch = make_paged_batch([t] * b, [t] * b, hq, hkv, d, 16, torch.bfloat16, "cuda")
     shape, flops, kv = _case("prefill", [t] * b, [t] * b, hq, hkv, d, torch.bfloat16)
-    ms = {}
-    for mode in EXP2_MODES:
-        with mock.patch.dict(os.environ, {"NANOFORGE_ATTN_EXP2": mode}):
-            ms[mode] = time_ms(lambda: paged_attention(**batch, max_q_len=t))
-    rows = [make_row(f"paged_prefill_exp2_{mode}", shape, ms[mode], ms["mufu"], "the same kernel, ex2 (mufu)", flops,
-                     kv) for mode in EXP2_MODES[1:]]
+    ours = time_ms(lambda: paged_attention(**batch, max_q_len=t))
     q = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     try:
@@ -889,8 +829,8 @@ def _prefill_lever_rows(b: int, t: int, hq: int, hkv: int, d: int) -> list[dict]
                                                                                      enable_gqa=True))
     except RuntimeError as e:  # (no cuDNN attention in this build: no row, a line saying so)
         print(f"paged prefill: no cuDNN attention here ({str(e).splitlines()[0]})")
-        return rows
-    return rows + [make_row("paged_prefill", shape, ms["mufu"], dense, "cuDNN SDPA, dense (no pages)", flops, kv)]
+        return []
+    return [make_row("paged_prefill", shape, ours, dense, "cuDNN SDPA, dense (no pages)", flops, kv)]
 
 
 def bench_rows(quick: bool) -> list[dict]:
@@ -907,6 +847,6 @@ def bench_rows(quick: bool) -> list[dict]:
     if not quick:  # gpu_engine.py (c)'s step: 8 fresh prompts of 2,000 tokens, Llama-3.2-1B's heads (D 64), where
         # session 7's profile of one 16K-token step had this kernel at 11.1 of ~58 ms (~190 TFLOP/s)
         rows.append(_bench_case("prefill", [2000] * 8, [2000] * 8, 32, 8, 64, torch.bfloat16))
-        rows += [r for hq, d in ((32, 64), (16, 128)) for r in _prefill_lever_rows(8, 2000, hq, 8, d)]
+        rows += [r for hq, d in ((32, 64), (16, 128)) for r in _prefill_cudnn_rows(8, 2000, hq, 8, d)]
     return rows + [_bench_case("decode", [1024], [1], 32, 8, 64, torch.bfloat16, combine, graph=True)  # CUDA graphs:
                    for combine in ("kernel", "fused")]  # the GPU's time, as the engine replays a decode step
