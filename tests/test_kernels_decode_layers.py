@@ -284,6 +284,32 @@ def test_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, monk
     assert llm.engine.stats()["prefix_cache_hit_rate"] > 0
 
 
+@interpreter
+def test_engine_with_tagged_vectors_decodes_what_it_does_with_barriers(tok, monkeypatch):
+    """NANOFORGE_DECODE_SYNC=tagged in the engine (bf16, interpreted): every one-token decode step a tagged launch
+    (the launch count, which gives each its tag, advances once a step), the tokens those with barriers give,
+    greedy and seeded."""
+    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "persistent")
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    model = make_model(tok, "tiny-qwen3").bfloat16()
+    ps = prompts(2, random.Random(5), 5, 20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True)
+    out = {}
+    for sync in ("barrier", "tagged"):
+        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", sync)
+        llm = LLM(model, tok, num_gpu_blocks=40, block_size=4)
+        out[sync] = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]
+        out[sync].append(llm.generate([ps[0]], seeded)[0].outputs[0].token_ids)
+        tagged = llm.engine.runner.layer_kernel.layers.tagged
+        if sync == "tagged":
+            (_, _, counts), = tagged.values()
+            assert counts[model.cfg.n_kv_heads].item() == 1 + 3 * 5  # the warm-up's, then one a decode step
+        else:
+            assert not tagged
+    assert out["tagged"] == out["barrier"]
+
+
 def forced_timings(monkeypatch, winner: str | None, seen: list, captured: dict) -> None:
     """The engine's decode-layers choice (`replays_us` in model_runner) timed for real, then told `winner` won
     (None: as timed); `captured` maps each batch-1 decode graph's replay to the way it was captured with."""
