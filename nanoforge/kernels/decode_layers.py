@@ -28,6 +28,11 @@ doing every tile. With `persistent=False` the host launches one phase of one lay
 kernel boundaries standing in for the barriers (three programs under the interpreter, sharing out the tiles as
 on a GPU). The CPU tests check the two against each other bit for bit and against the model's own forward.
 
+With NANOFORGE_DECODE_SYNC=tagged (`sync_mode`) there are no barriers: each phase stores its output vector to
+its layer's place as 32-bit words, a 16-bit value and the launch's tag, and each phase that reads a vector polls
+it, every thread loading its own words again until each carries the tag (`_poll`); every program keeps the
+residual stream in registers. The same sums in the same order: the two ways give the same bits.
+
 A barrier that waits too long (SPIN_LIMIT polls, seconds: a program that never arrives, which is a bug) gives
 up instead of hanging the GPU: it counts the failure (`barrier_timeouts`) and lets every later barrier of the
 launch pass at once, so the launch ends, with wrong numbers. The engine checks the count after its warm-up.
@@ -381,6 +386,8 @@ POLL_1_OPS, POLL_4_OPS, POLL_8_OPS, POLL_16_OPS = _POLL_CONSTRAINTS
 def poll_pack(width: int, warps: int = 8) -> int:
     """The words a thread polls at once in a vector of `width` (a power of two) over `warps` warps."""
     return max(n for n in POLL_PACKS if n <= max(1, width // (32 * warps)))
+
+
 TAGS = 32767  # a launch's tag: 1 .. TAGS (never 0: a word of zeros is no launch's), from the launch count
 _TAGS = tl.constexpr(TAGS)
 
@@ -531,7 +538,6 @@ def _poll_vector(XT, K, KP: tl.constexpr, tag, spin_limit, TIMEOUTS, ty: tl.cons
     """`_vector` of a tagged vector (`_poll`)."""
     k = tl.arange(0, KP)
     return _poll(XT, k, k < K, tag, spin_limit, TIMEOUTS, ty, SPIN)
-
 
 
 @triton.jit
