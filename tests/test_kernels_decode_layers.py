@@ -352,7 +352,7 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
     runner = llm.engine.runner
     assert len(seen) == 1 and set(seen[0]) == {"persistent", "kernels"} and min(seen[0].values()) > 0
     loser = "kernels" if winner == "persistent" else "persistent"
-    assert runner.decode_layers == {"chosen": winner, f"{winner}_us": 1.0, f"{loser}_us": 2.0}
+    assert runner.decode_layers == {"chosen": winner, f"{winner}_us": 1.0, f"{loser}_us": 2.0, "tagged": False}
     from nanoforge.serve.api.app import start_line  # what the server's first line says of it
 
     us = {winner: 1, loser: 2}
@@ -360,6 +360,8 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
                                            f"{us['persistent']} us, kernel by kernel {us['kernels']} us)")
     assert (runner.layer_kernel is not None) == (winner == "persistent")
     assert sorted(captured.values()) == ["kernels", "persistent"]  # each way run at the start, once
+    assert layer_kernel.describe({**runner.decode_layers, "tagged": True}).startswith(
+        f"{winner} (persistent kernel with tagged vectors ")
     at_start = len(calls)
     assert at_start == 2  # the persistent way's warm-up and its timed run (on the CPU, eager steps)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -29,7 +29,8 @@ def mode() -> str:
 
 def describe(choice: dict) -> str:
     """What NANOFORGE_DECODE_LAYERS=auto chose (`ModelRunner.decode_layers`), in words, with both times."""
-    return (f"{choice['chosen']} (persistent kernel {choice['persistent_us']:,.0f} us, kernel by kernel "
+    tagged = " with tagged vectors" if choice.get("tagged") else ""
+    return (f"{choice['chosen']} (persistent kernel{tagged} {choice['persistent_us']:,.0f} us, kernel by kernel "
             f"{choice['kernels_us']:,.0f} us)")
 
 

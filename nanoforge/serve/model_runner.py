@@ -512,7 +512,8 @@ class ModelRunner:
             self.layer_kernel = kernel
         if graphed:
             self.graphs[(True, 1)] = persistent if chosen == "persistent" else plain
-        self.decode_layers = {"chosen": chosen, "persistent_us": us["persistent"], "kernels_us": us["kernels"]}
+        self.decode_layers = {"chosen": chosen, "persistent_us": us["persistent"], "kernels_us": us["kernels"],
+                              "tagged": bool(kernel.layers.tagged)}  # (its buffers: the kernel ran tagged)
 
     @torch.no_grad()
     def _warm_up_eager_prefill(self) -> None:
