@@ -155,14 +155,16 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 
 
 @interpreter
-@pytest.mark.parametrize("name", FAMILIES)
-def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name):
+@pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
+    ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"})])
+def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
     """NANOFORGE_DECODE_SYNC=tagged, bf16: the persistent launch with no barrier (each phase's vector stored as
     words carrying the launch's tag, polled by the phases that read it; the residual stream in every program's
     registers), interpreted with one program, which wrote each word before it reads it: bit for bit the launches
     per phase, three times over. Each launch takes the next tag (its count), the attention splits' own counts
     stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
-    stale."""
+    stale. With the attention phase's first key tile loaded before its query's poll and its context asked of L2
+    after phase A (where the wait for A's words can hide them; on a GPU only), the same bits."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -176,6 +178,8 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
         args = kernel_inputs(model, case)
         want = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
         monkeypatch.setenv("NANOFORGE_DECODE_SYNC", "tagged")
+        for key, value in switches.items():
+            monkeypatch.setenv(key, value)
         for launch in range(1, 4):
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)

@@ -796,7 +796,7 @@ def _decode_layers_kernel(
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD, 0,
                          False)
             _arrive(BAR, step, trace_at, BARRIERS, TRACE)
-            if BARRIERS and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
+            if PERSISTENT and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
                                   stride_kh, stride_vb, stride_vs, stride_vh, HKV, SPLITS, DH, BLOCK_N, BLOCK_SIZE,
                                   PREFETCH_KV)
