@@ -18,7 +18,8 @@ head's last piece combines all of them). --variants times it again under the ker
 same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
 each attention item's first K and V tile loaded before its query), `tagged` (NANOFORGE_DECODE_SYNC=tagged: no
-barriers, the phases' vectors polled as tagged words; not traced, as a trace clocks barriers), joined with `+`.
+barriers, the phases' vectors polled as tagged words; not traced, as a trace clocks barriers), `poll_sleepN`
+(NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to 2,048), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
@@ -162,7 +163,7 @@ def plot(rows: dict, path: Path) -> None:
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
             "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}}
-COUNTS = {"prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 4)}
+COUNTS = {"prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 4096)}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -235,7 +236,8 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, tagged, prefetch_kvN (N 1-4), joined with + (e.g. prefetch_kv1+preload_kv)")
+                    "preload_kv, tagged, prefetch_kvN (N 1-4), poll_sleepN (N 1-4096 ns), joined with + "
+                    "(e.g. tagged+poll_sleep256)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

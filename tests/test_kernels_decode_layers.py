@@ -219,16 +219,18 @@ def test_a_tagged_launch_whose_words_never_come_counts_them_and_ends(monkeypatch
 
 def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
     """The tagged poll's PTX: `pack` words a thread, each reloaded (predicated, all in flight) only while stale,
-    the loop's branch not claimed uniform (a warp's threads leave it apart); its width a power of two that
+    the loop's branch not claimed uniform (a warp's threads leave it apart), an optional back-off between rounds
+    (NANOFORGE_DECODE_POLL_SLEEP_NS); its width a power of two that
     divides the words any layout of a vector gives each of 256 threads (at least width / 256: 4 from 1,024)."""
     from nanoforge.kernels import decode_layers as dl
 
     assert [dl.poll_pack(w) for w in (64, 512, 1024, 2048, 4096, 8192, 16384)] == [1, 1, 4, 8, 16, 16, 16]
     for n in dl.POLL_PACKS:
         ptx = dl.poll_tags_ptx(n)
-        assert ptx.count("ld.relaxed.gpu.global.u32") == n and ptx.count("setp.ne.u32") == n
+        assert ptx.count("ld.relaxed.gpu.global.u32") == n and ptx.count("setp.ne.u32") == n + 1
         assert f"${n - 1}, [${2 * n - 1}]" in ptx and f"mov.b32 $0, ${2 * n};" in ptx  # (outputs, addresses, words)
-        assert "bra.uni" not in ptx and dl.poll_constraints(n).count(",") == 5 * n - 1
+        assert "bra.uni" not in ptx and dl.poll_constraints(n).count(",") == 6 * n - 1
+        assert f"mov.u32 nfZ, ${5 * n};" in ptx and "@nfAny nanosleep.u32 nfZ;" in ptx  # (the back-off, when > 0)
 
 
 @pytest.mark.gpu
@@ -506,7 +508,8 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
-    (cooperative, then plain), three launches in a row and three replays of a CUDA graph of it (each its own
+    (cooperative, then plain, then with the polls' back-off), three launches in a row and three replays of a
+    CUDA graph of it (each its own
     tag, read from the launch count on the GPU), every one bit for bit the launches per phase (the same sums in
     the same order: any difference is a word read before it was written, or an old one taken for new), none
     stale."""
@@ -531,6 +534,9 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         with monkeypatch.context() as m:
             m.setenv("NANOFORGE_DECODE_COOPERATIVE", "0")
             outs.append(launch())
+        with monkeypatch.context() as m:  # (a runtime argument: the same kernel)
+            m.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "256")
+            outs.append(launch())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = launch()
@@ -541,7 +547,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
     (_, _, counts), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 7  # launches (a capture launches nothing)
+    assert counts[model.cfg.n_kv_heads].item() == 8  # launches (a capture launches nothing)
 
 
 @pytest.mark.gpu
@@ -648,7 +654,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged or prefetch_kv1 .. prefetch_kv4"]
+        "--variants: 'poll_two' is not preload_kv, tagged, prefetch_kv1 .. prefetch_kv4 or "
+        "poll_sleep1 .. poll_sleep4096"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():

@@ -262,7 +262,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
             *k_cache.stride()[:4], *v_cache.stride()[:4], float(w.eps), dh ** -0.5 * LOG2E,
-            trace if trace is not None else counts, SPIN_LIMIT)
+            trace if trace is not None else counts, SPIN_LIMIT, poll_sleep_ns())
     warps = 1 if interp else WARPS
     if persistent:
         _decode_layers_kernel[(programs,)](*args, 0, n_layers, PHASE=-1, **meta, num_warps=warps,
@@ -349,29 +349,45 @@ def poll_one_thread_ptx(load: str = "ld.relaxed.gpu.global", give_up: str = "") 
 POLL_ONE_THREAD = tl.constexpr(poll_one_thread_ptx())  # `_poll_one_thread`'s
 
 
+POLL_SLEEP_CAP_NS = 2048  # a poll's back-off doubles up to this
+
+
 def poll_tags_ptx(pack: int) -> str:
     """PTX in which a thread takes `pack` tagged words (outputs $0.., addresses, the words as first loaded, the
-    tag, a spin limit: `pack` operands each) and loads the stale ones again (predicated, all in flight at once)
-    until each carries the tag in its high 16 bits or the limit's rounds have gone by (`_poll`)."""
+    tag, a spin limit, a back-off: `pack` operands each) and loads the stale ones again (predicated, all in flight
+    at once) until each carries the tag in its high 16 bits or the limit's rounds have gone by (`_poll`). A
+    back-off of s > 0 ns sleeps s before the first reload, 2s before the next, ... up to POLL_SLEEP_CAP_NS (fewer
+    loads of L2 from programs that came early, while others still stream their weights through it)."""
     n = pack
     out = [f"${i}" for i in range(n)]
-    addr, first, tag, limit = ([f"${i}" for i in range(k * n, (k + 1) * n)] for k in range(1, 5))
+    addr, first, tag, limit, sleep = ([f"${i}" for i in range(k * n, (k + 1) * n)] for k in range(1, 6))
     stale = [f"nfS{i}" for i in range(n)]
-    lines = [f"mov.b32 {o}, {f};" for o, f in zip(out, first)] + ["mov.s32 nfN, 0;", "NF_TAGS_AGAIN:"]
+    lines = [f"mov.b32 {o}, {f};" for o, f in zip(out, first)]
+    lines += ["mov.s32 nfN, 0;", f"mov.u32 nfZ, {sleep[0]};", "NF_TAGS_AGAIN:"]
     for o, st in zip(out, stale):
         lines += [f"shr.u32 nfT, {o}, 16;", f"setp.ne.u32 {st}, nfT, {tag[0]};"]
     lines += [f"or.pred nfAny, {stale[0]}, {stale[0]};"] + [f"or.pred nfAny, nfAny, {st};" for st in stale[1:]]
     lines += ["@!nfAny bra NF_TAGS_DONE;", f"setp.ge.s32 nfAny, nfN, {limit[0]};", "@nfAny bra NF_TAGS_DONE;",
-              "add.s32 nfN, nfN, 1;"]
+              "add.s32 nfN, nfN, 1;", "setp.ne.u32 nfAny, nfZ, 0;", "@nfAny nanosleep.u32 nfZ;",
+              "shl.b32 nfZ, nfZ, 1;", f"min.u32 nfZ, nfZ, {POLL_SLEEP_CAP_NS};"]
     lines += [f"@{st} ld.relaxed.gpu.global.u32 {o}, [{a}];" for st, o, a in zip(stale, out, addr)]
     lines += ["bra NF_TAGS_AGAIN;", "NF_TAGS_DONE:"]
-    regs = f".reg .pred {', '.join(stale)}, nfAny;\n.reg .u32 nfT;\n.reg .s32 nfN;"
+    regs = f".reg .pred {', '.join(stale)}, nfAny;\n.reg .u32 nfT, nfZ;\n.reg .s32 nfN;"
     return "{\n" + regs + "\n" + "\n".join(lines) + "\n}"
 
 
 def poll_constraints(pack: int) -> str:
-    """`poll_tags_ptx(pack)`'s operands: the words out, their addresses, the words in, the tags, the limits."""
-    return ",".join(["=r"] * pack + ["l"] * pack + ["r"] * 3 * pack)
+    """`poll_tags_ptx(pack)`'s operands: the words out, their addresses, the words in, the tags, the limits, the
+    back-offs."""
+    return ",".join(["=r"] * pack + ["l"] * pack + ["r"] * 4 * pack)
+
+
+def poll_sleep_ns() -> int:
+    """NANOFORGE_DECODE_POLL_SLEEP_NS (default 0: none): a tagged poll's first back-off between rounds of reloads
+    (doubling up to POLL_SLEEP_CAP_NS). Session 39 found Llama-3.2-1B's tagged layers 0.95x the barriers', whose
+    programs each poll the 8,192-word SwiGLU output while others still stream gate-and-up: this asks whether
+    the polls' L2 traffic is what slows them. Not yet timed."""
+    return env_count("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 0, 4096)
 
 
 # a poll takes as many words a thread at once as a vector of its width gives each of WARPS warps' threads (at
@@ -509,17 +525,18 @@ def _tag_words(v, tag):
 
 
 @triton.jit
-def _poll(XT, idx, inside, tag, spin_limit, TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr):
+def _poll(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr):
     """The values of the tagged words XT[idx] (where inside; 0 elsewhere) as fp32, once each carries `tag`:
     loaded, then on a GPU (SPIN) every thread loads its own stale words again until none is (`poll_tags_ptx`:
-    `poll_pack` words a thread at once), so whichever threads hold a copy of a word, each copy is the
+    `poll_pack` words a thread at once; `poll_sleep` its back-off), so whichever threads hold a copy of a word,
+    each copy is the
     tagged one; after spin_limit rounds, or at once after a give-up earlier in the launch, any still stale
     are counted at TIMEOUTS (wrong numbers follow). Under the interpreter the launch's one program wrote them."""
     at = XT + idx  # (a word outside is never loaded: it starts out carrying the tag; contiguous idx: wide loads)
     w = tl.where(inside, tl.load(at, mask=inside, other=0, volatile=True), tag << 16)
     if SPIN:
         limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit) + idx * 0
-        ops = [at, w, tag + idx * 0, limit]
+        ops = [at, w, tag + idx * 0, limit, poll_sleep + idx * 0]
         per_thread: tl.constexpr = idx.shape[0] // (32 * _WARPS)  # (`poll_pack`)
         if per_thread >= 16:
             w = tl.inline_asm_elementwise(POLL_16, POLL_16_OPS, ops, dtype=tl.int32, is_pure=False, pack=16)
@@ -534,10 +551,11 @@ def _poll(XT, idx, inside, tag, spin_limit, TIMEOUTS, ty: tl.constexpr, SPIN: tl
 
 
 @triton.jit
-def _poll_vector(XT, K, KP: tl.constexpr, tag, spin_limit, TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr):
+def _poll_vector(XT, K, KP: tl.constexpr, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constexpr,
+                 SPIN: tl.constexpr):
     """`_vector` of a tagged vector (`_poll`)."""
     k = tl.arange(0, KP)
-    return _poll(XT, k, k < K, tag, spin_limit, TIMEOUTS, ty, SPIN)
+    return _poll(XT, k, k < K, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN)
 
 
 @triton.jit
@@ -629,7 +647,7 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
 
 
 @triton.jit
-def _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, TIMEOUTS, HQ: tl.constexpr, HKV: tl.constexpr,
+def _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.constexpr, HKV: tl.constexpr,
                GROUP: tl.constexpr, DH: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):
     """Kv head hk's query rows, key and value from the tagged Q/K/V into the same places of SCRATCH (QKV's
     layout), every thread's stores made before the program reads them."""
@@ -639,7 +657,7 @@ def _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, TIMEOUTS, HQ: tl.constexpr, 
                   tl.where(j < gd + DH, (HQ + hk) * DH + j - gd, (HQ + HKV + hk) * DH + j - gd - DH))
     inside = j < gd + 2 * DH
     ty = SCRATCH.dtype.element_ty
-    v = _poll(QKV_T, at, inside, tag, spin_limit, TIMEOUTS, ty, SPIN)
+    v = _poll(QKV_T, at, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN)
     tl.store(SCRATCH + at, v.to(ty), mask=inside)
     tl.debug_barrier()
 
@@ -650,7 +668,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
-               TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, TIMEOUTS,
+               TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
+               TIMEOUTS,
                TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, GDP: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
@@ -684,7 +703,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
             kt0, v0 = load_key_tile(K, V, TABLE, lo, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
                                     BLOCK_N, BLOCK_SIZE)
         if TAGGED:
-            _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN, ITEM_P2)
+            _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN, ITEM_P2)
         q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
         _mark(MARKS, 0, TRACE)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -723,12 +742,12 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         _mark(MARKS, 3, TRACE)
 
 
-@triton.jit(do_not_specialize=["first_layer", "spin_limit"])
+@triton.jit(do_not_specialize=["first_layer", "spin_limit", "poll_sleep"])
 def _decode_layers_kernel(
     X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS, TAGGED_T, SCRATCH, WS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
-    spin_limit, first_layer, n_layers,
+    spin_limit, poll_sleep, first_layer, n_layers,
     D: tl.constexpr, DP: tl.constexpr, NQKV: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     F: tl.constexpr,
@@ -783,8 +802,8 @@ def _decode_layers_kernel(
                 wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
             if TAGGED:
                 if layer > 0:
-                    x = (x + _poll_vector(pend_t - words, D, DP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)).to(ty)
-                    x = x.to(tl.float32)
+                    pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
+                    x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
                          tag, True)
@@ -808,8 +827,8 @@ def _decode_layers_kernel(
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
-                       PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, TIMEOUTS, TAGGED, ONE_POLLER, ITEM_P2,
-                       GDP)
+                       PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
+                       ITEM_P2, GDP)
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
@@ -819,7 +838,7 @@ def _decode_layers_kernel(
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
-                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)
+                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False)
@@ -832,7 +851,8 @@ def _decode_layers_kernel(
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             if TAGGED:
-                x = (x + _poll_vector(o_t, D, DP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)).to(ty).to(tl.float32)
+                o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
+                x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
                 _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True)
             else:
@@ -849,7 +869,7 @@ def _decode_layers_kernel(
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
             if TAGGED:
-                a = _poll_vector(act_t, F, FP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER)
+                a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
@@ -863,7 +883,7 @@ def _decode_layers_kernel(
             k = tl.arange(0, DP)
             tl.store(XS + k, x.to(ty), mask=k < D)
             last = TAGGED_T + (first_layer + n_layers).to(tl.int64) * words - D
-            tl.store(PEND + k, _poll_vector(last, D, DP, tag, spin_limit, TIMEOUTS, ty, ONE_POLLER).to(ty),
+            tl.store(PEND + k, _poll_vector(last, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER).to(ty),
                      mask=k < D)
         if tl.atomic_add(WS + HKV + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # the last program out: the
             tl.atomic_xchg(WS + HKV + 1, 0, sem="relaxed")  # next launch's tag (every program has read this one's)

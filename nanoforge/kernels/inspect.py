@@ -273,7 +273,7 @@ _DECODE_LAYERS_SIGNATURE = {
     **{p: "*bf16" for p in ("G1", "WQKV", "BQKV", "QW", "KW", "WO", "G2", "WIN", "WOUT", "KC", "VC")},
     "TABLE": "*i32", "SEQ_LEN": "*i32", "SLOT": "*i64", "CS": "*bf16",
     **{f"stride_{c}{d}": "i64" if d == "l" else "i32" for c in "kv" for d in "lbsh"}, "eps": "fp32",
-    "qk_scale": "fp32", "TRACE_T": "*i64", **_i32("spin_limit", "first_layer", "n_layers")}
+    "qk_scale": "fp32", "TRACE_T": "*i64", **_i32("spin_limit", "poll_sleep", "first_layer", "n_layers")}
 
 
 def _decode_layers(**shape) -> TritonKernel:
