@@ -19,7 +19,8 @@ same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: ph
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
 each attention item's first K and V tile loaded before its query), `tagged` (NANOFORGE_DECODE_SYNC=tagged: no
 barriers, the phases' vectors polled as tagged words; not traced, as a trace clocks barriers), `poll_sleepN`
-(NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to 2,048), joined with `+`.
+(NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to 2,048), `ringN`
+(NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared memory), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
@@ -163,7 +164,9 @@ def plot(rows: dict, path: Path) -> None:
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
             "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}}
-COUNTS = {"prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 4096)}
+COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
+    "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 1, 4096),
+    "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -171,14 +174,14 @@ def variant_env(name: str) -> dict[str, str]:
     its number), or ValueError naming the part it cannot read."""
     env = {}
     for part in name.split("+"):
-        count = next(((var, part[len(p):]) for p, (var, top) in COUNTS.items() if part.startswith(p)
-                      and part[len(p):].isdigit() and 1 <= int(part[len(p):]) <= top), None)
+        count = next(((var, part[len(p):]) for p, (var, lo, top) in COUNTS.items() if part.startswith(p)
+                      and part[len(p):].isdigit() and lo <= int(part[len(p):]) <= top), None)
         if part in SWITCHES:
             env.update(SWITCHES[part])
         elif count:
             env[count[0]] = count[1]
         else:
-            names = [*SWITCHES, *(f"{p}1 .. {p}{top}" for p, (_, top) in COUNTS.items())]
+            names = [*SWITCHES, *(f"{p}{lo} .. {p}{top}" for p, (_, lo, top) in COUNTS.items())]
             raise ValueError(f"--variants: {part!r} is not {', '.join(names[:-1])} or {names[-1]}")
     return env
 
@@ -236,7 +239,7 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, tagged, prefetch_kvN (N 1-4), poll_sleepN (N 1-4096 ns), joined with + "
+                    "preload_kv, tagged, prefetch_kvN (N 1-4), poll_sleepN (N 1-4096 ns), ringN (N 2-6), joined with + "
                     "(e.g. tagged+poll_sleep256)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

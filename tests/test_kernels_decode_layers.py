@@ -91,14 +91,16 @@ def kernel_inputs(model: Transformer, case: dict):
 
 
 @interpreter
-@pytest.mark.parametrize("name,preload", [(n, "0") for n in FAMILIES] + [("tiny-llama", "1"), ("tiny-qwen3", "1")])
-def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name, preload):
+@pytest.mark.parametrize("name,preload,ring", [(n, "0", "0") for n in FAMILIES]
+                         + [("tiny-llama", "1", "0"), ("tiny-qwen3", "1", "0"), ("tiny-llama", "0", "4")])
+def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name, preload, ring):
     """The persistent launch's own code (each phase's first weight tile loaded while it waits at the barrier in
     front of it, the next layer's before the last one, every barrier, the count reset at the end), interpreted
     with one program, which passes each barrier at its own arrival: bit for bit the launches per phase of three
     programs, the barrier's counts back at zero after it and none given up, twice (the second launch counts from
     zero). With NANOFORGE_DECODE_PRELOAD_KV=1 (each attention item's first key tile loaded before its query; two
-    tiles a split here), both ways equal the launches per phase without it, bit for bit."""
+    tiles a split here), or NANOFORGE_DECODE_RING=4 (the weight tiles after each program's first through a
+    pipelined loop), both ways equal the launches per phase without it, bit for bit."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -111,7 +113,8 @@ def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatc
         args = kernel_inputs(model, case)
         want = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
         monkeypatch.setenv("NANOFORGE_DECODE_PRELOAD_KV", preload)
-        if preload == "1":
+        monkeypatch.setenv("NANOFORGE_DECODE_RING", ring)
+        if preload == "1" or ring != "0":
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -156,7 +159,8 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 
 @interpreter
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
-    ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"})])
+    ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+    ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
     """NANOFORGE_DECODE_SYNC=tagged, bf16: the persistent launch with no barrier (each phase's vector stored as
     words carrying the launch's tag, polled by the phases that read it; the residual stream in every program's
@@ -164,7 +168,8 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
     per phase, three times over. Each launch takes the next tag (its count), the attention splits' own counts
     stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
     stale. With the attention phase's first key tile loaded before its query's poll and its context asked of L2
-    after phase A (where the wait for A's words can hide them; on a GPU only), the same bits."""
+    after phase A (where the wait for A's words can hide them; on a GPU only), the same bits; with the weights
+    through a ring (NANOFORGE_DECODE_RING: the first tile from registers, the rest a pipelined loop), too."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -215,6 +220,20 @@ def test_a_tagged_launch_whose_words_never_come_counts_them_and_ends(monkeypatch
         got = dl.decode_layers(kernel.layers, *kernel_inputs(model, case), persistent=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert dl.barrier_timeouts(cpu) == 0
+
+
+def test_the_ring_is_off_or_two_to_six_stages(monkeypatch):
+    """NANOFORGE_DECODE_RING: 0 (registers) or a ring of 2 to 6 stages; anything else is one line naming it (a ring
+    of one stage would hold no tile in flight)."""
+    from nanoforge.kernels import decode_layers as dl
+
+    for value, want in (("0", 0), ("2", 2), ("6", 6)):
+        monkeypatch.setenv("NANOFORGE_DECODE_RING", value)
+        assert dl.ring_stages() == want
+    for value in ("1", "7", "four"):
+        monkeypatch.setenv("NANOFORGE_DECODE_RING", value)
+        with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_RING"):
+            dl.ring_stages()
 
 
 def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
@@ -459,7 +478,8 @@ GPU_SHAPES = {  # two layers at the real widths of the models issue 14 measures,
 def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx, monkeypatch):
     """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain; with one
     thread a program polling at the barriers, every thread, or thread 0 doing the whole barrier; with phase B's
-    context asked of L2 ahead, or its first tile loaded ahead; traced) gives exactly the phase-at-a-time
+    context asked of L2 ahead, or its first tile loaded ahead; its weights through a 4-stage ring in shared memory;
+    traced) gives exactly the phase-at-a-time
     launches' result (the same code and order of sums: any difference is a barrier that did not hold), and both
     stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul, paged attention). The
     traced launch's phase B parts add up to its work."""
@@ -480,6 +500,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     # being five; the phased launches with the preload are checked interpreted, on the CPU)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
                 (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+                (True, {"NANOFORGE_DECODE_RING": "4"}),
                 (True, {"NANOFORGE_DECODE_PREFETCH_KV": "1", "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
     for persistent, env in launches:
         with monkeypatch.context() as m:
@@ -508,8 +529,8 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
-    (cooperative, then plain, then with the polls' back-off), three launches in a row and three replays of a
-    CUDA graph of it (each its own
+    (cooperative, then plain, then with the polls' back-off, then the weights through a ring), three launches in a
+    row and three replays of a CUDA graph of it (each its own
     tag, read from the launch count on the GPU), every one bit for bit the launches per phase (the same sums in
     the same order: any difference is a word read before it was written, or an old one taken for new), none
     stale."""
@@ -537,6 +558,9 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         with monkeypatch.context() as m:  # (a runtime argument: the same kernel)
             m.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "256")
             outs.append(launch())
+        with monkeypatch.context() as m:  # the weights through a 4-stage ring
+            m.setenv("NANOFORGE_DECODE_RING", "4")
+            outs.append(launch())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = launch()
@@ -547,7 +571,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
     (_, _, counts), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 8  # launches (a capture launches nothing)
+    assert counts[model.cfg.n_kv_heads].item() == 9  # launches (a capture launches nothing)
 
 
 @pytest.mark.gpu
@@ -654,8 +678,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, prefetch_kv1 .. prefetch_kv4 or "
-        "poll_sleep1 .. poll_sleep4096"]
+        "--variants: 'poll_two' is not preload_kv, tagged, prefetch_kv1 .. prefetch_kv4, "
+        "poll_sleep1 .. poll_sleep4096 or ring2 .. ring6"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():

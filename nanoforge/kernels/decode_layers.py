@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import pdl
 from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, env_count, interpreting, sm_count
 from nanoforge.kernels.flash_attention import LOG2E
@@ -252,7 +253,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
-                TAGGED=tagged, BARRIERS=persistent and not tagged)
+                TAGGED=tagged, BARRIERS=persistent and not tagged, RING=ring_stages())
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -380,6 +381,19 @@ def poll_constraints(pack: int) -> str:
     """`poll_tags_ptx(pack)`'s operands: the words out, their addresses, the words in, the tags, the limits, the
     back-offs."""
     return ",".join(["=r"] * pack + ["l"] * pack + ["r"] * 4 * pack)
+
+
+def ring_stages() -> int:
+    """NANOFORGE_DECODE_RING (default 0: off): the projections' weight tiles after each program's first stream
+    through a ring of this many stages in shared memory (Triton's pipelined loop, cp.async; 2 to 6), where by
+    default two tiles are held in registers and a third asked of L2. Session 36's probe
+    (kernels/weight_stream.py) had a 4-stage ring 1.18x the registers on Qwen3-0.6B's weight phases. Not yet
+    timed in this kernel."""
+    value = env_count("NANOFORGE_DECODE_RING", 0, 0, 6)
+    if value == 1:
+        raise NanoforgeError("NANOFORGE_DECODE_RING must be 0 (off) or 2 to 6 stages, not 1",
+                             param="NANOFORGE_DECODE_RING")
+    return value
 
 
 def poll_sleep_ns() -> int:
@@ -575,43 +589,64 @@ def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexp
 
 @triton.jit
 def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr,
-             HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr, tag, TAGGED: tl.constexpr):
+             HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr, tag, TAGGED: tl.constexpr, RING: tl.constexpr = 0):
     """Y = h W^T (+ B) for this program's tiles of BN rows, the first (w, and u with SWIGLU) from `_first_tile`
     (SWIGLU: silu of rows n times rows n + N, W being 2N rows), rounded as `gemv` rounds it (TAGGED: stored as
-    words tagged `tag`); each tile's loads issued before the tile before it is reduced, and with AHEAD, the
-    tile after that asked of L2 (registers hold two tiles; L2 a third, so that HBM has more in flight)."""
+    words tagged `tag`). RING 0: each tile's loads issued before the tile before it is reduced, and with AHEAD,
+    the tile after that asked of L2 (registers hold two tiles; L2 a third, so that HBM has more in flight).
+    RING > 1: after the first tile, the tiles stream through a RING-stage ring in shared memory (Triton's
+    pipelined loop: cp.async copies, RING - 1 tiles in flight; `NANOFORGE_DECODE_RING`)."""
     k = tl.arange(0, KP)
     k_ok = k < K
     rows = tl.arange(0, BN)
-    ty = W.dtype.element_ty
     step = tl.num_programs(0)
     tiles = tl.cdiv(N, BN)
     t = tl.program_id(0)
     n = t * BN + rows
-    while t < tiles:
-        nxt = t + step
-        n_next = nxt * BN + rows
-        mask_next = (n_next < N)[:, None] & k_ok[None, :]  # (a tile past the last has rows past N)
-        ptrs_next = W + n_next[:, None].to(tl.int64) * K + k[None, :]
-        w_next = tl.load(ptrs_next, mask=mask_next, other=0.0, eviction_policy="evict_first")
-        u_next = w_next
-        if SWIGLU:
-            u_next = tl.load(ptrs_next + N * K, mask=mask_next, other=0.0, eviction_policy="evict_first")
-        if AHEAD:
-            _prefetch_rows(W, nxt + step, N, K, KP, BN, SWIGLU)
-        acc = tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :]
-        up = acc
-        if SWIGLU:
-            up = tl.sum(u.to(tl.float32) * h[None, :], 1)[None, :]
-        out = _epilogue(acc, up, B, n, n < N, N, SWIGLU, HAS_BIAS, ty)
-        if TAGGED:
-            tl.store(Y + n[None, :], _tag_words(out, tag), mask=(n < N)[None, :])
-        else:
-            tl.store(Y + n[None, :], out, mask=(n < N)[None, :])
-        t = nxt
-        n = n_next
-        w = w_next
-        u = u_next
+    if RING > 1:
+        if t < tiles:
+            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED)
+        for r in tl.range(t + step, tiles, step, num_stages=RING):
+            n = r * BN + rows
+            mask = (n < N)[:, None] & k_ok[None, :]
+            ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
+            w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+            u = w
+            if SWIGLU:
+                u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
+            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED)
+    else:
+        while t < tiles:
+            nxt = t + step
+            n_next = nxt * BN + rows
+            mask_next = (n_next < N)[:, None] & k_ok[None, :]  # (a tile past the last has rows past N)
+            ptrs_next = W + n_next[:, None].to(tl.int64) * K + k[None, :]
+            w_next = tl.load(ptrs_next, mask=mask_next, other=0.0, eviction_policy="evict_first")
+            u_next = w_next
+            if SWIGLU:
+                u_next = tl.load(ptrs_next + N * K, mask=mask_next, other=0.0, eviction_policy="evict_first")
+            if AHEAD:
+                _prefetch_rows(W, nxt + step, N, K, KP, BN, SWIGLU)
+            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED)
+            t = nxt
+            n = n_next
+            w = w_next
+            u = u_next
+
+
+@triton.jit
+def _reduce_store(h, w, u, B, Y, n, N, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, tag, TAGGED: tl.constexpr):
+    """One tile of `_project`: its rows n of W (w; u the up rows with SWIGLU) against h, the epilogue, the store
+    (TAGGED: as tagged words)."""
+    acc = tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :]
+    up = acc
+    if SWIGLU:
+        up = tl.sum(u.to(tl.float32) * h[None, :], 1)[None, :]
+    out = _epilogue(acc, up, B, n, n < N, N, SWIGLU, HAS_BIAS, w.dtype)
+    if TAGGED:
+        tl.store(Y + n[None, :], _tag_words(out, tag), mask=(n < N)[None, :])
+    else:
+        tl.store(Y + n[None, :], out, mask=(n < N)[None, :])
 
 
 @triton.jit
@@ -756,7 +791,7 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, GDP: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, GDP: tl.constexpr, RING: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -806,14 +841,14 @@ def _decode_layers_kernel(
                     x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
-                         tag, True)
+                         tag, True, RING)
             else:
                 if layer == 0:  # the embedding's output, nothing pending
                     h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
                 else:
                     h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD, 0,
-                         False)
+                         False, RING)
             _arrive(BAR, step, trace_at, BARRIERS, TRACE)
             if PERSISTENT and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
@@ -839,9 +874,10 @@ def _decode_layers_kernel(
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
                 a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True)
+                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING)
             else:
-                _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False)
+                _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
+                         RING)
             _arrive(BAR, step + 2, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
@@ -854,10 +890,10 @@ def _decode_layers_kernel(
                 o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
-                _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True)
+                _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING)
             else:
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
-                _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False)
+                _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING)
             _arrive(BAR, step + 3, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
@@ -870,10 +906,10 @@ def _decode_layers_kernel(
                             PREFETCH)
             if TAGGED:
                 a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True)
+                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
-                         AHEAD, 0, False)
+                         AHEAD, 0, False, RING)
             _arrive(BAR, step + 4, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
