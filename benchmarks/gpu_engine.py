@@ -374,6 +374,11 @@ DECODE_VARIANTS = {
     # no barriers: each phase's vector stored as tagged words and polled (NANOFORGE_DECODE_SYNC=tagged, session 39)
     "persistent_tagged": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_SYNC": "tagged"},
     "auto_tagged": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged"},
+    # and the weight tiles through a 4-stage ring in shared memory (NANOFORGE_DECODE_RING, session 39)
+    "persistent_tagged_ring4": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_SYNC": "tagged",
+                                "NANOFORGE_DECODE_RING": "4"},
+    "auto_tagged_ring4": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged",
+                          "NANOFORGE_DECODE_RING": "4"},
 }
 
 
