@@ -599,13 +599,14 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
     k = tl.arange(0, KP)
     k_ok = k < K
     rows = tl.arange(0, BN)
+    ty = W.dtype.element_ty
     step = tl.num_programs(0)
     tiles = tl.cdiv(N, BN)
     t = tl.program_id(0)
     n = t * BN + rows
     if RING > 1:
         if t < tiles:
-            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED)
+            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED, ty)
         for r in tl.range(t + step, tiles, step, num_stages=RING):
             n = r * BN + rows
             mask = (n < N)[:, None] & k_ok[None, :]
@@ -614,7 +615,7 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
             u = w
             if SWIGLU:
                 u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
-            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED)
+            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED, ty)
     else:
         while t < tiles:
             nxt = t + step
@@ -627,7 +628,7 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
                 u_next = tl.load(ptrs_next + N * K, mask=mask_next, other=0.0, eviction_policy="evict_first")
             if AHEAD:
                 _prefetch_rows(W, nxt + step, N, K, KP, BN, SWIGLU)
-            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED)
+            _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED, ty)
             t = nxt
             n = n_next
             w = w_next
@@ -635,14 +636,15 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
 
 
 @triton.jit
-def _reduce_store(h, w, u, B, Y, n, N, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, tag, TAGGED: tl.constexpr):
+def _reduce_store(h, w, u, B, Y, n, N, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, tag, TAGGED: tl.constexpr,
+                  ty: tl.constexpr):
     """One tile of `_project`: its rows n of W (w; u the up rows with SWIGLU) against h, the epilogue, the store
     (TAGGED: as tagged words)."""
     acc = tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :]
     up = acc
     if SWIGLU:
         up = tl.sum(u.to(tl.float32) * h[None, :], 1)[None, :]
-    out = _epilogue(acc, up, B, n, n < N, N, SWIGLU, HAS_BIAS, w.dtype)
+    out = _epilogue(acc, up, B, n, n < N, N, SWIGLU, HAS_BIAS, ty)
     if TAGGED:
         tl.store(Y + n[None, :], _tag_words(out, tag), mask=(n < N)[None, :])
     else:
