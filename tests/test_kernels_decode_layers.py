@@ -317,22 +317,35 @@ def test_engine_with_tagged_vectors_decodes_what_it_does_with_barriers(tok, monk
     monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "persistent")
     monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
     model = make_model(tok, "tiny-qwen3").bfloat16()
-    ps = prompts(2, random.Random(5), 5, 20)
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True)
-    out = {}
-    for sync in ("barrier", "tagged"):
-        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", sync)
-        llm = LLM(model, tok, num_gpu_blocks=40, block_size=4)
-        out[sync] = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]
-        out[sync].append(llm.generate([ps[0]], seeded)[0].outputs[0].token_ids)
-        tagged = llm.engine.runner.layer_kernel.layers.tagged
+    def check(sync, runner):
+        tagged = runner.layer_kernel.layers.tagged
         if sync == "tagged":
             (_, _, counts), = tagged.values()
             assert counts[model.cfg.n_kv_heads].item() == 1 + 3 * 5  # the warm-up's, then one a decode step
         else:
             assert not tagged
+
+    out = tokens_both_ways(monkeypatch, lambda: LLM(model, tok, num_gpu_blocks=40, block_size=4),
+                           prompts(2, random.Random(5), 5, 20), 6, check, together=False)
     assert out["tagged"] == out["barrier"]
+
+
+def tokens_both_ways(monkeypatch, make_llm, ps: list, max_tokens: int, check, *, together: bool) -> dict:
+    """An engine's tokens with NANOFORGE_DECODE_SYNC=barrier and =tagged (a fresh engine each, `make_llm`): each
+    prompt alone greedy, the first seeded, and (`together`) all at once greedy; `check(sync, runner)` after each."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=5, ignore_eos=True)
+    out = {}
+    for sync in ("barrier", "tagged"):
+        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", sync)
+        llm = make_llm()
+        out[sync] = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]
+        out[sync].append(llm.generate([ps[0]], seeded)[0].outputs[0].token_ids)
+        if together:
+            out[sync].append([o.outputs[0].token_ids for o in llm.generate(ps, greedy)])
+        check(sync, llm.engine.runner)
+        del llm
+    return out
 
 
 def forced_timings(monkeypatch, winner: str | None, seen: list, captured: dict) -> None:
@@ -582,20 +595,13 @@ def test_gpu_engine_with_tagged_vectors_decodes_what_it_does_with_barriers(tok, 
     sums in the same order), greedy and seeded, one sequence at a time and then several at once."""
     monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "persistent")
     model = make_model(tok, name).cuda().bfloat16()
-    ps = prompts(4, random.Random(13), 3, 40)
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True)
-    out = {}
-    for sync in ("barrier", "tagged"):
-        monkeypatch.setenv("NANOFORGE_DECODE_SYNC", sync)
-        llm = LLM(model, tok, num_gpu_blocks=48, max_num_seqs=4)
-        runner = llm.engine.runner
-        out[sync] = ([llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps[:2]],
-                     llm.generate([ps[0]], seeded)[0].outputs[0].token_ids,
-                     [o.outputs[0].token_ids for o in llm.generate(ps, greedy)])
+
+    def check(sync, runner):
         assert runner.graph_replays.get((True, 1), 0) > 40  # the batch-1 graph decoded them
         assert bool(runner.layer_kernel.layers.tagged) == (sync == "tagged")  # (its buffers: tagged launches ran)
-        del llm, runner
+
+    out = tokens_both_ways(monkeypatch, lambda: LLM(model, tok, num_gpu_blocks=48, max_num_seqs=4),
+                           prompts(4, random.Random(13), 3, 40), 24, check, together=True)
     assert out["tagged"] == out["barrier"]
 
 

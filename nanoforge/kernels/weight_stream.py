@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from nanoforge.kernels.decode_layers import (
+    TAGS,
     _GAVE_UP as GAVE_UP, POLL_ONE_THREAD, SPIN_LIMIT, _cooperative, grid_steps, poll_one_thread_ptx,
 )
 
@@ -144,7 +145,7 @@ def _reduce(w, x, Y, rows, N):
 # value before its tag), and the next phase's load of that vector is the wait: it loads again until every word
 # carries the tag it expects (NCCL's LL protocol, in 4 bytes). A vector is written again only a layer later, after
 # every program has read it (its writer needs the layer's last vector, which follows every program's reads).
-TAGS = 32767
+# The tags' range is decode_layers.py's (`TAGS`), whose tagged launches use the same words.
 _TAGS = gl.constexpr(TAGS)
 
 
