@@ -54,8 +54,8 @@ from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, 
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _epilogue
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, load_key_tile,
-    split_span,
+    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combined_heads,
+    load_key_tile, split_span,
 )
 
 def _cuda_options():
@@ -207,7 +207,7 @@ def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, spli
     return dict(D=d, DP=p2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group, GROUP_P2=p2(group), DH=dh, BLOCK_D=p2(dh),
                 BLOCK_M=max(16, p2(group)), F=f, FP=p2(f), AP=p2(hq * dh), BN_QKV=_rows_per_tile(d),
                 BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
-                SPLITS=splits, SPLITS_P2=p2(splits), ITEM_P2=p2(group * dh + 2 * dh), GDP=p2(group * dh))
+                SPLITS=splits, SPLITS_P2=p2(splits), ITEM_P2=p2(group * dh + 2 * dh))
 
 
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -707,7 +707,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
                TIMEOUTS,
-               TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, GDP: tl.constexpr):  # fmt: skip
+               TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
@@ -719,7 +719,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     TAGGED (no barriers): each item polls its query rows, key and value from the tagged Q/K/V (QKV_T) into the
     program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
     the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
-    combined heads are stored tagged to ATT_T (ATT holds them for the program to read back)."""
+    combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone)."""
     if TAGGED:
         QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
@@ -767,15 +767,17 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         last = (counted % SPLITS if TAGGED else counted) == SPLITS - 1
         _mark(MARKS, 2, TRACE)
         if last:
-            if not TAGGED:
+            if TAGGED:  # the combined heads stored as tagged words straight from the registers
+                out = combined_heads(O_PART, LSE_PART, hk * GROUP * SPLITS, SPLITS, GROUP, DH, BLOCK_D, GROUP_P2,
+                                     SPLITS_P2)
+                g = tl.arange(0, GROUP_P2)[:, None]
+                dims = tl.arange(0, BLOCK_D)[None, :]
+                tl.store(ATT_T + (hk * GROUP + g) * DH + dims, _tag_words(out.to(ATT.dtype.element_ty), tag),
+                         mask=(g < GROUP) & (dims < DH))
+            else:
                 tl.atomic_xchg(COUNTS + hk, 0, sem="relaxed")  # (ordered before the next layer's count by the barrier)
-            combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH, BLOCK_D,
-                          GROUP_P2, SPLITS_P2)
-            if TAGGED:
-                tl.debug_barrier()  # (every thread's stores of the combined heads made: read back by others)
-                j = tl.arange(0, GDP)
-                a = tl.load(ATT + hk * GROUP * DH + j, mask=j < GROUP * DH)
-                tl.store(ATT_T + hk * GROUP * DH + j, _tag_words(a, tag), mask=j < GROUP * DH)
+                combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH,
+                              BLOCK_D, GROUP_P2, SPLITS_P2)
         _mark(MARKS, 3, TRACE)
 
 
@@ -793,7 +795,7 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, GDP: tl.constexpr, RING: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -865,7 +867,7 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
-                       ITEM_P2, GDP)
+                       ITEM_P2)
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)

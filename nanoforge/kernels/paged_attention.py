@@ -541,11 +541,11 @@ def attend_new_key(acc, l_i, m_i, q, KN, VN, K, V, slot, COS, SIN, KW, eps, offs
 
 
 @triton.jit
-def combine_heads(O_PART, LSE_PART, O, first, num_splits, n_heads, stride_oh, HEAD_D: tl.constexpr,
-                  BLOCK_D: tl.constexpr, HEADS_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
+def combined_heads(O_PART, LSE_PART, first, num_splits, n_heads, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEADS_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
     """One token's `n_heads` consecutive heads over the whole context from their splits' partials (head g's
     split s at part first + g * num_splits + s), every split's loaded at once: sum_s w_s o_s / sum_s w_s with
-    w_s = 2^(lse_s - max lse), stored to O + g * stride_oh. Read from L2 (.cg: other programs of the same
+    w_s = 2^(lse_s - max lse), as fp32 (HEADS_P2, BLOCK_D). Read from L2 (.cg: other programs of the same
     launch may have written them)."""
     s = tl.arange(0, SPLITS_P2)[:, None, None]
     g = tl.arange(0, HEADS_P2)[None, :, None]
@@ -555,9 +555,16 @@ def combine_heads(O_PART, LSE_PART, O, first, num_splits, n_heads, stride_oh, HE
     lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
     o = tl.load(O_PART + part * HEAD_D + d, mask=ok & (d < HEAD_D), other=0.0, cache_modifier=".cg")
     top = tl.max(lse, 0)  # (after both loads: the max's CTA barrier would hold the partials' loads behind it)
-    w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)[None])  # (a head no split saw: masked below)
+    w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)[None])  # (a head no split saw: masked by callers)
     total = tl.sum(w, 0)
-    out = tl.sum(w * o, 0) / tl.where(total > 0, total, 1.0)
+    return tl.sum(w * o, 0) / tl.where(total > 0, total, 1.0)
+
+
+@triton.jit
+def combine_heads(O_PART, LSE_PART, O, first, num_splits, n_heads, stride_oh, HEAD_D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, HEADS_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """`combined_heads`, stored to O + g * stride_oh for head g."""
+    out = combined_heads(O_PART, LSE_PART, first, num_splits, n_heads, HEAD_D, BLOCK_D, HEADS_P2, SPLITS_P2)
     heads = tl.arange(0, HEADS_P2)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     tl.store(O + heads * stride_oh + dims, out.to(O.dtype.element_ty), mask=(heads < n_heads) & (dims < HEAD_D))
