@@ -379,7 +379,24 @@ DECODE_VARIANTS = {
                                 "NANOFORGE_DECODE_RING": "4"},
     "auto_tagged_ring4": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged",
                           "NANOFORGE_DECODE_RING": "4"},
+    # parts to join with '+' onto the above (e.g. auto_tagged+preload_kv+ring3): the persistent kernel's switches
+    "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},
+    "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},
+    "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
+    "ring3": {"NANOFORGE_DECODE_RING": "3"},
+    "ring4": {"NANOFORGE_DECODE_RING": "4"},
+    "poll_sleep256": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "256"},
 }
+
+
+def decode_env(variant: str) -> dict[str, str]:
+    """A (b) variant's environment: its '+'-joined parts' (DECODE_VARIANTS), later parts over earlier ones."""
+    env = {}
+    for part in variant.split("+"):
+        if part not in DECODE_VARIANTS:
+            raise NanoforgeError(f"{part!r} unknown; variants (joined with '+') are {', '.join(DECODE_VARIANTS)}")
+        env.update(DECODE_VARIANTS[part])
+    return env
 
 
 def section_decode(c: dict, device, dtype, deadline: float) -> dict:
@@ -392,7 +409,7 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
         model = build_model(name, device, dtype, c["prompt"] + c["tokens"] + 16)
         prompt = [random.Random(1).randrange(min(10000, model.cfg.vocab_size)) for _ in range(c["prompt"])]
         ours = decode_engine(model, prompt, c["tokens"], time.perf_counter() + slice_s)
-        runs = {v: with_env(DECODE_VARIANTS[v], lambda: decode_engine(model, prompt, c["tokens"],
+        runs = {v: with_env(decode_env(v), lambda: decode_engine(model, prompt, c["tokens"],
                                                                       time.perf_counter() + slice_s))
                 for v in variants}
         ref = decode_reference(model, prompt, c["tokens"], c["compile"], time.perf_counter() + share / 2)
@@ -411,7 +428,7 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                                                  "compiled": bool(c["compile"])},
                             "truncated": ours["truncated"] or ref["truncated"],
                             "ours_decode_tokens": ours["decode_tokens"], "reference_decode_tokens": ref["decode_tokens"],
-                            "variants": {v: {"env": DECODE_VARIANTS[v], "tok_s": run["tok_s"],
+                            "variants": {v: {"env": decode_env(v), "tok_s": run["tok_s"],
                                              "ratio": run["tok_s"] / ref["tok_s"],
                                              "hbm_fraction": per_token * run["tok_s"] / hbm,
                                              "greedy_tokens_identical_to_ours": _same(run["tokens"], ours["tokens"]),
@@ -423,7 +440,7 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
         print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s, gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
               f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
               f" greedy tokens identical for the first {same}/{n}; "
-              + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in DECODE_VARIANTS[v].items())}) {d['tok_s']:,.0f} tok/s"
+              + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in d['env'].items())}) {d['tok_s']:,.0f} tok/s"
                           + (f" (chose {layer_kernel.describe(d['decode_layers'])})" if d["decode_layers"] else "")
                           for v, d in r["variants"].items())
               + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else ""))
@@ -633,7 +650,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     p.add_argument("--total", type=float, help="the run's time budget in seconds (default: 540 on a GPU)")
     p.add_argument("--decode-variants", default="cublas_only,no_pdl",
-                   help=f"(b): the engine also run with these levers off or forced, of {','.join(DECODE_VARIANTS)}")
+                   help=f"(b): the engine also run with these levers off or forced, of {','.join(DECODE_VARIANTS)}, "
+                        "or several joined with '+'")
     p.add_argument("--prefill-variants", default="",
                    help="(a) and (c): the engine also run with these, comma-separated; each '+'-joined parts, a "
                         f"prefill attention tile (ROWSxKEYSwWARPSsSTAGES; default {PREFILL_TILE_DEFAULT}, at head dim "
@@ -645,9 +663,12 @@ def main(argv=None) -> int:
     if any(s not in SECTIONS for s in only):
         print(f"--only: sections are {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
-    bad = [v for v in args.decode_variants.split(",") if v and v not in DECODE_VARIANTS]
-    if bad:
-        print(f"--decode-variants: {', '.join(bad)} unknown; variants are {', '.join(DECODE_VARIANTS)}", file=sys.stderr)
+    try:
+        for v in args.decode_variants.split(","):
+            if v:
+                decode_env(v)
+    except NanoforgeError as e:
+        print(f"--decode-variants: {e}", file=sys.stderr)
         return 2
     prefill_variants = [v for v in args.prefill_variants.split(",") if v]
     try:
