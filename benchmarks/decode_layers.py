@@ -2,7 +2,7 @@
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
     python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
-    python benchmarks/decode_layers.py --variants tagged,preload_kv,prefetch_kv2    # A/B
+    python benchmarks/decode_layers.py --variants barrier,ring3,preload_kv       # A/B
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -17,9 +17,11 @@ other numbers of pieces a kv head (the default's 16 leave most of them empty at 
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
 same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
-each attention item's first K and V tile loaded before its query), `tagged` (NANOFORGE_DECODE_SYNC=tagged: no
-barriers, the phases' vectors polled as tagged words; not traced, as a trace clocks barriers), `poll_sleepN`
-(NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to 2,048), `ringN`
+each attention item's first K and V tile loaded before its query), `barrier` (NANOFORGE_DECODE_SYNC=barrier:
+grid barriers between the phases; the default since session 40 is `tagged`: no barriers, the phases' vectors
+polled as tagged words, not traced, as a trace clocks barriers; the default's phases are those of a traced
+launch with barriers), `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns
+doubling up to 2,048; the default 256), `ringN`
 (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared memory), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
@@ -163,9 +165,9 @@ def plot(rows: dict, path: Path) -> None:
 
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
-            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}}
+            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
 COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
-    "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 1, 4096),
+    "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
     "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
 
 
@@ -239,8 +241,8 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, tagged, prefetch_kvN (N 1-4), poll_sleepN (N 1-4096 ns), ringN (N 2-6), joined with + "
-                    "(e.g. tagged+poll_sleep256)")
+                    "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), ringN (N 2-6), "
+                    "joined with + (e.g. barrier+ring3)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -289,7 +291,8 @@ def main() -> None:
         if device.type == "cuda":  # one traced launch: the phases' time
             r["phases_us"] = traced_phases(model, kernel, c, device)
             r["phase_tb_s"] = phase_rates(r["phases_us"], phase_bytes(model, ctx))
-            print("   phases (us over all layers, the rate each read its weights or K/V at): "
+            barriers = " (traced with barriers)" if dl.sync_mode() == "tagged" else ""
+            print(f"   phases{barriers} (us over all layers, the rate each read its weights or K/V at): "
                   + phase_line(r["phases_us"], r["phase_tb_s"]))
             print("   attention phase's parts: " + attention_parts(r["phases_us"]))
         runs = [("splits", n, {"splits": n}) for n in splits]

@@ -261,6 +261,8 @@ def test_gpu_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_end
     `cuda`, the launches ran on `cuda:0`: the same device (session 32's run read another key and saw 0)."""
     from nanoforge.kernels import decode_layers as dl
 
+    monkeypatch.setenv("NANOFORGE_DECODE_SYNC", "barrier")  # (tagged launches are the default)
+
     monkeypatch.setenv("NANOFORGE_DECODE_COOPERATIVE", "0")
     monkeypatch.setattr(dl, "SPIN_LIMIT", 4000)
     torch.manual_seed(0)
@@ -363,7 +365,9 @@ def forced_timings(monkeypatch, winner: str | None, seen: list, captured: dict) 
     def recorded(self, layout, *, decode):
         replay = capture(self, layout, decode=decode)
         if decode and layout.t == 1:
-            captured[replay] = "kernels" if self.layer_kernel is None else "persistent"
+            k = self.layer_kernel
+            captured[replay] = ("kernels" if k is None else "persistent" if k.ring is None
+                                else f"persistent_ring{k.ring}")
         return replay
 
     monkeypatch.setattr(model_runner, "replays_us", timed)
@@ -371,11 +375,12 @@ def forced_timings(monkeypatch, winner: str | None, seen: list, captured: dict) 
 
 
 @interpreter
-@pytest.mark.parametrize("winner", ["persistent", "kernels"])
+@pytest.mark.parametrize("winner", list(layer_kernel.WAYS))
 def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_tokens(tok, monkeypatch, winner):
-    """NANOFORGE_DECODE_LAYERS=auto: the engine runs its one-token decode step both ways once at its start (each
-    timed, here told which won) and its decode steps take the winner's way: the kernel for every decode step
-    of one sequence, or never; either way the reference generator's tokens, greedy and seeded."""
+    """NANOFORGE_DECODE_LAYERS=auto: the engine runs its one-token decode step each way once at its start (the
+    kernel, the kernel with its weights through a ring, layer by layer; each timed, here told which won) and its
+    decode steps take the winner's way: the kernel (with the ring or not) for every decode step of one
+    sequence, or never; either way the reference generator's tokens, greedy and seeded."""
     monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "auto")
     model = make_model(tok, "tiny-qwen3")
     ps = prompts(2, random.Random(3), 5, 20)
@@ -385,29 +390,34 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
     seen, calls, captured = [], [], {}
     forced_timings(monkeypatch, winner, seen, captured)
     real = layer_kernel.decode_layers
-    monkeypatch.setattr(layer_kernel, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rings = []
+    monkeypatch.setattr(layer_kernel, "decode_layers",
+                        lambda *a, **k: calls.append(1) or rings.append(k["ring"]) or real(*a, **k))
     llm = LLM(model, tok, num_gpu_blocks=40, block_size=4)
     runner = llm.engine.runner
-    assert len(seen) == 1 and set(seen[0]) == {"persistent", "kernels"} and min(seen[0].values()) > 0
-    loser = "kernels" if winner == "persistent" else "persistent"
-    assert runner.decode_layers == {"chosen": winner, f"{winner}_us": 1.0, f"{loser}_us": 2.0, "tagged": False}
+    assert len(seen) == 1 and set(seen[0]) == set(layer_kernel.WAYS) and min(seen[0].values()) > 0
+    assert runner.decode_layers == {"chosen": winner, **{f"{w}_us": 1.0 if w == winner else 2.0
+                                                         for w in layer_kernel.WAYS}, "tagged": False}
     from nanoforge.serve.api.app import start_line  # what the server's first line says of it
 
-    us = {winner: 1, loser: 2}
-    assert start_line(llm.engine).endswith(f"; batch-1 decode layers: {winner} (persistent kernel "
-                                           f"{us['persistent']} us, kernel by kernel {us['kernels']} us)")
-    assert (runner.layer_kernel is not None) == (winner == "persistent")
-    assert sorted(captured.values()) == ["kernels", "persistent"]  # each way run at the start, once
+    us = {w: 1 if w == winner else 2 for w in layer_kernel.WAYS}
+    assert start_line(llm.engine).endswith(
+        f"; batch-1 decode layers: {winner} (persistent kernel {us['persistent']} us, with a 3-stage weight ring "
+        f"{us['persistent_ring3']} us, kernel by kernel {us['kernels']} us)")
+    assert (runner.layer_kernel is not None) == (winner != "kernels")
+    assert sorted(captured.values()) == sorted(layer_kernel.WAYS)  # each way run at the start, once
     assert layer_kernel.describe({**runner.decode_layers, "tagged": True}).startswith(
         f"{winner} (persistent kernel with tagged vectors ")
     at_start = len(calls)
-    assert at_start == 2  # the persistent way's warm-up and its timed run (on the CPU, eager steps)
+    assert at_start == 4  # each persistent way's capture (a warm-up), then their timed runs (the CPU's: eager)
+    assert rings == [None, 3, None, 3]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]
     got.append(llm.generate([ps[0]], SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True))[0]
                .outputs[0].token_ids)
     assert got == want
-    assert len(calls) - at_start == (3 * 5 if winner == "persistent" else 0)
+    assert len(calls) - at_start == (3 * 5 if winner != "kernels" else 0)
+    assert set(rings[at_start:]) <= {3 if winner == "persistent_ring3" else None}
 
 
 def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):
@@ -498,6 +508,8 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     traced launch's phase B parts add up to its work."""
     from nanoforge.kernels import decode_layers as dl
 
+    monkeypatch.setenv("NANOFORGE_DECODE_SYNC", "barrier")  # (tagged launches are the default)
+
     torch.manual_seed(0)
     model = Transformer(preset(name, **GPU_SHAPES[name], max_seq_len=4096)).cuda().bfloat16().eval()
     case = decode_case(model, ctx)
@@ -542,11 +554,10 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
-    (cooperative, then plain, then with the polls' back-off, then the weights through a ring), three launches in a
-    row and three replays of a CUDA graph of it (each its own
-    tag, read from the launch count on the GPU), every one bit for bit the launches per phase (the same sums in
-    the same order: any difference is a word read before it was written, or an old one taken for new), none
-    stale."""
+    (cooperative, then plain, then without the polls' back-off, then the weights through a ring), three launches
+    in a row and three replays of a CUDA graph of it (each its own tag, read from the launch count on the GPU),
+    every one bit for bit the launches per phase (the same sums in the same order: any difference is a word read
+    before it was written, or an old one taken for new), none stale."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -568,8 +579,8 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         with monkeypatch.context() as m:
             m.setenv("NANOFORGE_DECODE_COOPERATIVE", "0")
             outs.append(launch())
-        with monkeypatch.context() as m:  # (a runtime argument: the same kernel)
-            m.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "256")
+        with monkeypatch.context() as m:  # no back-off (a runtime argument: the same kernel)
+            m.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "0")
             outs.append(launch())
         with monkeypatch.context() as m:  # the weights through a 4-stage ring
             m.setenv("NANOFORGE_DECODE_RING", "4")
@@ -630,14 +641,14 @@ def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,winner", [(n, None) for n in FAMILIES] + [("tiny-qwen3", "persistent"),
-                                                                           ("tiny-qwen3", "kernels")])
+@pytest.mark.parametrize("name,winner", [(n, None) for n in FAMILIES] + [("tiny-qwen3", w) for w in layer_kernel.WAYS])
 def test_gpu_auto_keeps_the_faster_graph_of_a_decode_step_and_decodes_the_reference_tokens(tok, monkeypatch, name,
                                                                                             winner):
-    """NANOFORGE_DECODE_LAYERS=auto on the GPU: the batch-1 decode graph captured both ways and timed (each
-    time real and positive), the kept graph the one captured the winner's way (as timed; or told), and the
-    engine then decodes the reference generator's tokens, greedy and seeded, one sequence and several."""
-    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "auto")
+    """NANOFORGE_DECODE_LAYERS=auto (unset: a GPU's default) on the GPU: the batch-1 decode graph captured each
+    way (`layer_kernel.WAYS`) and timed (each time real and positive), the kept graph the one captured the
+    winner's way (as timed; or told), and the engine then decodes the reference generator's tokens, greedy and
+    seeded, one sequence and several."""
+    monkeypatch.delenv("NANOFORGE_DECODE_LAYERS", raising=False)
     model = make_model(tok, name).cuda()
     ps = prompts(4, random.Random(11), 3, 40)
     want = [generate(model, p, max_new_tokens=16) for p in ps]
@@ -649,9 +660,9 @@ def test_gpu_auto_keeps_the_faster_graph_of_a_decode_step_and_decodes_the_refere
     assert len(seen) == 1 and all(0 < us < 1e5 for us in seen[0].values()), seen
     chosen = runner.decode_layers["chosen"]
     assert chosen == (winner or min(seen[0], key=seen[0].get))
-    assert sorted(captured.values()) == ["kernels", "persistent"]
+    assert sorted(captured.values()) == sorted(layer_kernel.WAYS)
     assert captured[runner.graphs[(True, 1)]] == chosen
-    assert (runner.layer_kernel is not None) == (chosen == "persistent")
+    assert (runner.layer_kernel is not None) == (chosen != "kernels")
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps[:2]] == want[:2]
     seeded = SamplingParams(temperature=0.8, max_tokens=16, seed=5, ignore_eos=True)
@@ -684,8 +695,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, prefetch_kv1 .. prefetch_kv4, "
-        "poll_sleep1 .. poll_sleep4096 or ring2 .. ring6"]
+        "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
+        "poll_sleep0 .. poll_sleep4096 or ring2 .. ring6"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():

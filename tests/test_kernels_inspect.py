@@ -179,6 +179,7 @@ def compiled(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
     repo = str(Path(ki.__file__).parents[2])  # so the child imports this checkout of nanoforge
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    env["NANOFORGE_DECODE_SYNC"] = "barrier"  # (the barriers' test reads them; tagged launches have their own)
     children = 2
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp), str(i), str(children)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(children)]

@@ -143,13 +143,14 @@ class Layers:
 
 
 def sync_mode() -> str:
-    """NANOFORGE_DECODE_SYNC: how a persistent launch's phases wait for the ones before them. `barrier` (the
-    default): a grid barrier after each phase, five a layer. `tagged`: none; each vector a phase writes is stored
-    as 32-bit words, a 16-bit value and the launch's tag, and a phase that reads one loads each word again until
-    it carries the tag (flags in the data, as NCCL's LL protocol: session 38's probe, kernels/weight_stream.py,
-    took Qwen3-0.6B's weight phases 1.23x faster than the best barrier). fp16 and bf16 models; with a trace (a
-    diagnostic of the barriers) or launches per phase, barriers."""
-    return env_choice("NANOFORGE_DECODE_SYNC", ("barrier", "tagged"))
+    """NANOFORGE_DECODE_SYNC: how a persistent launch's phases wait for the ones before them. `tagged` (the
+    default since session 40): no barrier; each vector a phase writes is stored as 32-bit words, a 16-bit value
+    and the launch's tag, and a phase that reads one loads each word again until it carries the tag (flags in
+    the data, as NCCL's LL protocol: session 38's probe, kernels/weight_stream.py, took Qwen3-0.6B's weight
+    phases 1.23x faster than the best barrier; session 40, an H100, with the polls' back-off: Qwen3-0.6B's layers
+    1.08x the barriers', Llama-3.2-1B's 1.01x). fp16 and bf16 models; with a trace (a diagnostic of the
+    barriers), launches per phase or fp32, barriers. `barrier`: a grid barrier after each phase, five a layer."""
+    return env_choice("NANOFORGE_DECODE_SYNC", ("tagged", "barrier"))
 
 
 def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int) -> tuple[torch.Tensor, ...]:
@@ -213,7 +214,7 @@ def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, spli
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   table: torch.Tensor, seq_len: torch.Tensor, slot: torch.Tensor, *,
                   persistent: bool | None = None, programs: int | None = None,
-                  trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  trace: torch.Tensor | None = None, ring: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (x: (1, D), after the embedding) through every layer: (the residual stream, the last MLP's
     output), to be added inside the final norm as the layer-by-layer path leaves them. cos_sin: (2, Dh) of the
     token's position; caches (L, blocks, block_size, Hkv, Dh); table: the sequence's block table row; seq_len
@@ -222,7 +223,8 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     persistent launch, as a second could not get past its first barrier until it gives up, which is what the
     tests of the give-up use, and three for launches per phase). `trace`: int64 (`trace_rows(L)`, programs)
     of the GPU's nanosecond clock, each program's start and, per phase, its arrival at the barrier and its
-    departure, then per layer phase B's marks (`phase_times` reads it; a diagnostic, persistent launches only)."""
+    departure, then per layer phase B's marks (`phase_times` reads it; a diagnostic, persistent launches only).
+    `ring`: the weight ring's stages (default: NANOFORGE_DECODE_RING's, `ring_stages`)."""
     n_layers, n_qkv, d = w.wqkv.shape
     hq, hkv, dh = w.n_heads, w.n_kv_heads, w.head_dim
     f = w.w_out.shape[2]
@@ -253,7 +255,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
-                TAGGED=tagged, BARRIERS=persistent and not tagged, RING=ring_stages())
+                TAGGED=tagged, BARRIERS=persistent and not tagged, RING=ring_stages() if ring is None else ring)
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -386,9 +388,9 @@ def poll_constraints(pack: int) -> str:
 def ring_stages() -> int:
     """NANOFORGE_DECODE_RING (default 0: off): the projections' weight tiles after each program's first stream
     through a ring of this many stages in shared memory (Triton's pipelined loop, cp.async; 2 to 6), where by
-    default two tiles are held in registers and a third asked of L2. Session 36's probe
-    (kernels/weight_stream.py) had a 4-stage ring 1.18x the registers on Qwen3-0.6B's weight phases. Not yet
-    timed in this kernel."""
+    default two tiles are held in registers and a third asked of L2. Session 40 (an H100): Llama-3.2-1B's layers
+    1.04x with 3 stages, Qwen3-0.6B's 0.90x (its kernel spills with them), so the engine's `auto` times the kernel
+    with a 3-stage ring too where this is unset (`decode_layers(ring=)` overrides it)."""
     value = env_count("NANOFORGE_DECODE_RING", 0, 0, 6)
     if value == 1:
         raise NanoforgeError("NANOFORGE_DECODE_RING must be 0 (off) or 2 to 6 stages, not 1",
@@ -397,11 +399,11 @@ def ring_stages() -> int:
 
 
 def poll_sleep_ns() -> int:
-    """NANOFORGE_DECODE_POLL_SLEEP_NS (default 0: none): a tagged poll's first back-off between rounds of reloads
-    (doubling up to POLL_SLEEP_CAP_NS). Session 39 found Llama-3.2-1B's tagged layers 0.95x the barriers', whose
-    programs each poll the 8,192-word SwiGLU output while others still stream gate-and-up: this asks whether
-    the polls' L2 traffic is what slows them. Not yet timed."""
-    return env_count("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 0, 4096)
+    """NANOFORGE_DECODE_POLL_SLEEP_NS (default 256; 0: none): a tagged poll's first back-off between rounds of
+    reloads (doubling up to POLL_SLEEP_CAP_NS). Session 40 (an H100): 256 ns took Llama-3.2-1B's tagged layers
+    from 1,098 to 1,056 us and Qwen3-0.6B's from 885 to 854 (512: no better than none): the early programs'
+    polling of L2 slowed the programs still streaming their weights."""
+    return env_count("NANOFORGE_DECODE_POLL_SLEEP_NS", 256, 0, 4096)
 
 
 # a poll takes as many words a thread at once as a vector of its width gives each of WARPS warps' threads (at

@@ -1,9 +1,10 @@
 """A batch-1 decode step's layers in one launch (`kernels/decode_layers.py`), where the model allows it.
 
-NANOFORGE_DECODE_LAYERS picks how a decode step of one sequence runs the model's layers: `kernels` (the default:
-layer by layer, each projection the faster of cuBLAS and the skinny matmul, `Block.forward`), `persistent`
-(one persistent kernel for all of them) or `auto` (the engine times its batch-1 decode step both ways when it
-starts and keeps the faster: `ModelRunner._choose_decode_layers`). The kernel runs the Llama / Qwen2 / Qwen3
+NANOFORGE_DECODE_LAYERS picks how a decode step of one sequence runs the model's layers: `kernels` (layer by
+layer, each projection the faster of cuBLAS and the skinny matmul, `Block.forward`), `persistent` (one persistent
+kernel for all of them) or `auto` (the default on a GPU since session 40; `kernels` elsewhere: the engine times
+its batch-1 decode step each way when it starts, the kernel also with its weights through a shared-memory ring,
+and keeps the fastest: `ModelRunner._choose_decode_layers`). The kernel runs the Llama / Qwen2 / Qwen3
 families: RMSNorm, rotary positions, SwiGLU, biases only on Q/K/V, plain `nn.Linear` layers (not
 tensor-parallel ones).
 Steps of more than one token (prefill, mixed, a batch of decodes) always run layer by layer.
@@ -15,6 +16,8 @@ is not doubled, except for one kind at a time while it is copied).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 
@@ -22,16 +25,26 @@ from nanoforge.kernels.decode_layers import Layers, barrier_timeouts, decode_lay
 from nanoforge.kernels.dispatch import env_choice, use_fast
 from nanoforge.model.transformer import RMSNorm, Transformer
 
+AUTO_RING = 3  # the stages of the weight ring `auto` times the kernel with (where NANOFORGE_DECODE_RING is unset)
+# the ways `auto` times, in the order it names them: the kernel, the kernel with the ring, layer by layer
+WAYS = {"persistent": "persistent kernel", f"persistent_ring{AUTO_RING}": f"with a {AUTO_RING}-stage weight ring",
+        "kernels": "kernel by kernel"}
 
-def mode() -> str:
+
+def mode(device: torch.device | None = None) -> str:
+    """NANOFORGE_DECODE_LAYERS; unset, `auto` on a CUDA device and `kernels` elsewhere (on the CPU the kernel
+    runs interpreted: tests ask for it)."""
+    if "NANOFORGE_DECODE_LAYERS" not in os.environ:
+        return "auto" if device is not None and device.type == "cuda" else "kernels"
     return env_choice("NANOFORGE_DECODE_LAYERS", ("kernels", "persistent", "auto"))
 
 
 def describe(choice: dict) -> str:
-    """What NANOFORGE_DECODE_LAYERS=auto chose (`ModelRunner.decode_layers`), in words, with both times."""
+    """What NANOFORGE_DECODE_LAYERS=auto chose (`ModelRunner.decode_layers`), in words, with each way's time."""
     tagged = " with tagged vectors" if choice.get("tagged") else ""
-    return (f"{choice['chosen']} (persistent kernel{tagged} {choice['persistent_us']:,.0f} us, kernel by kernel "
-            f"{choice['kernels_us']:,.0f} us)")
+    times = ", ".join(f"{label}{tagged if way == 'persistent' else ''} {choice[f'{way}_us']:,.0f} us"
+                      for way, label in WAYS.items() if f"{way}_us" in choice)
+    return f"{choice['chosen']} ({times})"
 
 
 def supported(model: Transformer) -> bool:
@@ -71,6 +84,7 @@ class LayerKernel:
                 w_in=_stack([b.mlp.w_in.weight for b in blocks]),
                 w_out=_stack([b.mlp.w_out.weight for b in blocks]),
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps)
+        self.ring: int | None = None  # the weight ring's stages (None: NANOFORGE_DECODE_RING's); `auto` sets it
 
     def __call__(self, x: torch.Tensor, rope, k_cache, v_cache, block_tables, seq_lens, slot_mapping):
         """x (1, 1, D) of one token; rope its (cos, sin) views; the rest the paged backend's: (x, pending)."""
@@ -81,7 +95,7 @@ class LayerKernel:
         else:
             cos_sin = torch.stack((cos, sin))
         x, pending = decode_layers(self.layers, x[0], cos_sin, k_cache, v_cache, block_tables[0], seq_lens,
-                                   slot_mapping)
+                                   slot_mapping, ring=self.ring)
         return x[None], pending[None]
 
     def check(self, device: torch.device) -> None:

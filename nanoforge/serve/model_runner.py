@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoforge.kernels.decode_layers import ring_stages
 from nanoforge.kernels.dispatch import env_choice, replays_us
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
@@ -178,10 +179,10 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         shape = (self.cfg.n_layers, num_gpu_blocks + 1, block_size, local_kv_heads(model), self.cfg.head_dim)
         self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
-        # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent, or auto where it times
-        # faster): the weights stacked before the cache takes the memory that is left
-        self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode() != "kernels" and tp is None
-                             and layer_kernel.supported(model) else None)
+        # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent, or auto, a GPU's default,
+        # where it times faster): the weights stacked before the cache takes the memory that is left
+        self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode(self.device) != "kernels"
+                             and tp is None and layer_kernel.supported(model) else None)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         # the KV connector's copies: on a side stream, made at the first use (_copy_stream), or on the compute stream
@@ -218,8 +219,8 @@ class ModelRunner:
             self.graphs[(False, t)] = self._capture(Layout(t, self.batch.max_num_seqs), decode=False)
         for b in reversed(sizes):
             self.graphs[(True, b)] = self._capture(Layout(b, b), decode=True)
-        self.decode_layers = None  # NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step timed both ways
-        if self.layer_kernel is not None and layer_kernel.mode() == "auto":
+        self.decode_layers = None  # NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step timed each way
+        if self.layer_kernel is not None and layer_kernel.mode(self.device) == "auto":
             self._choose_decode_layers()
         if cuda and not buckets:
             self._warm_up_eager_prefill()
@@ -494,25 +495,39 @@ class ModelRunner:
 
     @torch.no_grad()  # as the captures: an eager run with grad enabled would skip the kernel (the CPU's timing)
     def _choose_decode_layers(self) -> None:
-        """NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step captured both ways (the persistent kernel, the
-        layers one by one), their replays timed in turns on the idle step (`replays_us`: the weights stream from
-        HBM as in any step; the context is short), and the faster kept: the persistent kernel saves launches but
-        syncs its programs at every phase, which wins on some models and GPUs and loses on others (session 27,
-        an H100: Qwen3-0.6B's batch-1 decode 1.12x; session 26, an H200: Llama-3.2-1B's 0.90x). Without a
-        batch-1 graph the two are timed the same way and only the choice is kept (on the CPU: eager steps).
-        `self.decode_layers` records the two times and the choice."""
+        """NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step captured each way (`layer_kernel.WAYS`: the
+        persistent kernel; where NANOFORGE_DECODE_RING is unset, the kernel again with its weights through a
+        shared-memory ring; the layers one by one), their replays timed in turns on the idle step (`replays_us`:
+        the weights stream from HBM as in any step; the context is short), and the fastest kept: the persistent
+        kernel saves launches but syncs its programs at every phase, which wins on some models and GPUs and loses
+        on others (session 27, an H100: Qwen3-0.6B's batch-1 decode 1.12x; session 26, an H200: Llama-3.2-1B's
+        0.90x), and the ring wins where the kernel keeps its registers (session 40, an H100: Llama-3.2-1B's
+        layers 1.04x, Qwen3-0.6B's 0.90x). Without a batch-1 graph the ways are timed the same way and only the
+        choice is kept (on the CPU: eager steps). `self.decode_layers` records each way's time and the choice."""
         kernel, graphed = self.layer_kernel, (True, 1) in self.graphs
-        persistent = self.graphs[(True, 1)] if graphed else self._capture(Layout(1, 1), decode=True)
-        self.layer_kernel = None
-        plain = self._capture(Layout(1, 1), decode=True)
+        ways = {"persistent": self.graphs[(True, 1)] if graphed else self._capture(Layout(1, 1), decode=True)}
+        ring = f"persistent_ring{layer_kernel.AUTO_RING}"
+        if ring_stages() == 0:  # (NANOFORGE_DECODE_RING unset)
+            kernel.ring = layer_kernel.AUTO_RING
+            replay = self._capture(Layout(1, 1), decode=True)
+
+            def ringed():  # (a graph holds its ring; the CPU's eager "replays" read it at each call)
+                kernel.ring = layer_kernel.AUTO_RING
+                replay()
+                kernel.ring = None
+
+            ways[ring] = ringed
+        kernel.ring, self.layer_kernel = None, None
+        ways["kernels"] = self._capture(Layout(1, 1), decode=True)
         cuda = self.device.type == "cuda"
-        us = replays_us({"persistent": persistent, "kernels": plain}, rounds=10 if cuda else 1, cuda=cuda)
+        us = replays_us(ways, rounds=10 if cuda else 1, cuda=cuda)
         chosen = min(us, key=us.get)
-        if chosen == "persistent":
+        if chosen != "kernels":
             self.layer_kernel = kernel
+            kernel.ring = layer_kernel.AUTO_RING if chosen == ring else None
         if graphed:
-            self.graphs[(True, 1)] = persistent if chosen == "persistent" else plain
-        self.decode_layers = {"chosen": chosen, "persistent_us": us["persistent"], "kernels_us": us["kernels"],
+            self.graphs[(True, 1)] = replay if chosen == ring else ways[chosen]
+        self.decode_layers = {"chosen": chosen, **{f"{way}_us": t for way, t in us.items()},
                               "tagged": bool(kernel.layers.tagged)}  # (its buffers: the kernel ran tagged)
 
     @torch.no_grad()
