@@ -417,7 +417,8 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
         ctx = c["prompt"] + c["tokens"] / 2  # the mean context a decode step reads
         per_token = prof.weight_bytes + ctx * prof.kv_bytes_per_token
         n, same = min(len(ours["tokens"]), len(ref["tokens"])), _same(ours["tokens"], ref["tokens"])
-        r = result[name] = {"ours_tok_s": ours["tok_s"], "reference_tok_s": ref["tok_s"],
+        r = result[name] = {"ours_tok_s": ours["tok_s"], "ours_decode_layers": ours["decode_layers"],
+                            "reference_tok_s": ref["tok_s"],
                             "ratio": ours["tok_s"] / ref["tok_s"], "bytes_per_token": per_token,
                             "ours_GB_s": per_token * ours["tok_s"] / 1e9, "reference_GB_s": per_token * ref["tok_s"] / 1e9,
                             "ours_hbm_fraction": per_token * ours["tok_s"] / hbm,
@@ -437,7 +438,9 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                             "gemv": gemv.decisions()}  # per shape: the autotuner's picks, cuBLAS or ours
         del model
         free_memory(device)
-        print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s, gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
+        chose = f" (chose {layer_kernel.describe(ours['decode_layers'])})" if ours["decode_layers"] else ""
+        print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s{chose}, "
+              f"gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
               f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
               f" greedy tokens identical for the first {same}/{n}; "
               + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in d['env'].items())}) {d['tok_s']:,.0f} tok/s"
