@@ -644,11 +644,11 @@ def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, 
 @pytest.mark.parametrize("name,winner", [(n, None) for n in FAMILIES] + [("tiny-qwen3", w) for w in layer_kernel.WAYS])
 def test_gpu_auto_keeps_the_faster_graph_of_a_decode_step_and_decodes_the_reference_tokens(tok, monkeypatch, name,
                                                                                             winner):
-    """NANOFORGE_DECODE_LAYERS=auto (unset: a GPU's default) on the GPU: the batch-1 decode graph captured each
-    way (`layer_kernel.WAYS`) and timed (each time real and positive), the kept graph the one captured the
-    winner's way (as timed; or told), and the engine then decodes the reference generator's tokens, greedy and
-    seeded, one sequence and several."""
-    monkeypatch.delenv("NANOFORGE_DECODE_LAYERS", raising=False)
+    """NANOFORGE_DECODE_LAYERS=auto on the GPU: the batch-1 decode graph captured each way
+    (`layer_kernel.WAYS`) and timed (each time real and positive), the kept graph the one captured the winner's
+    way (as timed; or told), and the engine then decodes the reference generator's tokens, greedy and seeded,
+    one sequence and several."""
+    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "auto")
     model = make_model(tok, name).cuda()
     ps = prompts(4, random.Random(11), 3, 40)
     want = [generate(model, p, max_new_tokens=16) for p in ps]
