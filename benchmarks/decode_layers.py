@@ -2,7 +2,7 @@
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
     python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
-    python benchmarks/decode_layers.py --variants barrier,ring3,preload_kv       # A/B
+    python benchmarks/decode_layers.py --variants barrier,ring3,ring3+gate_up      # A/B
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -22,7 +22,8 @@ grid barriers between the phases; the default since session 40 is `tagged`: no b
 polled as tagged words, not traced, as a trace clocks barriers; the default's phases are those of a traced
 launch with barriers), `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns
 doubling up to 2,048; the default 256), `ringN`
-(NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared memory), joined with `+`.
+(NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared memory), `gate_up`
+(NANOFORGE_DECODE_RING_ON=gate_up: the ring on gate-and-up alone), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
@@ -165,7 +166,8 @@ def plot(rows: dict, path: Path) -> None:
 
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
-            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
+            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
+            "gate_up": {"NANOFORGE_DECODE_RING_ON": "gate_up"}}  # (with ringN: the ring on gate-and-up alone)
 COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
     "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
@@ -242,7 +244,7 @@ def main() -> None:
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
                     "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), ringN (N 2-6), "
-                    "joined with + (e.g. barrier+ring3)")
+                    "gate_up (the ring on gate-and-up alone), joined with + (e.g. ring3+gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

@@ -160,7 +160,8 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 @interpreter
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
     ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
-    ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"})])
+    ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
+    ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
     """NANOFORGE_DECODE_SYNC=tagged, bf16: the persistent launch with no barrier (each phase's vector stored as
     words carrying the launch's tag, polled by the phases that read it; the residual stream in every program's
@@ -367,7 +368,7 @@ def forced_timings(monkeypatch, winner: str | None, seen: list, captured: dict) 
         if decode and layout.t == 1:
             k = self.layer_kernel
             captured[replay] = ("kernels" if k is None else "persistent" if k.ring is None
-                                else f"persistent_ring{k.ring}")
+                                else next(w for w, r in layer_kernel.RINGS.items() if r == k.ring))
         return replay
 
     monkeypatch.setattr(model_runner, "replays_us", timed)
@@ -392,7 +393,7 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
     real = layer_kernel.decode_layers
     rings = []
     monkeypatch.setattr(layer_kernel, "decode_layers",
-                        lambda *a, **k: calls.append(1) or rings.append(k["ring"]) or real(*a, **k))
+                        lambda *a, **k: calls.append(1) or rings.append((k["ring"], k["ring_on"])) or real(*a, **k))
     llm = LLM(model, tok, num_gpu_blocks=40, block_size=4)
     runner = llm.engine.runner
     assert len(seen) == 1 and set(seen[0]) == set(layer_kernel.WAYS) and min(seen[0].values()) > 0
@@ -403,21 +404,23 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
     us = {w: 1 if w == winner else 2 for w in layer_kernel.WAYS}
     assert start_line(llm.engine).endswith(
         f"; batch-1 decode layers: {winner} (persistent kernel {us['persistent']} us, with a 3-stage weight ring "
-        f"{us['persistent_ring3']} us, kernel by kernel {us['kernels']} us)")
+        f"{us['persistent_ring3']} us, with it on gate-and-up alone {us['persistent_ring3_gate_up']} us, kernel by "
+        f"kernel {us['kernels']} us)")
     assert (runner.layer_kernel is not None) == (winner != "kernels")
     assert sorted(captured.values()) == sorted(layer_kernel.WAYS)  # each way run at the start, once
     assert layer_kernel.describe({**runner.decode_layers, "tagged": True}).startswith(
         f"{winner} (persistent kernel with tagged vectors ")
     at_start = len(calls)
-    assert at_start == 4  # each persistent way's capture (a warm-up), then their timed runs (the CPU's: eager)
-    assert rings == [None, 3, None, 3]
+    assert at_start == 6  # each persistent way's capture (a warm-up), then their timed runs (the CPU's: eager)
+    none, every, gate_up = (None, None), (3, "all"), (3, "gate_up")
+    assert rings == [none, every, gate_up, none, every, gate_up]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in ps]
     got.append(llm.generate([ps[0]], SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True))[0]
                .outputs[0].token_ids)
     assert got == want
     assert len(calls) - at_start == (3 * 5 if winner != "kernels" else 0)
-    assert set(rings[at_start:]) <= {3 if winner == "persistent_ring3" else None}
+    assert set(rings[at_start:]) <= {layer_kernel.RINGS.get(winner, none)}
 
 
 def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):
@@ -554,10 +557,11 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
-    (cooperative, then plain, then without the polls' back-off, then the weights through a ring), three launches
-    in a row and three replays of a CUDA graph of it (each its own tag, read from the launch count on the GPU),
-    every one bit for bit the launches per phase (the same sums in the same order: any difference is a word read
-    before it was written, or an old one taken for new), none stale."""
+    (cooperative, then plain, then without the polls' back-off, then the weights through a ring, on every
+    projection and on gate-and-up alone), three launches in a row and three replays of a CUDA graph of it (each
+    its own tag, read from the launch count on the GPU), every one bit for bit the launches per phase (the same
+    sums in the same order: any difference is a word read before it was written, or an old one taken for new),
+    none stale."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -582,8 +586,10 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         with monkeypatch.context() as m:  # no back-off (a runtime argument: the same kernel)
             m.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "0")
             outs.append(launch())
-        with monkeypatch.context() as m:  # the weights through a 4-stage ring
+        with monkeypatch.context() as m:  # the weights through a 4-stage ring, then gate-and-up's alone
             m.setenv("NANOFORGE_DECODE_RING", "4")
+            outs.append(launch())
+            m.setenv("NANOFORGE_DECODE_RING_ON", "gate_up")
             outs.append(launch())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -595,7 +601,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
     (_, _, counts), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 9  # launches (a capture launches nothing)
+    assert counts[model.cfg.n_kv_heads].item() == 10  # launches (a capture launches nothing)
 
 
 @pytest.mark.gpu
@@ -695,7 +701,7 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not preload_kv, tagged, barrier, gate_up, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096 or ring2 .. ring6"]
 
 

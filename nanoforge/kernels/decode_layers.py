@@ -214,7 +214,8 @@ def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, spli
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   table: torch.Tensor, seq_len: torch.Tensor, slot: torch.Tensor, *,
                   persistent: bool | None = None, programs: int | None = None,
-                  trace: torch.Tensor | None = None, ring: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  trace: torch.Tensor | None = None, ring: int | None = None,
+                  ring_on: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token (x: (1, D), after the embedding) through every layer: (the residual stream, the last MLP's
     output), to be added inside the final norm as the layer-by-layer path leaves them. cos_sin: (2, Dh) of the
     token's position; caches (L, blocks, block_size, Hkv, Dh); table: the sequence's block table row; seq_len
@@ -224,7 +225,8 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     tests of the give-up use, and three for launches per phase). `trace`: int64 (`trace_rows(L)`, programs)
     of the GPU's nanosecond clock, each program's start and, per phase, its arrival at the barrier and its
     departure, then per layer phase B's marks (`phase_times` reads it; a diagnostic, persistent launches only).
-    `ring`: the weight ring's stages (default: NANOFORGE_DECODE_RING's, `ring_stages`)."""
+    `ring`, `ring_on`: the weight ring's stages and the projections it serves (default: the environment's,
+    `ring_stages`, `ring_targets`)."""
     n_layers, n_qkv, d = w.wqkv.shape
     hq, hkv, dh = w.n_heads, w.n_kv_heads, w.head_dim
     f = w.w_out.shape[2]
@@ -255,7 +257,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
-                TAGGED=tagged, BARRIERS=persistent and not tagged, RING=ring_stages() if ring is None else ring)
+                TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -396,6 +398,22 @@ def ring_stages() -> int:
         raise NanoforgeError("NANOFORGE_DECODE_RING must be 0 (off) or 2 to 6 stages, not 1",
                              param="NANOFORGE_DECODE_RING")
     return value
+
+
+def ring_targets() -> str:
+    """NANOFORGE_DECODE_RING_ON: which projections stream through the ring where NANOFORGE_DECODE_RING asks
+    for one: `all` (the default: Q/K/V, attention-out, gate-and-up, MLP-down) or `gate_up` (the fused
+    gate-and-up alone, each layer's largest). Compiled for sm_90 by Triton 3.6, Qwen3-0.6B's kernel spills 56
+    bytes a thread with a 3-stage ring on every projection (88 on all but gate-and-up) and none with it on
+    gate-and-up alone."""
+    return env_choice("NANOFORGE_DECODE_RING_ON", ("all", "gate_up"))
+
+
+def ring_constants(ring: int | None = None, ring_on: str | None = None) -> dict:
+    """The kernel's rings: gate-and-up's stages (RING) and Q/K/V's, attention-out's and MLP-down's (RING_REST),
+    from `ring` and `ring_on` or, where None, the environment's (`ring_stages`, `ring_targets`)."""
+    stages = ring_stages() if ring is None else ring
+    return dict(RING=stages, RING_REST=stages if (ring_on or ring_targets()) == "all" else 0)
 
 
 def poll_sleep_ns() -> int:
@@ -798,6 +816,7 @@ def _decode_layers_kernel(
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
     TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING: tl.constexpr,
+    RING_REST: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -847,14 +866,14 @@ def _decode_layers_kernel(
                     x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
-                         tag, True, RING)
+                         tag, True, RING_REST)
             else:
                 if layer == 0:  # the embedding's output, nothing pending
                     h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
                 else:
                     h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD, 0,
-                         False, RING)
+                         False, RING_REST)
             _arrive(BAR, step, trace_at, BARRIERS, TRACE)
             if PERSISTENT and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
@@ -880,10 +899,10 @@ def _decode_layers_kernel(
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
                 a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING)
+                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_REST)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
-                         RING)
+                         RING_REST)
             _arrive(BAR, step + 2, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
@@ -912,10 +931,10 @@ def _decode_layers_kernel(
                             PREFETCH)
             if TAGGED:
                 a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING)
+                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_REST)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
-                         AHEAD, 0, False, RING)
+                         AHEAD, 0, False, RING_REST)
             _arrive(BAR, step + 4, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)

@@ -279,8 +279,9 @@ _DECODE_LAYERS_SIGNATURE = {
 def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
     one launch, barriers between the phases (or tagged vectors, as NANOFORGE_DECODE_SYNC says), the L2 prefetch
-    on (the weights through a ring as NANOFORGE_DECODE_RING says), no trace; phase B's context prefetch and preload as NANOFORGE_DECODE_PREFETCH_KV and
-    NANOFORGE_DECODE_PRELOAD_KV say (each read when compiled)."""
+    on (the weights through a ring as NANOFORGE_DECODE_RING and _RING_ON say), no trace; phase B's context
+    prefetch and preload as NANOFORGE_DECODE_PREFETCH_KV and NANOFORGE_DECODE_PRELOAD_KV say (each read when
+    compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -290,7 +291,7 @@ def _decode_layers(**shape) -> TritonKernel:
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv,
         TAGGED=lambda: dl.sync_mode() == "tagged", BARRIERS=lambda: dl.sync_mode() != "tagged",
-        RING=dl.ring_stages)
+        RING=lambda: dl.ring_constants()["RING"], RING_REST=lambda: dl.ring_constants()["RING_REST"])
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 

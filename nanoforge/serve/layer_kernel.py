@@ -23,10 +23,13 @@ from nanoforge.kernels.decode_layers import Layers, barrier_timeouts, decode_lay
 from nanoforge.kernels.dispatch import env_choice, use_fast
 from nanoforge.model.transformer import RMSNorm, Transformer
 
-AUTO_RING = 3  # the stages of the weight ring `auto` times the kernel with (where NANOFORGE_DECODE_RING is unset)
-# the ways `auto` times, in the order it names them: the kernel, the kernel with the ring, layer by layer
+AUTO_RING = 3  # the stages of the weight rings `auto` times the kernel with (where NANOFORGE_DECODE_RING is unset)
+# the ways `auto` times, in the order it names them: the kernel; with the ring on every projection, on
+# gate-and-up alone (the kernel's `ring`, `ring_on`); layer by layer
 WAYS = {"persistent": "persistent kernel", f"persistent_ring{AUTO_RING}": f"with a {AUTO_RING}-stage weight ring",
-        "kernels": "kernel by kernel"}
+        f"persistent_ring{AUTO_RING}_gate_up": "with it on gate-and-up alone", "kernels": "kernel by kernel"}
+RINGS = {f"persistent_ring{AUTO_RING}": (AUTO_RING, "all"),
+         f"persistent_ring{AUTO_RING}_gate_up": (AUTO_RING, "gate_up")}  # the ways with a ring: (stages, on)
 
 
 def mode() -> str:
@@ -78,7 +81,8 @@ class LayerKernel:
                 w_in=_stack([b.mlp.w_in.weight for b in blocks]),
                 w_out=_stack([b.mlp.w_out.weight for b in blocks]),
                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, eps=cfg.norm_eps)
-        self.ring: int | None = None  # the weight ring's stages (None: NANOFORGE_DECODE_RING's); `auto` sets it
+        self.ring: tuple[int, str] | None = None  # the weight ring's stages and projections (None: the
+        # environment's, NANOFORGE_DECODE_RING and _RING_ON); `auto` sets it
 
     def __call__(self, x: torch.Tensor, rope, k_cache, v_cache, block_tables, seq_lens, slot_mapping):
         """x (1, 1, D) of one token; rope its (cos, sin) views; the rest the paged backend's: (x, pending)."""
@@ -88,8 +92,9 @@ class LayerKernel:
             cos_sin = cos.as_strided((2, d), (d, 1))  # the engine's RoPE table row: cos then sin
         else:
             cos_sin = torch.stack((cos, sin))
+        ring, ring_on = self.ring or (None, None)
         x, pending = decode_layers(self.layers, x[0], cos_sin, k_cache, v_cache, block_tables[0], seq_lens,
-                                   slot_mapping, ring=self.ring)
+                                   slot_mapping, ring=ring, ring_on=ring_on)
         return x[None], pending[None]
 
     def check(self, device: torch.device) -> None:
