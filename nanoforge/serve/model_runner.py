@@ -497,14 +497,15 @@ class ModelRunner:
     def _choose_decode_layers(self) -> None:
         """NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step captured each way (`layer_kernel.WAYS`: the
         persistent kernel; where NANOFORGE_DECODE_RING is unset, the kernel again with its weights through a
-        shared-memory ring, on every projection and on gate-and-up alone; the layers one by one), their replays timed in turns on the idle step (`replays_us`:
-        the weights stream from HBM as in any step; the context is short), and the fastest kept: the persistent
-        kernel saves launches but syncs its programs at every phase, which wins on some models and GPUs and loses
-        on others (session 27, an H100: Qwen3-0.6B's batch-1 decode 1.12x; session 26, an H200: Llama-3.2-1B's
-        0.90x), and the ring wins where the kernel keeps its registers (session 40, an H100: Llama-3.2-1B's
-        layers 1.04x, Qwen3-0.6B's 0.90x, whose kernel spills with a ring on every projection and not with one on
-        gate-and-up alone). Without a batch-1 graph the ways are timed the same way and only the
-        choice is kept (on the CPU: eager steps). `self.decode_layers` records each way's time and the choice."""
+        shared-memory ring, on every projection and on gate-and-up alone; the layers one by one), their replays
+        timed in turns on the idle step (`replays_us`: the weights stream from HBM as in any step; the context is
+        short), and the fastest kept: the persistent kernel saves launches but syncs its programs at every phase,
+        which wins on some models and GPUs and loses on others (session 27, an H100: Qwen3-0.6B's batch-1 decode
+        1.12x; session 26, an H200: Llama-3.2-1B's 0.90x), and the ring wins where the kernel keeps its
+        registers (session 40, an H100: Llama-3.2-1B's layers 1.04x, Qwen3-0.6B's 0.90x, whose kernel spills with
+        a ring on every projection and not with one on gate-and-up alone). Without a batch-1 graph the ways are
+        timed the same way and only the choice is kept (on the CPU: eager steps). `self.decode_layers` records
+        each way's time and the choice."""
         kernel, graphed = self.layer_kernel, (True, 1) in self.graphs
         ways = {"persistent": self.graphs[(True, 1)] if graphed else self._capture(Layout(1, 1), decode=True)}
         captured = dict(ways)
