@@ -18,12 +18,11 @@ head's last piece combines all of them). --variants times it again under the ker
 same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N key tiles
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
 each attention item's first K and V tile loaded before its query), `barrier` (NANOFORGE_DECODE_SYNC=barrier:
-grid barriers between the phases; the default since session 40 is `tagged`: no barriers, the phases' vectors
-polled as tagged words, not traced, as a trace clocks barriers; the default's phases are those of a traced
-launch with barriers), `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns
-doubling up to 2,048; the default 256), `ringN`
-(NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared memory), `gate_up`
-(NANOFORGE_DECODE_RING_ON=gate_up: the ring on gate-and-up alone), joined with `+`.
+grid barriers between the phases, where the default since session 40, `tagged`, has none: the phases' vectors
+polled as tagged words; a trace clocks barriers, so the default's phases are those of a traced launch with
+barriers), `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
+2,048; the default 256), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
+memory), `gate_up` (NANOFORGE_DECODE_RING_ON=gate_up: the ring on gate-and-up alone), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """

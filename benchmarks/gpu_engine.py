@@ -379,8 +379,11 @@ DECODE_VARIANTS = {
                                 "NANOFORGE_DECODE_RING": "4"},
     "auto_tagged_ring4": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged",
                           "NANOFORGE_DECODE_RING": "4"},
-    # parts to join with '+' onto the above (e.g. auto_tagged+preload_kv+ring3): the persistent kernel's switches
+    # parts to join with '+' onto the above (e.g. auto+preload_kv+ring3): the persistent kernel's switches (tagged
+    # vectors and the 256 ns back-off are its defaults since session 40)
     "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},
+    "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
+    "poll_sleep0": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "0"},
     "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},
     "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
     "ring3": {"NANOFORGE_DECODE_RING": "3"},
