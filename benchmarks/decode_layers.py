@@ -2,7 +2,7 @@
 
     python benchmarks/decode_layers.py [--presets llama3-1b,qwen3-0.6b] [--ctx 384]   # $OUT/decode_layers.json
     python benchmarks/decode_layers.py --splits 4,8     # the kernel again, its attention phase cut 4 and 8 ways
-    python benchmarks/decode_layers.py --variants barrier,ring3,ring3+gate_up      # A/B
+    python benchmarks/decode_layers.py --variants barrier,ring3,ring3+on_gate_up   # A/B
     python benchmarks/decode_layers.py --smoke                                       # the CPU dry run
 
 For each model shape (random bf16 weights, every layer) and one token at position ctx - 1 of a paged cache:
@@ -22,7 +22,8 @@ grid barriers between the phases, where the default since session 40, `tagged`, 
 polled as tagged words; a trace clocks barriers, so the default's phases are those of a traced launch with
 barriers), `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
 2,048; the default 256), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
-memory), `gate_up` (NANOFORGE_DECODE_RING_ON=gate_up: the ring on gate-and-up alone), joined with `+`.
+memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
+`on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
@@ -165,8 +166,7 @@ def plot(rows: dict, path: Path) -> None:
 
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
-            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
-            "gate_up": {"NANOFORGE_DECODE_RING_ON": "gate_up"}}  # (with ringN: the ring on gate-and-up alone)
+            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
 COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
     "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
@@ -179,12 +179,16 @@ def variant_env(name: str) -> dict[str, str]:
     for part in name.split("+"):
         count = next(((var, part[len(p):]) for p, (var, lo, top) in COUNTS.items() if part.startswith(p)
                       and part[len(p):].isdigit() and lo <= int(part[len(p):]) <= top), None)
+        on = part[3:].split(".") if part.startswith("on_") else []
         if part in SWITCHES:
             env.update(SWITCHES[part])
+        elif on and set(on) <= set(dl.RING_TARGETS):  # the projections the ring serves
+            env["NANOFORGE_DECODE_RING_ON"] = ",".join(on)
         elif count:
             env[count[0]] = count[1]
         else:
-            names = [*SWITCHES, *(f"{p}{lo} .. {p}{top}" for p, (_, lo, top) in COUNTS.items())]
+            names = [*SWITCHES, *(f"{p}{lo} .. {p}{top}" for p, (_, lo, top) in COUNTS.items()),
+                     f"on_ with {'.'.join(dl.RING_TARGETS)} or some of them"]
             raise ValueError(f"--variants: {part!r} is not {', '.join(names[:-1])} or {names[-1]}")
     return env
 
@@ -243,7 +247,8 @@ def main() -> None:
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
                     "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), ringN (N 2-6), "
-                    "gate_up (the ring on gate-and-up alone), joined with + (e.g. ring3+gate_up)")
+                    "on_P.Q (the ring on projections P and Q of qkv, o, gate_up, down), joined with + (e.g. "
+                    "ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

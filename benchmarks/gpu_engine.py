@@ -388,7 +388,8 @@ DECODE_VARIANTS = {
     "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
     "ring3": {"NANOFORGE_DECODE_RING": "3"},
     "ring4": {"NANOFORGE_DECODE_RING": "4"},
-    "ring_gate_up": {"NANOFORGE_DECODE_RING_ON": "gate_up"},  # (with ringN: the ring on gate-and-up alone)
+    "ring_gate_up": {"NANOFORGE_DECODE_RING_ON": "gate_up"},  # (with ringN: the ring on gate-and-up alone,
+    "ring_no_down": {"NANOFORGE_DECODE_RING_ON": "qkv,o,gate_up"},  # or on all but MLP-down)
     "poll_sleep256": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "256"},
 }
 

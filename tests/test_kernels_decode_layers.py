@@ -161,7 +161,7 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
     ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
     ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
-    ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "gate_up"})])
+    ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
     """NANOFORGE_DECODE_SYNC=tagged, bf16: the persistent launch with no barrier (each phase's vector stored as
     words carrying the launch's tag, polled by the phases that read it; the residual stream in every program's
@@ -235,6 +235,26 @@ def test_the_ring_is_off_or_two_to_six_stages(monkeypatch):
         monkeypatch.setenv("NANOFORGE_DECODE_RING", value)
         with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_RING"):
             dl.ring_stages()
+
+
+def test_the_ring_serves_the_projections_it_is_set_on(monkeypatch):
+    """NANOFORGE_DECODE_RING_ON: every projection (unset, `all`) or a comma-separated set of them, each of the
+    kernel's four rings the ring's stages where it is on and 0 elsewhere; `ring_on` overrides the environment;
+    anything else is one line naming the setting and the projections."""
+    from nanoforge.kernels import decode_layers as dl
+
+    monkeypatch.setenv("NANOFORGE_DECODE_RING", "3")
+    assert dl.ring_constants() == {"RING_QKV": 3, "RING_O": 3, "RING_IN": 3, "RING_OUT": 3}
+    monkeypatch.setenv("NANOFORGE_DECODE_RING_ON", "QKV, gate_up")
+    assert dl.ring_constants() == {"RING_QKV": 3, "RING_O": 0, "RING_IN": 3, "RING_OUT": 0}
+    assert dl.ring_constants(4, "down") == {"RING_QKV": 0, "RING_O": 0, "RING_IN": 0, "RING_OUT": 4}
+    monkeypatch.delenv("NANOFORGE_DECODE_RING")
+    assert set(dl.ring_constants().values()) == {0}
+    for value in ("gate", "qkv,", "", "all,o"):
+        monkeypatch.setenv("NANOFORGE_DECODE_RING_ON", value)
+        with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_RING_ON must be all or a comma-separated set of "
+                                                 "qkv, o, gate_up, down"):
+            dl.ring_constants()
 
 
 def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
@@ -701,8 +721,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, barrier, gate_up, prefetch_kv1 .. prefetch_kv4, "
-        "poll_sleep0 .. poll_sleep4096 or ring2 .. ring6"]
+        "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
+        "poll_sleep0 .. poll_sleep4096, ring2 .. ring6 or on_ with qkv.o.gate_up.down or some of them"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():

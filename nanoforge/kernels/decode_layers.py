@@ -42,6 +42,7 @@ The caller (`serve/layer_kernel.py`) stacks the layers' weights and decides when
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -402,20 +403,40 @@ def ring_stages() -> int:
     return value
 
 
+RING_TARGETS = ("qkv", "o", "gate_up", "down")  # the projections a ring can serve, in a layer's order
+
+
 def ring_targets() -> str:
     """NANOFORGE_DECODE_RING_ON: which projections stream through the ring where NANOFORGE_DECODE_RING asks
-    for one: `all` (the default: Q/K/V, attention-out, gate-and-up, MLP-down) or `gate_up` (the fused
-    gate-and-up alone, each layer's largest). Compiled for sm_90 by Triton 3.6, Qwen3-0.6B's kernel spills 56
-    bytes a thread with a 3-stage ring on every projection (88 on all but gate-and-up) and none with it on
-    gate-and-up alone."""
-    return env_choice("NANOFORGE_DECODE_RING_ON", ("all", "gate_up"))
+    for one: `all` (the default) or a comma-separated set of RING_TARGETS (Q/K/V, attention-out, the fused
+    gate-and-up, MLP-down), e.g. `gate_up` (each layer's largest alone). Compiled for sm_90 by Triton 3.6 with a
+    3-stage ring, Qwen3-0.6B's kernel spills 56 bytes a thread on every projection, none on gate_up alone,
+    none on qkv,o,gate_up, 24 on qkv,gate_up,down and 64 on o,gate_up,down (register allocation is the whole
+    kernel's). Returned as given, lower-cased, without spaces."""
+    value = os.environ.get("NANOFORGE_DECODE_RING_ON", "all").lower().replace(" ", "")
+    _ring_set(value)
+    return value
+
+
+def _ring_set(value: str) -> frozenset:
+    """A NANOFORGE_DECODE_RING_ON value's projections, or one line naming the problem."""
+    if value == "all":
+        return frozenset(RING_TARGETS)
+    parts = frozenset(value.split(","))
+    if not parts or not parts <= set(RING_TARGETS):
+        raise NanoforgeError(f"NANOFORGE_DECODE_RING_ON must be all or a comma-separated set of "
+                             f"{', '.join(RING_TARGETS)}, not {value!r}", param="NANOFORGE_DECODE_RING_ON")
+    return parts
 
 
 def ring_constants(ring: int | None = None, ring_on: str | None = None) -> dict:
-    """The kernel's rings: gate-and-up's stages (RING) and Q/K/V's, attention-out's and MLP-down's (RING_REST),
-    from `ring` and `ring_on` or, where None, the environment's (`ring_stages`, `ring_targets`)."""
+    """The kernel's rings, each projection's stages (RING_QKV, RING_O, RING_IN: gate-and-up's, RING_OUT:
+    MLP-down's; 0 where it has none), from `ring` and `ring_on` or, where None, the environment's
+    (`ring_stages`, `ring_targets`)."""
     stages = ring_stages() if ring is None else ring
-    return dict(RING=stages, RING_REST=stages if (ring_on or ring_targets()) == "all" else 0)
+    on = _ring_set(ring_on or ring_targets())
+    return {key: stages if target in on else 0
+            for key, target in zip(("RING_QKV", "RING_O", "RING_IN", "RING_OUT"), RING_TARGETS)}
 
 
 def poll_sleep_ns() -> int:
@@ -817,8 +838,8 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING: tl.constexpr,
-    RING_REST: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
+    RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -868,14 +889,14 @@ def _decode_layers_kernel(
                     x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
-                         tag, True, RING_REST)
+                         tag, True, RING_QKV)
             else:
                 if layer == 0:  # the embedding's output, nothing pending
                     h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
                 else:
                     h = _add_norm(XS, PEND, G1 + lw * D, X_MID, eps, D, DP)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD, 0,
-                         False, RING_REST)
+                         False, RING_QKV)
             _arrive(BAR, step, trace_at, BARRIERS, TRACE)
             if PERSISTENT and PREFETCH_KV > 0:  # phase B's context: no phase writes it (B writes the token's slot)
                 _prefetch_context(KC + lw * stride_kl, VC + lw * stride_vl, TABLE, SEQ_LEN, stride_kb, stride_ks,
@@ -901,10 +922,10 @@ def _decode_layers_kernel(
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
                 a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_REST)
+                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
-                         RING_REST)
+                         RING_O)
             _arrive(BAR, step + 2, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
@@ -917,10 +938,10 @@ def _decode_layers_kernel(
                 o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
-                _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING)
+                _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING_IN)
             else:
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
-                _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING)
+                _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING_IN)
             _arrive(BAR, step + 3, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
@@ -933,10 +954,10 @@ def _decode_layers_kernel(
                             PREFETCH)
             if TAGGED:
                 a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_REST)
+                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
-                         AHEAD, 0, False, RING_REST)
+                         AHEAD, 0, False, RING_OUT)
             _arrive(BAR, step + 4, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)

@@ -291,7 +291,7 @@ def _decode_layers(**shape) -> TritonKernel:
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv,
         TAGGED=lambda: dl.sync_mode() == "tagged", BARRIERS=lambda: dl.sync_mode() != "tagged",
-        RING=lambda: dl.ring_constants()["RING"], RING_REST=lambda: dl.ring_constants()["RING_REST"])
+        **{key: (lambda key=key: dl.ring_constants()[key]) for key in dl.ring_constants()})
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
 
