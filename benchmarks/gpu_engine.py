@@ -374,11 +374,6 @@ DECODE_VARIANTS = {
     # no barriers: each phase's vector stored as tagged words and polled (NANOFORGE_DECODE_SYNC=tagged, session 39)
     "persistent_tagged": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_SYNC": "tagged"},
     "auto_tagged": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged"},
-    # and the weight tiles through a 4-stage ring in shared memory (NANOFORGE_DECODE_RING, session 39)
-    "persistent_tagged_ring4": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_SYNC": "tagged",
-                                "NANOFORGE_DECODE_RING": "4"},
-    "auto_tagged_ring4": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged",
-                          "NANOFORGE_DECODE_RING": "4"},
     # parts to join with '+' onto the above (e.g. auto+preload_kv+ring3): the persistent kernel's switches (tagged
     # vectors and the 256 ns back-off are its defaults since session 40)
     "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},
@@ -390,7 +385,6 @@ DECODE_VARIANTS = {
     "ring4": {"NANOFORGE_DECODE_RING": "4"},
     "ring_gate_up": {"NANOFORGE_DECODE_RING_ON": "gate_up"},  # (with ringN: the ring on gate-and-up alone,
     "ring_no_down": {"NANOFORGE_DECODE_RING_ON": "qkv,o,gate_up"},  # or on all but MLP-down)
-    "poll_sleep256": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "256"},
 }
 
 

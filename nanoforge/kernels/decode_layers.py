@@ -406,24 +406,20 @@ def ring_stages() -> int:
 RING_TARGETS = ("qkv", "o", "gate_up", "down")  # the projections a ring can serve, in a layer's order
 
 
-def ring_targets() -> str:
-    """NANOFORGE_DECODE_RING_ON: which projections stream through the ring where NANOFORGE_DECODE_RING asks
-    for one: `all` (the default) or a comma-separated set of RING_TARGETS (Q/K/V, attention-out, the fused
-    gate-and-up, MLP-down), e.g. `gate_up` (each layer's largest alone). Compiled for sm_90 by Triton 3.6 with a
-    3-stage ring, Qwen3-0.6B's kernel spills 56 bytes a thread on every projection, none on gate_up alone,
-    none on qkv,o,gate_up, 24 on qkv,gate_up,down and 64 on o,gate_up,down (register allocation is the whole
-    kernel's). Returned as given, lower-cased, without spaces."""
-    value = os.environ.get("NANOFORGE_DECODE_RING_ON", "all").lower().replace(" ", "")
-    _ring_set(value)
-    return value
-
-
-def _ring_set(value: str) -> frozenset:
-    """A NANOFORGE_DECODE_RING_ON value's projections, or one line naming the problem."""
+def ring_targets(value: str | None = None) -> frozenset:
+    """NANOFORGE_DECODE_RING_ON (or `value`): which projections stream through the ring where NANOFORGE_DECODE_RING
+    asks for one: `all` (the default) or a comma-separated set of RING_TARGETS (Q/K/V, attention-out, the fused
+    gate-and-up, MLP-down), e.g. `gate_up` (each layer's largest alone); anything else is one line naming the
+    problem. Compiled for sm_90 by Triton 3.6 with a 3-stage ring, Qwen3-0.6B's kernel spills 56 bytes a thread
+    on every projection, none on gate_up alone, none on qkv,o,gate_up, 24 on qkv,gate_up,down and 64 on
+    o,gate_up,down (register allocation is the whole kernel's)."""
+    if value is None:
+        value = os.environ.get("NANOFORGE_DECODE_RING_ON", "all")
+    value = value.lower().replace(" ", "")
     if value == "all":
         return frozenset(RING_TARGETS)
     parts = frozenset(value.split(","))
-    if not parts or not parts <= set(RING_TARGETS):
+    if not parts <= set(RING_TARGETS):
         raise NanoforgeError(f"NANOFORGE_DECODE_RING_ON must be all or a comma-separated set of "
                              f"{', '.join(RING_TARGETS)}, not {value!r}", param="NANOFORGE_DECODE_RING_ON")
     return parts
@@ -434,7 +430,7 @@ def ring_constants(ring: int | None = None, ring_on: str | None = None) -> dict:
     MLP-down's; 0 where it has none), from `ring` and `ring_on` or, where None, the environment's
     (`ring_stages`, `ring_targets`)."""
     stages = ring_stages() if ring is None else ring
-    on = _ring_set(ring_on or ring_targets())
+    on = ring_targets(ring_on)
     return {key: stages if target in on else 0
             for key, target in zip(("RING_QKV", "RING_O", "RING_IN", "RING_OUT"), RING_TARGETS)}
 
@@ -586,9 +582,9 @@ def _poll(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constex
     """The values of the tagged words XT[idx] (where inside; 0 elsewhere) as fp32, once each carries `tag`:
     loaded, then on a GPU (SPIN) every thread loads its own stale words again until none is (`poll_tags_ptx`:
     `poll_pack` words a thread at once; `poll_sleep` its back-off), so whichever threads hold a copy of a word,
-    each copy is the
-    tagged one; after spin_limit rounds, or at once after a give-up earlier in the launch, any still stale
-    are counted at TIMEOUTS (wrong numbers follow). Under the interpreter the launch's one program wrote them."""
+    each copy is the tagged one; after spin_limit rounds, or at once after a give-up earlier in the launch, any
+    still stale are counted at TIMEOUTS (wrong numbers follow). Under the interpreter the launch's one program
+    wrote them."""
     at = XT + idx  # (a word outside is never loaded: it starts out carrying the tag; contiguous idx: wide loads)
     w = tl.where(inside, tl.load(at, mask=inside, other=0, volatile=True), tag << 16)
     if SPIN:
@@ -749,8 +745,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
-               TIMEOUTS,
-               TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):  # fmt: skip
+               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its

@@ -29,6 +29,7 @@ sized from a memory budget; a block id indexes the same block in every layer.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -507,29 +508,29 @@ class ModelRunner:
         timed the same way and only the choice is kept (on the CPU: eager steps). `self.decode_layers` records
         each way's time and the choice."""
         kernel, graphed = self.layer_kernel, (True, 1) in self.graphs
-        ways = {"persistent": self.graphs[(True, 1)] if graphed else self._capture(Layout(1, 1), decode=True)}
-        captured = dict(ways)
+        # each way's replay and the kernel's ring (a graph holds the ring it was captured with; the CPU's eager
+        # "replays" read it at each call, so it is set before each)
+        ways = {"persistent": (self.graphs[(True, 1)] if graphed else self._capture(Layout(1, 1), decode=True),
+                               None)}
         for way, ring in layer_kernel.RINGS.items() if ring_stages() == 0 else ():  # (NANOFORGE_DECODE_RING unset)
             kernel.ring = ring
-            captured[way] = self._capture(Layout(1, 1), decode=True)
-
-            # (a graph holds its ring; the CPU's eager "replays" read it at each call)
-            def ringed(replay=captured[way], ring=ring):
-                kernel.ring = ring
-                replay()
-                kernel.ring = None
-
-            ways[way] = ringed
+            ways[way] = (self._capture(Layout(1, 1), decode=True), ring)
         kernel.ring, self.layer_kernel = None, None
-        ways["kernels"] = captured["kernels"] = self._capture(Layout(1, 1), decode=True)
+        ways["kernels"] = (self._capture(Layout(1, 1), decode=True), None)
+
+        def run(replay, ring):
+            kernel.ring = ring
+            replay()
+
         cuda = self.device.type == "cuda"
-        us = replays_us(ways, rounds=10 if cuda else 1, cuda=cuda)
+        us = replays_us({way: functools.partial(run, *w) for way, w in ways.items()}, rounds=10 if cuda else 1,
+                        cuda=cuda)
         chosen = min(us, key=us.get)
+        replay, kernel.ring = ways[chosen]
         if chosen != "kernels":
             self.layer_kernel = kernel
-            kernel.ring = layer_kernel.RINGS.get(chosen)
         if graphed:
-            self.graphs[(True, 1)] = captured[chosen]
+            self.graphs[(True, 1)] = replay
         self.decode_layers = {"chosen": chosen, **{f"{way}_us": t for way, t in us.items()},
                               "tagged": bool(kernel.layers.tagged)}  # (its buffers: the kernel ran tagged)
 
