@@ -19,8 +19,9 @@ same layer-by-layer baseline: `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: ph
 asked of L2 while the program waits at the barrier in front of it), `preload_kv` (NANOFORGE_DECODE_PRELOAD_KV=1:
 each attention item's first K and V tile loaded before its query), `barrier` (NANOFORGE_DECODE_SYNC=barrier:
 grid barriers between the phases, where the default since session 40, `tagged`, has none: the phases' vectors
-polled as tagged words; a trace clocks barriers, so the default's phases are those of a traced launch with
-barriers), `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
+polled as tagged words, and a traced launch clocks each program's polls and stores instead: a phase's "wait" is
+then from the last program to store its part to the last to have the whole vector; since session 41),
+`poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
 2,048; the default 256), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
 `on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
@@ -194,7 +195,8 @@ def variant_env(name: str) -> dict[str, str]:
 
 
 def traced_phases(model: Transformer, kernel: LayerKernel, c: dict, device) -> dict:
-    """One launch of the kernel with its clock traced at every barrier: microseconds per phase over the layers."""
+    """One launch of the kernel with its clock traced at every barrier (tagged: at each poll's end and each phase's
+    last store): microseconds per phase over the layers."""
     programs = torch.cuda.get_device_properties(device).multi_processor_count
     trace = torch.zeros(dl.trace_rows(model.cfg.n_layers), programs, dtype=torch.int64, device=device)
     x = model.embed(torch.tensor([7], device=device))
@@ -220,8 +222,9 @@ def ours_with(model, kernel: LayerKernel, c: dict, device, replays: int, base_fn
             us = time_us(fn, device, replays)
             diff = (base_fn() - fn()).abs().max().item()
             same = None if default_fn is None else torch.equal(default_fn(), fn())
-        out = {"one_kernel_us": us, "ratio": base_us / us, "max_abs_difference": diff, "bits_equal_default": same}
-        if device.type == "cuda" and dl.sync_mode() == "barrier":  # (a trace clocks the barriers: none tagged)
+        out = {"one_kernel_us": us, "ratio": base_us / us, "max_abs_difference": diff, "bits_equal_default": same,
+               "sync": dl.sync_mode()}
+        if device.type == "cuda":
             out["phases_us"] = traced_phases(model, kernel, c, device)
         return out
     finally:
@@ -297,8 +300,7 @@ def main() -> None:
         if device.type == "cuda":  # one traced launch: the phases' time
             r["phases_us"] = traced_phases(model, kernel, c, device)
             r["phase_tb_s"] = phase_rates(r["phases_us"], phase_bytes(model, ctx))
-            barriers = " (traced with barriers)" if dl.sync_mode() == "tagged" else ""
-            print(f"   phases{barriers} (us over all layers, the rate each read its weights or K/V at): "
+            print(f"   phases, {dl.sync_mode()} (us over all layers, the rate each read its weights or K/V at): "
                   + phase_line(r["phases_us"], r["phase_tb_s"]))
             print("   attention phase's parts: " + attention_parts(r["phases_us"]))
         runs = [("splits", n, {"splits": n}) for n in splits]
@@ -311,7 +313,7 @@ def main() -> None:
                   + ("" if t["bits_equal_default"] is None
                      else f", bits equal to the default's: {t['bits_equal_default']}")
                   + (
-                f"; attention phase {ph['B work']:.1f} us ({attention_parts(ph)}), barrier waits "
+                f"; attention phase {ph['B work']:.1f} us ({attention_parts(ph)}), {t['sync']} waits "
                 f"{sum(v for p, v in ph.items() if p.endswith('wait')):.1f} us" if ph else ""))
         r["barrier_timeouts"] = dl.barrier_timeouts(device)  # not 0: its numbers are wrong (a barrier gave up)
         if r["barrier_timeouts"]:

@@ -578,10 +578,11 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
     (cooperative, then plain, then without the polls' back-off, then the weights through a ring, on every
-    projection and on gate-and-up alone), three launches in a row and three replays of a CUDA graph of it (each
-    its own tag, read from the launch count on the GPU), every one bit for bit the launches per phase (the same
-    sums in the same order: any difference is a word read before it was written, or an old one taken for new),
-    none stale."""
+    projection and on gate-and-up alone, then traced), three launches in a row and three replays of a CUDA graph
+    of it (each its own tag, read from the launch count on the GPU), every one bit for bit the launches per phase
+    (the same sums in the same order: any difference is a word read before it was written, or an old one taken
+    for new), none stale. The traced launch's clocks run in each program's order: its start, then each phase's
+    last store and the next one's poll, phase B's marks between its poll and its last store."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -591,10 +592,14 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
     x = model.embed(case["ids"])[0]
     cs = torch.stack((case["rope"][0].reshape(-1), case["rope"][1].reshape(-1)))
 
-    def launch(persistent=True):
+    def launch(persistent=True, trace=None):
         k, v = case["k"].clone(), case["v"].clone()
         return dl.decode_layers(kernel.layers, x, cs, k, v, case["table"][0], case["seq_lens"], case["slot"],
-                                persistent=persistent) + (k, v)
+                                persistent=persistent, trace=trace) + (k, v)
+
+    n_layers = model.cfg.n_layers
+    programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    trace = torch.zeros(dl.trace_rows(n_layers), programs, dtype=torch.int64, device=x.device)
 
     with torch.inference_mode():
         want = launch(persistent=False)
@@ -611,6 +616,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
             outs.append(launch())
             m.setenv("NANOFORGE_DECODE_RING_ON", "gate_up")
             outs.append(launch())
+        outs.append(launch(trace=trace))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = launch()
@@ -621,7 +627,15 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
     (_, _, counts), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 10  # launches (a capture launches nothing)
+    assert counts[model.cfg.n_kv_heads].item() == 11  # launches (a capture launches nothing)
+    steps = dl.PHASES * n_layers
+    clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")
+    assert bool((clocks > 0).all()) and bool((clocks[1:] >= clocks[:-1]).all())
+    marks = trace[1 + 2 * steps:].view(n_layers, dl.B_MARKS, programs)
+    busy = min(programs, model.cfg.n_kv_heads * dl.CONTEXT_SPLITS)  # the programs with an attention item
+    for i in range(n_layers):
+        polled, stored = trace[2 + 2 * dl.PHASES * i, :busy], trace[3 + 2 * dl.PHASES * i, :busy]
+        assert bool(((marks[i, :, :busy] >= polled) & (marks[i, :, :busy] <= stored)).all()), i
 
 
 @pytest.mark.gpu

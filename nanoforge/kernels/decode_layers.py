@@ -149,8 +149,8 @@ def sync_mode() -> str:
     and the launch's tag, and a phase that reads one loads each word again until it carries the tag (flags in
     the data, as NCCL's LL protocol: session 38's probe, kernels/weight_stream.py, took Qwen3-0.6B's weight
     phases 1.23x faster than the best barrier; session 40, an H100, with the polls' back-off: Qwen3-0.6B's layers
-    1.08x the barriers', Llama-3.2-1B's 1.01x). fp16 and bf16 models; with a trace (a diagnostic of the
-    barriers), launches per phase or fp32, barriers. `barrier`: a grid barrier after each phase, five a layer."""
+    1.08x the barriers', Llama-3.2-1B's 1.01x). fp16 and bf16 models (traced too, since session 41); launches per
+    phase or fp32, barriers. `barrier`: a grid barrier after each phase, five a layer."""
     return env_choice("NANOFORGE_DECODE_SYNC", ("tagged", "barrier"))
 
 
@@ -228,6 +228,10 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     tests of the give-up use, and three for launches per phase). `trace`: int64 (`trace_rows(L)`, programs)
     of the GPU's nanosecond clock, each program's start and, per phase, its arrival at the barrier and its
     departure, then per layer phase B's marks (`phase_times` reads it; a diagnostic, persistent launches only).
+    A tagged launch has no barrier: its "arrival" after a phase is the program's clock once it has stored its
+    part of the phase's vector, its "departure" once it has polled the whole vector the next phase reads (phase
+    B: its item's Q/K/V words; a program with no item, at B's start), so that a phase's "wait" runs from the
+    last program to store its part to the last to have read it all.
     `ring`, `ring_on`: the weight ring's stages and the projections it serves (default: the environment's,
     `ring_stages`, `ring_targets`)."""
     n_layers, n_qkv, d = w.wqkv.shape
@@ -254,7 +258,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     lse_part = torch.empty(hq * splits, device=dev, dtype=torch.float32)
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     timeouts = _timeouts(dev)
-    tagged = (persistent and trace is None and sync_mode() == "tagged" and ty in (torch.bfloat16, torch.float16))
+    tagged = persistent and sync_mode() == "tagged" and ty in (torch.bfloat16, torch.float16)
     tags, scratch, ws = _tagged_buffers(w, dev, ty, programs) if tagged else (counts, x_in, counts)
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
@@ -307,7 +311,10 @@ def phase_times(trace: torch.Tensor) -> dict:
     cost), and the launch's "total" from the first program's start to the last departure. Phase B's work is
     cut at its marks the same way, each from the last program past the point before to the last past it ("B
     query": the query normalised and rotated; "B keys": the context attended; "B counted": the partials stored
-    and counted; "B combined": the last split's combine; "B rest": from there to the last arrival)."""
+    and counted; "B combined": the last split's combine; "B rest": from there to the last arrival). A tagged
+    launch's trace reads the same way (`decode_layers`' `trace`): "wait" is then a vector's hand-over, from the
+    last program to store its part to the last to have polled it whole (phase A's to B can be negative: an
+    attention item waits only for its kv head's words)."""
     t = trace.double().cpu() / 1e3
     layers = (t.shape[0] - 1) // (2 * PHASES + B_MARKS)
     steps = PHASES * layers
@@ -472,6 +479,13 @@ def _poll_one_thread(BAR, target, spin_limit):
 
 
 @triton.jit
+def _clock(TRACE_AT, row, TRACE: tl.constexpr):
+    """TRACE: this program's clock at row `row` of the trace."""
+    if TRACE:
+        tl.store(TRACE_AT + row * tl.num_programs(0), tl.extra.cuda.globaltimer())
+
+
+@triton.jit
 def _arrive(BAR, step, TRACE_AT, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
     """This program's arrival at the grid barrier after phase `step` of the launch (a no-op when each phase is its
     own launch): every thread's stores made (the CTA barrier), then counted at BAR with a release. The release's
@@ -479,8 +493,7 @@ def _arrive(BAR, step, TRACE_AT, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
     phase's first weight tile is asked for after it, between `_arrive` and `_depart` (session 32; before, the
     arrival waited for that tile to come from HBM). TRACE: this program's clock at row 1 + 2 step."""
     if PERSISTENT:
-        if TRACE:
-            tl.store(TRACE_AT + (1 + 2 * step) * tl.num_programs(0), tl.extra.cuda.globaltimer())
+        _clock(TRACE_AT, 1 + 2 * step, TRACE)
         tl.debug_barrier()
         tl.atomic_add(BAR, 1, sem="release")
 
@@ -515,8 +528,7 @@ def _depart(BAR, step, TRACE_AT, TIMEOUTS, spin_limit, PERSISTENT: tl.constexpr,
         tl.atomic_max(BAR, _GAVE_UP, mask=gave_up)
         tl.atomic_add(BAR, 0, sem="acquire")
         tl.debug_barrier()
-        if TRACE:
-            tl.store(TRACE_AT + (2 + 2 * step) * programs, tl.extra.cuda.globaltimer())
+        _clock(TRACE_AT, 2 + 2 * step, TRACE)
 
 
 @triton.jit
@@ -745,7 +757,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
-               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):  # fmt: skip
+               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
@@ -779,6 +791,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                                     BLOCK_N, BLOCK_SIZE)
         if TAGGED:
             _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN, ITEM_P2)
+            _clock(LEFT, 0, TRACE)
         q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
         _mark(MARKS, 0, TRACE)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -881,10 +894,12 @@ def _decode_layers_kernel(
             if TAGGED:
                 if layer > 0:
                     pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
+                    _clock(trace_at, 2 * step, TRACE)  # the layer before's MLP-down output in: its "departure"
                     x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
                          tag, True, RING_QKV)
+                _clock(trace_at, 1 + 2 * step, TRACE)  # its tiles stored: its "arrival"
             else:
                 if layer == 0:  # the embedding's output, nothing pending
                     h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
@@ -900,13 +915,17 @@ def _decode_layers_kernel(
             _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
+            if TAGGED:  # (a program with an item clocks its departure again once its Q/K/V words are in)
+                _clock(trace_at, 2 + 2 * step, TRACE)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
-                       ITEM_P2)
+                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
+            if TAGGED:
+                _clock(trace_at, 3 + 2 * step, TRACE)
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
@@ -917,7 +936,9 @@ def _decode_layers_kernel(
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
                 a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
+                _clock(trace_at, 4 + 2 * step, TRACE)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
+                _clock(trace_at, 5 + 2 * step, TRACE)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
                          RING_O)
@@ -931,9 +952,11 @@ def _decode_layers_kernel(
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             if TAGGED:
                 o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
+                _clock(trace_at, 6 + 2 * step, TRACE)
                 x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
                 _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING_IN)
+                _clock(trace_at, 7 + 2 * step, TRACE)
             else:
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
                 _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING_IN)
@@ -949,7 +972,9 @@ def _decode_layers_kernel(
                             PREFETCH)
             if TAGGED:
                 a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
+                _clock(trace_at, 8 + 2 * step, TRACE)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
+                _clock(trace_at, 9 + 2 * step, TRACE)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                          AHEAD, 0, False, RING_OUT)
@@ -964,6 +989,7 @@ def _decode_layers_kernel(
             last = TAGGED_T + (first_layer + n_layers).to(tl.int64) * words - D
             tl.store(PEND + k, _poll_vector(last, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER).to(ty),
                      mask=k < D)
+        _clock(trace_at, 10 * n_layers, TRACE)  # the last departure (program 0's once the last MLP output is in)
         if tl.atomic_add(WS + HKV + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # the last program out: the
             tl.atomic_xchg(WS + HKV + 1, 0, sem="relaxed")  # next launch's tag (every program has read this one's)
             tl.atomic_add(WS + HKV, 1, sem="relaxed")
