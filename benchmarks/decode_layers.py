@@ -24,8 +24,7 @@ then from the last program to store its part to the last to have the whole vecto
 `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
 2,048; the default 256), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
-`on_gate_up`, `on_qkv.o.gate_up`), `combine_tagged` (NANOFORGE_DECODE_COMBINE=tagged: attention's splits
-as tagged partials, polled by each head's last split, no count), joined with `+`.
+`on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
@@ -168,8 +167,7 @@ def plot(rows: dict, path: Path) -> None:
 
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
-            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
-            "combine_tagged": {"NANOFORGE_DECODE_COMBINE": "tagged"}}
+            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
 COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
     "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
@@ -251,9 +249,9 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, tagged, barrier, combine_tagged, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), "
-                    "ringN (N 2-6), on_P.Q (the ring on projections P and Q of qkv, o, gate_up, down), joined with + "
-                    "(e.g. ring3+on_gate_up)")
+                    "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), ringN (N 2-6), "
+                    "on_P.Q (the ring on projections P and Q of qkv, o, gate_up, down), joined with + (e.g. "
+                    "ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

@@ -385,7 +385,6 @@ DECODE_VARIANTS = {
     "ring4": {"NANOFORGE_DECODE_RING": "4"},
     "ring_gate_up": {"NANOFORGE_DECODE_RING_ON": "gate_up"},  # (with ringN: the ring on gate-and-up alone,
     "ring_no_down": {"NANOFORGE_DECODE_RING_ON": "qkv,o,gate_up"},  # or on all but MLP-down)
-    "combine_tagged": {"NANOFORGE_DECODE_COMBINE": "tagged"},  # attention's splits as tagged partials, no count
 }
 
 

@@ -161,8 +161,7 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
     ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
     ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
-    ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"}),
-    ("tiny-llama", {"NANOFORGE_DECODE_COMBINE": "tagged"}), ("tiny-qwen3", {"NANOFORGE_DECODE_COMBINE": "tagged"})])
+    ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
     """NANOFORGE_DECODE_SYNC=tagged, bf16: the persistent launch with no barrier (each phase's vector stored as
     words carrying the launch's tag, polled by the phases that read it; the residual stream in every program's
@@ -171,10 +170,7 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
     stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
     stale. With the attention phase's first key tile loaded before its query's poll and its context asked of L2
     after phase A (where the wait for A's words can hide them; on a GPU only), the same bits; with the weights
-    through a ring (NANOFORGE_DECODE_RING: the first tile from registers, the rest a pipelined loop), too; with
-    the attention splits' partials stored as tagged 64-bit words and polled by each head's last split
-    (NANOFORGE_DECODE_COMBINE=tagged), too, the splits' counts never touched and every partial this launch's
-    last layer's."""
+    through a ring (NANOFORGE_DECODE_RING: the first tile from registers, the rest a pipelined loop), too."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -194,11 +190,8 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
-            (tags, _, counts, parts), = kernel.layers.tagged.values()
-            counted = 0 if switches.get("NANOFORGE_DECODE_COMBINE") == "tagged" else launch * model.cfg.n_layers
-            assert counts.tolist() == [counted * dl.INTERPRET_SPLITS] * hkv + [launch, 0]
-            if not counted:
-                assert bool(((parts >> 32) == launch * dl.PART_TAG_LAYERS + model.cfg.n_layers - 1).all())
+            (tags, _, counts), = kernel.layers.tagged.values()
+            assert counts.tolist() == [launch * model.cfg.n_layers * dl.INTERPRET_SPLITS] * hkv + [launch, 0]
             assert arrival_counters(cpu, hkv + 2)[:hkv + 2].eq(0).all()
             words = tags.view(model.cfg.n_layers, -1)
             assert torch.equal(words >> 16, torch.full_like(words, launch))  # every word this launch's (tags 1, 2, ...)
@@ -267,7 +260,7 @@ def test_the_ring_serves_the_projections_it_is_set_on(monkeypatch):
 def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
     """The tagged poll's PTX: `pack` words a thread, each reloaded (predicated, all in flight) only while stale,
     the loop's branch not claimed uniform (a warp's threads leave it apart), an optional back-off between rounds
-    (NANOFORGE_DECODE_POLL_SLEEP_NS), 32-bit words or 64-bit ones (the tag high); its width a power of two that
+    (NANOFORGE_DECODE_POLL_SLEEP_NS); its width a power of two that
     divides the words any layout of a vector gives each of 256 threads (at least width / 256: 4 from 1,024)."""
     from nanoforge.kernels import decode_layers as dl
 
@@ -278,11 +271,6 @@ def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
         assert f"${n - 1}, [${2 * n - 1}]" in ptx and f"mov.b32 $0, ${2 * n};" in ptx  # (outputs, addresses, words)
         assert "bra.uni" not in ptx and dl.poll_constraints(n).count(",") == 6 * n - 1
         assert f"mov.u32 nfZ, ${5 * n};" in ptx and "@nfAny nanosleep.u32 nfZ;" in ptx  # (the back-off, when > 0)
-    for n in (1, 4):  # 64-bit words (the attention splits' tagged partials): the tag is the high 32 bits
-        ptx = dl.poll_tags_ptx(n, wide=True)
-        assert ptx.count("ld.relaxed.gpu.global.u64") == n and ptx.count("shr.u64 nfW") == n
-        assert f"mov.b64 $0, ${2 * n};" in ptx and dl.poll_constraints(n, wide=True).startswith("=l," * (n > 1) + "=l")
-        assert dl.poll_constraints(n, wide=True).split(",")[2 * n:3 * n] == ["l"] * n
 
 
 @pytest.mark.gpu
@@ -355,7 +343,7 @@ def test_engine_with_tagged_vectors_decodes_what_it_does_with_barriers(tok, monk
     def check(sync, runner):
         tagged = runner.layer_kernel.layers.tagged
         if sync == "tagged":
-            (_, _, counts, _), = tagged.values()
+            (_, _, counts), = tagged.values()
             assert counts[model.cfg.n_kv_heads].item() == 1 + 3 * 5  # the warm-up's, then one a decode step
         else:
             assert not tagged
@@ -590,8 +578,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
     (cooperative, then plain, then without the polls' back-off, then the weights through a ring, on every
-    projection and on gate-and-up alone, then the attention splits' partials as tagged words with no count, then
-    traced), three launches in a row and three replays of a CUDA graph
+    projection and on gate-and-up alone, then traced), three launches in a row and three replays of a CUDA graph
     of it (each its own tag, read from the launch count on the GPU), every one bit for bit the launches per phase
     (the same sums in the same order: any difference is a word read before it was written, or an old one taken
     for new), none stale. The traced launch's clocks run in each program's order: its start, then each phase's
@@ -629,9 +616,6 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
             outs.append(launch())
             m.setenv("NANOFORGE_DECODE_RING_ON", "gate_up")
             outs.append(launch())
-        with monkeypatch.context() as m:  # the splits' partials tagged, polled by each head's last split
-            m.setenv("NANOFORGE_DECODE_COMBINE", "tagged")
-            outs.append(launch())
         outs.append(launch(trace=trace))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -642,8 +626,8 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
     for got in outs:
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
-    (_, _, counts, _), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 12  # launches (a capture launches nothing)
+    (_, _, counts), = kernel.layers.tagged.values()
+    assert counts[model.cfg.n_kv_heads].item() == 11  # launches (a capture launches nothing)
     steps = dl.PHASES * n_layers
     clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")
     assert bool((clocks > 0).all()) and bool((clocks[1:] >= clocks[:-1]).all())
@@ -751,7 +735,7 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, barrier, combine_tagged, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096, ring2 .. ring6 or on_ with qkv.o.gate_up.down or some of them"]
 
 

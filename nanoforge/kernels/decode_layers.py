@@ -55,8 +55,8 @@ from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, 
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _epilogue
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combine_partials,
-    combined_heads, load_key_tile, split_span,
+    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combined_heads,
+    load_key_tile, split_span,
 )
 
 def _cuda_options():
@@ -154,15 +154,12 @@ def sync_mode() -> str:
     return env_choice("NANOFORGE_DECODE_SYNC", ("tagged", "barrier"))
 
 
-def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int,
-                    splits: int) -> tuple[torch.Tensor, ...]:
+def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int) -> tuple[torch.Tensor, ...]:
     """A tagged launch's buffers for these layers on this device: every layer's tagged vectors (zeros: no
-    launch's tag), each program's copy of Q/K/V's layout for its attention items, [0, hkv) the attention
-    splits' counts, hkv the launches so far (the tag), hkv + 1 the programs finished, and the splits' tagged
-    partials (NANOFORGE_DECODE_COMBINE=tagged: every head's outputs, then their log-sum-exps, as 64-bit words).
-    Made at the first tagged launch, which is eager (as `_timeouts`' count): a graph captured later launches with
-    them."""
-    key = (_device_key(dev), programs, splits)
+    launch's tag), each program's copy of Q/K/V's layout for its attention items, and [0, hkv) the attention
+    splits' counts, hkv the launches so far (the tag), hkv + 1 the programs finished. Made at the first tagged
+    launch, which is eager (as `_timeouts`' count): a graph captured later launches with them."""
+    key = (_device_key(dev), programs)
     if key not in w.tagged:
         if capturing(dev):
             raise RuntimeError("decode_layers: first launched tagged inside a CUDA graph capture; launch it eagerly "
@@ -172,8 +169,7 @@ def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int
         with torch.inference_mode(False):
             w.tagged[key] = (torch.zeros(n_layers * words, device=dev, dtype=torch.int32),
                              torch.zeros(programs, n_qkv, device=dev, dtype=ty),
-                             torch.zeros(w.n_kv_heads + 2, device=dev, dtype=torch.int32),
-                             torch.zeros(w.n_heads * splits * (w.head_dim + 1), device=dev, dtype=torch.int64))
+                             torch.zeros(w.n_kv_heads + 2, device=dev, dtype=torch.int32))
     return w.tagged[key]
 
 
@@ -190,20 +186,6 @@ def prefetch_kv_tiles() -> int:
     Llama-3.2-1B's layers, 0.99x on Qwen3-0.6B's): how many 64-key tiles of each attention item's K and V every
     program asks L2 for while it waits at the barrier in front of attention (from 0 to 4)."""
     return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
-
-
-def combine_mode() -> str:
-    """NANOFORGE_DECODE_COMBINE (tagged launches): how each kv head's context splits come together in the attention
-    phase. `count` (the default): each split stores its partials, then counts itself with an acq_rel atomic (a
-    fence that waits for its stores, and a round trip to L2), and the last to count loads them all and combines
-    them. `tagged` (session 41; not yet timed on a GPU): each split stores its partials as 64-bit words, the fp32
-    value and a tag of the launch and layer, with no fence and no count, and the head's last split (whose share
-    of a short context is empty: it has nothing else to do) polls them and combines them, the same sums in the
-    same order. Launches with barriers always count."""
-    return env_choice("NANOFORGE_DECODE_COMBINE", ("count", "tagged"))
-
-
-PART_TAG_LAYERS = 256  # a tagged partial's tag: the launch's tag x this + the layer (< this)
 
 
 def preload_kv() -> bool:
@@ -277,20 +259,17 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     timeouts = _timeouts(dev)
     tagged = persistent and sync_mode() == "tagged" and ty in (torch.bfloat16, torch.float16)
-    tags, scratch, ws, parts = _tagged_buffers(w, dev, ty, programs, splits) if tagged else (counts, x_in, counts,
-                                                                                              counts)
-    tagged_parts = tagged and combine_mode() == "tagged" and n_layers <= PART_TAG_LAYERS
+    tags, scratch, ws = _tagged_buffers(w, dev, ty, programs) if tagged else (counts, x_in, counts)
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
-                TAGGED=tagged, BARRIERS=persistent and not tagged, TAGGED_PARTS=tagged_parts,
-                **ring_constants(ring, ring_on))
+                TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
-    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts, tags, scratch, ws, parts,
+    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts, tags, scratch, ws,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
@@ -388,39 +367,34 @@ POLL_ONE_THREAD = tl.constexpr(poll_one_thread_ptx())  # `_poll_one_thread`'s
 POLL_SLEEP_CAP_NS = 2048  # a poll's back-off doubles up to this
 
 
-def poll_tags_ptx(pack: int, wide: bool = False) -> str:
+def poll_tags_ptx(pack: int) -> str:
     """PTX in which a thread takes `pack` tagged words (outputs $0.., addresses, the words as first loaded, the
     tag, a spin limit, a back-off: `pack` operands each) and loads the stale ones again (predicated, all in flight
     at once) until each carries the tag in its high 16 bits or the limit's rounds have gone by (`_poll`). A
     back-off of s > 0 ns sleeps s before the first reload, 2s before the next, ... up to POLL_SLEEP_CAP_NS (fewer
-    loads of L2 from programs that came early, while others still stream their weights through it). `wide`:
-    64-bit words, a 32-bit value low and the tag high (`_poll_wide`)."""
+    loads of L2 from programs that came early, while others still stream their weights through it)."""
     n = pack
-    bits, half = (64, 32) if wide else (32, 16)
     out = [f"${i}" for i in range(n)]
     addr, first, tag, limit, sleep = ([f"${i}" for i in range(k * n, (k + 1) * n)] for k in range(1, 6))
     stale = [f"nfS{i}" for i in range(n)]
-    lines = [f"mov.b{bits} {o}, {f};" for o, f in zip(out, first)]
+    lines = [f"mov.b32 {o}, {f};" for o, f in zip(out, first)]
     lines += ["mov.s32 nfN, 0;", f"mov.u32 nfZ, {sleep[0]};", "NF_TAGS_AGAIN:"]
     for o, st in zip(out, stale):
-        high = [f"shr.u64 nfW, {o}, 32;", "cvt.u32.u64 nfT, nfW;"] if wide else [f"shr.u32 nfT, {o}, 16;"]
-        lines += high + [f"setp.ne.u32 {st}, nfT, {tag[0]};"]
+        lines += [f"shr.u32 nfT, {o}, 16;", f"setp.ne.u32 {st}, nfT, {tag[0]};"]
     lines += [f"or.pred nfAny, {stale[0]}, {stale[0]};"] + [f"or.pred nfAny, nfAny, {st};" for st in stale[1:]]
     lines += ["@!nfAny bra NF_TAGS_DONE;", f"setp.ge.s32 nfAny, nfN, {limit[0]};", "@nfAny bra NF_TAGS_DONE;",
               "add.s32 nfN, nfN, 1;", "setp.ne.u32 nfAny, nfZ, 0;", "@nfAny nanosleep.u32 nfZ;",
               "shl.b32 nfZ, nfZ, 1;", f"min.u32 nfZ, nfZ, {POLL_SLEEP_CAP_NS};"]
-    lines += [f"@{st} ld.relaxed.gpu.global.u{bits} {o}, [{a}];" for st, o, a in zip(stale, out, addr)]
+    lines += [f"@{st} ld.relaxed.gpu.global.u32 {o}, [{a}];" for st, o, a in zip(stale, out, addr)]
     lines += ["bra NF_TAGS_AGAIN;", "NF_TAGS_DONE:"]
-    regs = f".reg .pred {', '.join(stale)}, nfAny;\n.reg .u32 nfT, nfZ;\n.reg .s32 nfN;" + (
-        "\n.reg .u64 nfW;" if wide else "")
+    regs = f".reg .pred {', '.join(stale)}, nfAny;\n.reg .u32 nfT, nfZ;\n.reg .s32 nfN;"
     return "{\n" + regs + "\n" + "\n".join(lines) + "\n}"
 
 
-def poll_constraints(pack: int, wide: bool = False) -> str:
-    """`poll_tags_ptx(pack, wide)`'s operands: the words out, their addresses, the words in, the tags, the limits,
-    the back-offs."""
-    word = "l" if wide else "r"
-    return ",".join([f"={word}"] * pack + ["l"] * pack + [word] * pack + ["r"] * 3 * pack)
+def poll_constraints(pack: int) -> str:
+    """`poll_tags_ptx(pack)`'s operands: the words out, their addresses, the words in, the tags, the limits, the
+    back-offs."""
+    return ",".join(["=r"] * pack + ["l"] * pack + ["r"] * 4 * pack)
 
 
 def ring_stages() -> int:
@@ -483,10 +457,6 @@ _POLL_PTX = [tl.constexpr(poll_tags_ptx(n)) for n in POLL_PACKS]
 _POLL_CONSTRAINTS = [tl.constexpr(poll_constraints(n)) for n in POLL_PACKS]
 POLL_1, POLL_4, POLL_8, POLL_16 = _POLL_PTX
 POLL_1_OPS, POLL_4_OPS, POLL_8_OPS, POLL_16_OPS = _POLL_CONSTRAINTS
-_WIDE_PTX = [tl.constexpr(poll_tags_ptx(n, wide=True)) for n in (1, 4)]  # 64-bit words (`_poll_wide`)
-_WIDE_CONSTRAINTS = [tl.constexpr(poll_constraints(n, wide=True)) for n in (1, 4)]
-POLLW_1, POLLW_4 = _WIDE_PTX[:2]
-POLLW_1_OPS, POLLW_4_OPS = _WIDE_CONSTRAINTS[:2]
 
 
 def poll_pack(width: int, warps: int = 8) -> int:
@@ -496,7 +466,6 @@ def poll_pack(width: int, warps: int = 8) -> int:
 
 TAGS = 32767  # a launch's tag: 1 .. TAGS (never 0: a word of zeros is no launch's), from the launch count
 _TAGS = tl.constexpr(TAGS)
-_PART_TAG_LAYERS = tl.constexpr(PART_TAG_LAYERS)
 
 
 @triton.jit
@@ -647,53 +616,6 @@ def _poll(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constex
 
 
 @triton.jit
-def _tag_wide(v, tag):
-    """fp32 values v (any shape) as 64-bit tagged words: the value's bits low, `tag` high (`_poll_wide`)."""
-    return (v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | (tag.to(tl.int64) << 32)
-
-
-@triton.jit
-def _poll_wide(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, SPIN: tl.constexpr):
-    """`_poll` of 64-bit tagged words (`_tag_wide`): their fp32 values (0 outside) once each carries `tag`."""
-    at = XT + idx
-    w = tl.where(inside, tl.load(at, mask=inside, other=0, volatile=True), tag.to(tl.int64) << 32)
-    if SPIN:
-        limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit) + idx * 0
-        ops = [at, w, tag + idx * 0, limit, poll_sleep + idx * 0]
-        per_thread: tl.constexpr = idx.shape[0] // (32 * _WARPS)  # (at most 4 words at once: wider, Qwen3-0.6B's
-        if per_thread >= 4:  # kernel spilled 120 bytes a thread with Triton 3.6)
-            w = tl.inline_asm_elementwise(POLLW_4, POLLW_4_OPS, ops, dtype=tl.int64, is_pure=False, pack=4)
-        else:
-            w = tl.inline_asm_elementwise(POLLW_1, POLLW_1_OPS, ops, dtype=tl.int64, is_pure=False, pack=1)
-    tl.atomic_add(TIMEOUTS + idx * 0, 1, mask=(w >> 32).to(tl.int32) != tag)
-    return (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _polled_heads(PARTS_T, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.constexpr, SPLITS: tl.constexpr,
-                  GROUP: tl.constexpr, DH: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
-                  SPLITS_P2: tl.constexpr, SPIN: tl.constexpr):
-    """`combined_heads` of kv head hk's query heads from their splits' tagged partials (PARTS_T: every head's
-    outputs, then their log-sum-exps, as `_tag_wide` words): each word polled until it carries `tag`, then the
-    values loaded again as fp32 (the words' low halves) in `combined_heads`' shape (fewer registers held)."""
-    s = tl.arange(0, SPLITS_P2)[:, None, None]
-    g = tl.arange(0, GROUP_P2)[None, :, None]
-    d = tl.arange(0, BLOCK_D)[None, None, :]
-    part = (hk * GROUP + g) * SPLITS + s
-    ok = (s < SPLITS) & (g < GROUP)
-    o_at, lse_at = part * DH + d, HQ * SPLITS * DH + part
-    _poll_wide(PARTS_T, tl.reshape(o_at, [SPLITS_P2 * GROUP_P2 * BLOCK_D]),
-               tl.reshape(ok & (d < DH), [SPLITS_P2 * GROUP_P2 * BLOCK_D]), tag, spin_limit, poll_sleep, TIMEOUTS,
-               SPIN)
-    _poll_wide(PARTS_T, tl.reshape(lse_at, [SPLITS_P2 * GROUP_P2]), tl.reshape(ok, [SPLITS_P2 * GROUP_P2]), tag,
-               spin_limit, poll_sleep, TIMEOUTS, SPIN)
-    values = PARTS_T.to(tl.pointer_type(tl.float32))  # (a word's value: its low half, first in memory)
-    lse = tl.load(values + 2 * lse_at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(values + 2 * o_at, mask=ok & (d < DH), other=0.0, cache_modifier=".cg")
-    return combine_partials(lse, o)
-
-
-@triton.jit
 def _poll_vector(XT, K, KP: tl.constexpr, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constexpr,
                  SPIN: tl.constexpr):
     """`_vector` of a tagged vector (`_poll`)."""
@@ -835,8 +757,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
-               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT, PARTS_T, part_tag,
-               TAGGED_PARTS: tl.constexpr):  # fmt: skip
+               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; the split holding the
     context's last position writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
@@ -848,9 +769,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     TAGGED (no barriers): each item polls its query rows, key and value from the tagged Q/K/V (QKV_T) into the
     program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
     the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
-    combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone). TAGGED_PARTS
-    (`combine_mode`): no count; the partials are stored to PARTS_T as 64-bit words tagged `part_tag`, and each kv
-    head's last split polls them and combines them."""
+    combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone)."""
     if TAGGED:
         QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
@@ -892,27 +811,16 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         _mark(MARKS, 1, TRACE)
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
         part = head * SPLITS + split
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        if TAGGED_PARTS:  # no fence, no count: the last split polls the words
-            tl.store(PARTS_T + part[:, None] * DH + offs_d[None, :], _tag_wide(acc / l_safe[:, None], part_tag),
-                     mask=io_mask)
-            tl.store(PARTS_T + HQ * SPLITS * DH + part, _tag_wide(lse, part_tag), mask=row_ok)
-            last = split == SPLITS - 1
-        else:
-            tl.store(O_PART + part[:, None] * DH + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
-            tl.store(LSE_PART + part, lse, mask=row_ok)
-            tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
-            counted = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel")
-            last = (counted % SPLITS if TAGGED else counted) == SPLITS - 1
+        tl.store(O_PART + part[:, None] * DH + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
+        tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+        tl.debug_barrier()  # every thread's partials stored before the count (the atomic releases them)
+        counted = tl.atomic_add(COUNTS + hk, 1, sem="acq_rel")
+        last = (counted % SPLITS if TAGGED else counted) == SPLITS - 1
         _mark(MARKS, 2, TRACE)
         if last:
             if TAGGED:  # the combined heads stored as tagged words straight from the registers
-                if TAGGED_PARTS:
-                    out = _polled_heads(PARTS_T, hk, part_tag, spin_limit, poll_sleep, TIMEOUTS, HQ, SPLITS, GROUP,
-                                        DH, BLOCK_D, GROUP_P2, SPLITS_P2, SPIN)
-                else:
-                    out = combined_heads(O_PART, LSE_PART, hk * GROUP * SPLITS, SPLITS, GROUP, DH, BLOCK_D,
-                                         GROUP_P2, SPLITS_P2)
+                out = combined_heads(O_PART, LSE_PART, hk * GROUP * SPLITS, SPLITS, GROUP, DH, BLOCK_D, GROUP_P2,
+                                     SPLITS_P2)
                 g = tl.arange(0, GROUP_P2)[:, None]
                 dims = tl.arange(0, BLOCK_D)[None, :]
                 tl.store(ATT_T + (hk * GROUP + g) * DH + dims, _tag_words(out.to(ATT.dtype.element_ty), tag),
@@ -926,7 +834,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
 
 @triton.jit(do_not_specialize=["first_layer", "spin_limit", "poll_sleep"])
 def _decode_layers_kernel(
-    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS, TAGGED_T, SCRATCH, WS, PARTS_T,
+    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS, TAGGED_T, SCRATCH, WS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
     spin_limit, poll_sleep, first_layer, n_layers,
@@ -939,7 +847,7 @@ def _decode_layers_kernel(
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
     TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
-    RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr, TAGGED_PARTS: tl.constexpr,
+    RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -1015,8 +923,7 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
-                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0), PARTS_T,
-                       tag * _PART_TAG_LAYERS + layer, TAGGED_PARTS)
+                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             if TAGGED:
                 _clock(trace_at, 3 + 2 * step, TRACE)
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)

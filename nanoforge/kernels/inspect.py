@@ -269,7 +269,7 @@ def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
 
 _DECODE_LAYERS_SIGNATURE = {
     **{p: "*bf16" for p in ("X_IN", "XS", "PEND", "QKV", "ATT", "O", "ACT")}, "O_PART": "*fp32", "LSE_PART": "*fp32",
-    "COUNTS": "*i32", "TIMEOUTS": "*i32", "TAGGED_T": "*i32", "SCRATCH": "*bf16", "WS": "*i32", "PARTS_T": "*i64",
+    "COUNTS": "*i32", "TIMEOUTS": "*i32", "TAGGED_T": "*i32", "SCRATCH": "*bf16", "WS": "*i32",
     **{p: "*bf16" for p in ("G1", "WQKV", "BQKV", "QW", "KW", "WO", "G2", "WIN", "WOUT", "KC", "VC")},
     "TABLE": "*i32", "SEQ_LEN": "*i32", "SLOT": "*i64", "CS": "*bf16",
     **{f"stride_{c}{d}": "i64" if d == "l" else "i32" for c in "kv" for d in "lbsh"}, "eps": "fp32",
@@ -280,8 +280,8 @@ def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
     one launch, barriers between the phases (or tagged vectors, as NANOFORGE_DECODE_SYNC says), the L2 prefetch
     on (the weights through a ring as NANOFORGE_DECODE_RING and _RING_ON say), no trace; phase B's context
-    prefetch and preload as NANOFORGE_DECODE_PREFETCH_KV and NANOFORGE_DECODE_PRELOAD_KV say, the splits'
-    combine as NANOFORGE_DECODE_COMBINE (each read when compiled)."""
+    prefetch and preload as NANOFORGE_DECODE_PREFETCH_KV and NANOFORGE_DECODE_PRELOAD_KV say (each read when
+    compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -291,7 +291,6 @@ def _decode_layers(**shape) -> TritonKernel:
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv,
         TAGGED=lambda: dl.sync_mode() == "tagged", BARRIERS=lambda: dl.sync_mode() != "tagged",
-        TAGGED_PARTS=lambda: dl.sync_mode() == "tagged" and dl.combine_mode() == "tagged",
         **{key: (lambda key=key: dl.ring_constants()[key]) for key in dl.ring_constants()})
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)

@@ -554,15 +554,7 @@ def combined_heads(O_PART, LSE_PART, first, num_splits, n_heads, HEAD_D: tl.cons
     ok = (s < num_splits) & (g < n_heads)
     lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
     o = tl.load(O_PART + part * HEAD_D + d, mask=ok & (d < HEAD_D), other=0.0, cache_modifier=".cg")
-    return combine_partials(lse, o)  # (after both loads: the max's CTA barrier would hold the partials' behind it)
-
-
-@triton.jit
-def combine_partials(lse, o):
-    """Heads over the whole context from their splits' partials, lse (splits, heads, 1) (-inf: none) and o
-    (splits, heads, BLOCK_D): sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), as fp32 (heads,
-    BLOCK_D)."""
-    top = tl.max(lse, 0)
+    top = tl.max(lse, 0)  # (after both loads: the max's CTA barrier would hold the partials' loads behind it)
     w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)[None])  # (a head no split saw: masked by callers)
     total = tl.sum(w, 0)
     return tl.sum(w * o, 0) / tl.where(total > 0, total, 1.0)
