@@ -379,6 +379,8 @@ DECODE_VARIANTS = {
     "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},
     "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
     "poll_sleep0": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "0"},
+    "poll_cap512": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "512"},  # the back-off's cap (default 2,048 ns)
+    "poll_cap1024": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "1024"},
     "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},
     "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
     "ring3": {"NANOFORGE_DECODE_RING": "3"},

@@ -257,10 +257,11 @@ def test_the_ring_serves_the_projections_it_is_set_on(monkeypatch):
             dl.ring_constants()
 
 
-def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
+def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it(monkeypatch):
     """The tagged poll's PTX: `pack` words a thread, each reloaded (predicated, all in flight) only while stale,
     the loop's branch not claimed uniform (a warp's threads leave it apart), an optional back-off between rounds
-    (NANOFORGE_DECODE_POLL_SLEEP_NS); its width a power of two that
+    (NANOFORGE_DECODE_POLL_SLEEP_NS, doubling up to NANOFORGE_DECODE_POLL_SLEEP_CAP_NS: one argument, the cap in
+    its high 16 bits); its width a power of two that
     divides the words any layout of a vector gives each of 256 threads (at least width / 256: 4 from 1,024)."""
     from nanoforge.kernels import decode_layers as dl
 
@@ -270,7 +271,16 @@ def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it():
         assert ptx.count("ld.relaxed.gpu.global.u32") == n and ptx.count("setp.ne.u32") == n + 1
         assert f"${n - 1}, [${2 * n - 1}]" in ptx and f"mov.b32 $0, ${2 * n};" in ptx  # (outputs, addresses, words)
         assert "bra.uni" not in ptx and dl.poll_constraints(n).count(",") == 6 * n - 1
-        assert f"mov.u32 nfZ, ${5 * n};" in ptx and "@nfAny nanosleep.u32 nfZ;" in ptx  # (the back-off, when > 0)
+        assert f"and.b32 nfZ, ${5 * n}, 65535;" in ptx and "@nfAny nanosleep.u32 nfZ;" in ptx  # (the back-off,
+        assert f"shr.u32 nfC, ${5 * n}, 16;" in ptx and "min.u32 nfZ, nfZ, nfC;" in ptx  # when > 0; its cap)
+    assert dl.poll_sleep_arg() == 256 | 2048 << 16  # (the defaults)
+    monkeypatch.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "4096")
+    monkeypatch.setenv("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", "16384")
+    assert dl.poll_sleep_arg() == 4096 | 16384 << 16 and dl.poll_sleep_arg() < 2 ** 31  # (an int32 argument)
+    monkeypatch.setenv("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", "20000")
+    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_POLL_SLEEP_CAP_NS must be a whole number from 0 to "
+                                             "16384"):
+        dl.poll_sleep_arg()
 
 
 @pytest.mark.gpu
@@ -736,7 +746,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
-        "poll_sleep0 .. poll_sleep4096, ring2 .. ring6 or on_ with qkv.o.gate_up.down or some of them"]
+        "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6 or on_ with qkv.o.gate_up.down or "
+        "some of them"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():

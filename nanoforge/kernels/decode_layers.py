@@ -274,7 +274,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
             *k_cache.stride()[:4], *v_cache.stride()[:4], float(w.eps), dh ** -0.5 * LOG2E,
-            trace if trace is not None else counts, SPIN_LIMIT, poll_sleep_ns())
+            trace if trace is not None else counts, SPIN_LIMIT, poll_sleep_arg())
     warps = 1 if interp else WARPS
     if persistent:
         _decode_layers_kernel[(programs,)](*args, 0, n_layers, PHASE=-1, **meta, num_warps=warps,
@@ -364,30 +364,32 @@ def poll_one_thread_ptx(load: str = "ld.relaxed.gpu.global", give_up: str = "") 
 POLL_ONE_THREAD = tl.constexpr(poll_one_thread_ptx())  # `_poll_one_thread`'s
 
 
-POLL_SLEEP_CAP_NS = 2048  # a poll's back-off doubles up to this
+POLL_SLEEP_CAP_NS = 2048  # a poll's back-off doubles up to this by default (NANOFORGE_DECODE_POLL_SLEEP_CAP_NS)
 
 
 def poll_tags_ptx(pack: int) -> str:
     """PTX in which a thread takes `pack` tagged words (outputs $0.., addresses, the words as first loaded, the
     tag, a spin limit, a back-off: `pack` operands each) and loads the stale ones again (predicated, all in flight
     at once) until each carries the tag in its high 16 bits or the limit's rounds have gone by (`_poll`). A
-    back-off of s > 0 ns sleeps s before the first reload, 2s before the next, ... up to POLL_SLEEP_CAP_NS (fewer
-    loads of L2 from programs that came early, while others still stream their weights through it)."""
+    back-off of s > 0 ns sleeps s before the first reload, 2s before the next, ... up to a cap c (fewer loads of L2
+    from programs that came early, while others still stream their weights through it); the operand is s | c << 16
+    (`poll_sleep_arg`)."""
     n = pack
     out = [f"${i}" for i in range(n)]
     addr, first, tag, limit, sleep = ([f"${i}" for i in range(k * n, (k + 1) * n)] for k in range(1, 6))
     stale = [f"nfS{i}" for i in range(n)]
     lines = [f"mov.b32 {o}, {f};" for o, f in zip(out, first)]
-    lines += ["mov.s32 nfN, 0;", f"mov.u32 nfZ, {sleep[0]};", "NF_TAGS_AGAIN:"]
+    lines += ["mov.s32 nfN, 0;", f"and.b32 nfZ, {sleep[0]}, 65535;", f"shr.u32 nfC, {sleep[0]}, 16;",
+              "NF_TAGS_AGAIN:"]
     for o, st in zip(out, stale):
         lines += [f"shr.u32 nfT, {o}, 16;", f"setp.ne.u32 {st}, nfT, {tag[0]};"]
     lines += [f"or.pred nfAny, {stale[0]}, {stale[0]};"] + [f"or.pred nfAny, nfAny, {st};" for st in stale[1:]]
     lines += ["@!nfAny bra NF_TAGS_DONE;", f"setp.ge.s32 nfAny, nfN, {limit[0]};", "@nfAny bra NF_TAGS_DONE;",
               "add.s32 nfN, nfN, 1;", "setp.ne.u32 nfAny, nfZ, 0;", "@nfAny nanosleep.u32 nfZ;",
-              "shl.b32 nfZ, nfZ, 1;", f"min.u32 nfZ, nfZ, {POLL_SLEEP_CAP_NS};"]
+              "shl.b32 nfZ, nfZ, 1;", "min.u32 nfZ, nfZ, nfC;"]
     lines += [f"@{st} ld.relaxed.gpu.global.u32 {o}, [{a}];" for st, o, a in zip(stale, out, addr)]
     lines += ["bra NF_TAGS_AGAIN;", "NF_TAGS_DONE:"]
-    regs = f".reg .pred {', '.join(stale)}, nfAny;\n.reg .u32 nfT, nfZ;\n.reg .s32 nfN;"
+    regs = f".reg .pred {', '.join(stale)}, nfAny;\n.reg .u32 nfT, nfZ, nfC;\n.reg .s32 nfN;"
     return "{\n" + regs + "\n" + "\n".join(lines) + "\n}"
 
 
@@ -448,6 +450,20 @@ def poll_sleep_ns() -> int:
     from 1,098 to 1,056 us and Qwen3-0.6B's from 885 to 854 (512: no better than none): the early programs'
     polling of L2 slowed the programs still streaming their weights."""
     return env_count("NANOFORGE_DECODE_POLL_SLEEP_NS", 256, 0, 4096)
+
+
+def poll_sleep_cap_ns() -> int:
+    """NANOFORGE_DECODE_POLL_SLEEP_CAP_NS (default POLL_SLEEP_CAP_NS, 2,048; 0 to 16,384): the longest a tagged
+    poll's back-off grows to. Session 41's trace (an H100) put 12 us of each Qwen3-0.6B layer's 30 in the vectors'
+    hand-overs, from the last program to store its part to the last to have polled the whole: a program that
+    came early and has backed off to the cap sees the last word up to the cap late."""
+    return env_count("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", POLL_SLEEP_CAP_NS, 0, 16384)
+
+
+def poll_sleep_arg() -> int:
+    """The kernel's `poll_sleep` argument: the first back-off (`poll_sleep_ns`) low, the cap (`poll_sleep_cap_ns`)
+    in the high 16 bits, as `poll_tags_ptx` reads it."""
+    return poll_sleep_ns() | poll_sleep_cap_ns() << 16
 
 
 # a poll takes as many words a thread at once as a vector of its width gives each of WARPS warps' threads (at
