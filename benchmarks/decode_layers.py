@@ -26,7 +26,9 @@ then from the last program to store its part to the last to have the whole vecto
 2,048), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
 `on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
-Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts).
+Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts), and looks at each
+wait from its last program to leave: its own time from its arrival, and how often it was also the last to arrive
+(with tagged vectors: whether a hand-over is the last producer's own next loads and poll).
 --smoke runs the tiny presets interpreted (one launch of one program).
 """
 
@@ -85,6 +87,11 @@ def phase_line(ph: dict, rates: dict[str, float]) -> str:
                      for k in "ABCDE")
     waits = ", ".join(f"{k} wait {ph[f'{k} wait']:.1f}" for k in "ABCDE")
     return f"{work}; {waits}; total {ph['total']:.1f}"
+
+
+def handover_line(ph: dict) -> str:
+    """Each phase's waits as their last program to leave saw them (`phase_times`' "last tail" and "last self")."""
+    return ", ".join(f"{k} {ph[f'{k} last tail']:.1f} ({100 * ph[f'{k} last self']:.0f}%)" for k in "ABCDE")
 
 
 def decode_inputs(model: Transformer, ctx: int) -> dict:
@@ -304,6 +311,8 @@ def main() -> None:
             print(f"   phases, {dl.sync_mode()} (us over all layers, the rate each read its weights or K/V at): "
                   + phase_line(r["phases_us"], r["phase_tb_s"]))
             print("   attention phase's parts: " + attention_parts(r["phases_us"]))
+            print("   each wait's last program to leave, from its own arrival (us over all layers; how often it was "
+                  "also the last to arrive): " + handover_line(r["phases_us"]))
         runs = [("splits", n, {"splits": n}) for n in splits]
         runs += [("variants", v, {"env": e, "default_fn": ours_fn}) for v, e in variants.items()]
         for group, key, how in runs:  # (session 26: the attention phase 11.3 us a Qwen3 layer)

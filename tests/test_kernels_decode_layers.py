@@ -753,12 +753,13 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
     """`decode_layers.py`'s phase line: each phase's bytes over all layers at Qwen3-0.6B's shape (bf16, written
     out from the config: W_qkv 4,096 x 1,024, W_o 1,024 x 2,048, W_gate and W_up 2 x 3,072 x 1,024, W_down
-    1,024 x 3,072, K and V of 384 tokens x 8 heads x 128), and each phase's work with its rate, B's included."""
+    1,024 x 3,072, K and V of 384 tokens x 8 heads x 128), and each phase's work with its rate, B's included; each
+    wait's last program to leave, its own time and how often it arrived last."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.decode_layers import phase_bytes, phase_line, phase_rates
+    from benchmarks.decode_layers import handover_line, phase_bytes, phase_line, phase_rates
 
     with torch.device("meta"):
         model = Transformer(preset("qwen3-0.6b")).to(torch.bfloat16)
@@ -772,13 +773,17 @@ def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
     line = phase_line(ph, phase_rates(ph, got))
     assert line.startswith("A work 90.5 (2.60 TB/s), B work 294.5 (0.15 TB/s), C work 76.5 (1.54 TB/s), ")
     assert "D work 211.8 (1.66 TB/s)" in line and "B wait 39.8" in line and line.endswith("total 992.8")
+    tails = {f"{k} last {w}": v for k, t, share in zip("ABCDE", (20.5, 40.0, 30.25, 50.0, 10.0), (0.5, 1, 0, 0.25, 1))
+             for w, v in (("tail", t), ("self", share))}
+    assert handover_line(tails) == "A 20.5 (50%), B 40.0 (100%), C 30.2 (0%), D 50.0 (25%), E 10.0 (100%)"
 
 
 def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkeypatch):
     """`phase_times` on a made-up trace of 2 programs and one layer (clock in ns): each phase's work runs from
     the last departure before it to the last arrival after it, its barrier from that arrival to the last
     departure, and phase B's work is cut at its marks the same way (a program that never got to a mark, its
-    clock 0, does not count); and the switches take their values only, in one line."""
+    clock 0, does not count); each barrier's last program to leave, its own time there and whether it was the
+    last to arrive; and the switches take their values only, in one line."""
     from nanoforge.kernels import decode_layers as dl
 
     start = [0, 1000]
@@ -796,6 +801,13 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     got = dl.phase_times(trace)
     assert [got[f"{n} work"] for n in "ABCDE"] == [2.0, 3.0, 4.0, 5.0, 6.0]
     assert all(got[f"{n} wait"] == 0.5 for n in "ABCDE")
+    # the last to leave each barrier, program 0, arrived 1 us before program 1 (the last to arrive) and left 0.5
+    # us after it: its own 1.5 us from arrival to departure, never the last to arrive
+    assert all(got[f"{n} last tail"] == 1.5 and got[f"{n} last self"] == 0.0 for n in "ABCDE")
+    swapped = trace.clone()
+    swapped[6] = swapped[6].flip(0)  # phase C's barrier: program 1, the last to arrive, now also the last to leave
+    got_c = dl.phase_times(swapped)
+    assert got_c["C last tail"] == 0.5 and got_c["C last self"] == 1.0 and got_c["C wait"] == 0.5
     b_parts = [got[f"B {n}"] for n in ("query", "keys", "counted", "combined", "rest")]
     assert b_parts == pytest.approx([0.3, 0.9, 0.3, 1.1, 0.4]) and sum(b_parts) == pytest.approx(got["B work"])
     assert got["total"] == (t - 0) / 1e3 and got["layers"] == 1

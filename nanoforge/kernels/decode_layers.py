@@ -314,7 +314,11 @@ def phase_times(trace: torch.Tensor) -> dict:
     and counted; "B combined": the last split's combine; "B rest": from there to the last arrival). A tagged
     launch's trace reads the same way (`decode_layers`' `trace`): "wait" is then a vector's hand-over, from the
     last program to store its part to the last to have polled it whole (phase A's to B can be negative: an
-    attention item waits only for its kv head's words)."""
+    attention item waits only for its kv head's words). Each wait is also looked at from its last program to
+    leave: "X last tail" sums, over the layers, that program's own time from its arrival to its departure (its
+    last store of phase X to its poll's end; in a launch with barriers, its own wait), and "X last self" is the
+    share of phase X's waits whose last to leave was also the last to arrive (with tagged vectors, the last
+    producer of a vector the last to have it whole: its own next loads and its poll are then the hand-over)."""
     t = trace.double().cpu() / 1e3
     layers = (t.shape[0] - 1) // (2 * PHASES + B_MARKS)
     steps = PHASES * layers
@@ -323,6 +327,11 @@ def phase_times(trace: torch.Tensor) -> dict:
     names = "ABCDE"
     out = {f"{names[p]} work": float(work[p::PHASES].sum()) for p in range(PHASES)}
     out |= {f"{names[p]} wait": float(wait[p::PHASES].sum()) for p in range(PHASES)}
+    last = leave.argmax(1, keepdim=True)  # (steps, 1): each step's last program to leave
+    tail = (leave.gather(1, last) - arrive.gather(1, last))[:, 0]
+    self_last = (arrive.gather(1, last)[:, 0] == arrive.max(1).values).double()
+    out |= {f"{names[p]} last tail": float(tail[p::PHASES].sum()) for p in range(PHASES)}
+    out |= {f"{names[p]} last self": float(self_last[p::PHASES].mean()) for p in range(PHASES)}
     marks = t[1 + 2 * steps:].reshape(layers, B_MARKS, -1).max(2).values  # (0: no program got there: never last)
     points = torch.cat([before[1::PHASES, None], marks, (before + work)[1::PHASES, None]], 1)  # (+ work: its arrival)
     for name, d in zip(B_POINTS + ("rest",), (points[:, 1:] - points[:, :-1]).unbind(1)):
@@ -785,7 +794,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     TAGGED (no barriers): each item polls its query rows, key and value from the tagged Q/K/V (QKV_T) into the
     program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
     the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
-    combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone)."""
+    combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone); with TRACE, the
+    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over)."""
     if TAGGED:
         QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
