@@ -398,7 +398,7 @@ def forced_timings(monkeypatch, winner: str | None, seen: list, captured: dict) 
         if decode and layout.t == 1:
             k = self.layer_kernel
             captured[replay] = ("kernels" if k is None else "persistent" if k.ring is None
-                                else next(w for w, r in layer_kernel.RINGS.items() if r == k.ring))
+                                else next(w for w, (_, r) in layer_kernel.WAYS.items() if r == k.ring))
         return replay
 
     monkeypatch.setattr(model_runner, "replays_us", timed)
@@ -450,7 +450,7 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
                .outputs[0].token_ids)
     assert got == want
     assert len(calls) - at_start == (3 * 5 if winner != "kernels" else 0)
-    assert set(rings[at_start:]) <= {layer_kernel.RINGS.get(winner, none)}
+    assert set(rings[at_start:]) <= {layer_kernel.WAYS[winner][1] or none}
 
 
 def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):

@@ -511,14 +511,15 @@ def _clock(TRACE_AT, row, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _arrive(BAR, step, TRACE_AT, PERSISTENT: tl.constexpr, TRACE: tl.constexpr):
-    """This program's arrival at the grid barrier after phase `step` of the launch (a no-op when each phase is its
-    own launch): every thread's stores made (the CTA barrier), then counted at BAR with a release. The release's
-    fence (MEMBAR.ALL.GPU on sm_90) waits for every access the warp has in flight, loads included, so the next
-    phase's first weight tile is asked for after it, between `_arrive` and `_depart` (session 32; before, the
-    arrival waited for that tile to come from HBM). TRACE: this program's clock at row 1 + 2 step."""
-    if PERSISTENT:
-        _clock(TRACE_AT, 1 + 2 * step, TRACE)
+def _arrive(BAR, step, TRACE_AT, BARRIER: tl.constexpr, TRACE: tl.constexpr):
+    """This program's arrival after phase `step` of the launch. BARRIER (a persistent launch with barriers; off
+    where each phase is its own launch, or tagged): every thread's stores made (the CTA barrier), then counted at
+    BAR with a release. The release's fence (MEMBAR.ALL.GPU on sm_90) waits for every access the warp has in
+    flight, loads included, so the next phase's first weight tile is asked for after it, between `_arrive` and
+    `_depart` (session 32; before, the arrival waited for that tile to come from HBM). TRACE (a persistent launch,
+    with barriers or tagged): this program's clock at row 1 + 2 step, its part of the phase stored."""
+    _clock(TRACE_AT, 1 + 2 * step, TRACE)
+    if BARRIER:
         tl.debug_barrier()
         tl.atomic_add(BAR, 1, sem="release")
 
@@ -925,7 +926,6 @@ def _decode_layers_kernel(
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
                          tag, True, RING_QKV)
-                _clock(trace_at, 1 + 2 * step, TRACE)  # its tiles stored: its "arrival"
             else:
                 if layer == 0:  # the embedding's output, nothing pending
                     h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
@@ -950,8 +950,6 @@ def _decode_layers_kernel(
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
                        ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
-            if TAGGED:
-                _clock(trace_at, 3 + 2 * step, TRACE)
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
@@ -964,7 +962,6 @@ def _decode_layers_kernel(
                 a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 4 + 2 * step, TRACE)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
-                _clock(trace_at, 5 + 2 * step, TRACE)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
                          RING_O)
@@ -982,7 +979,6 @@ def _decode_layers_kernel(
                 x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
                 _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING_IN)
-                _clock(trace_at, 7 + 2 * step, TRACE)
             else:
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
                 _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING_IN)
@@ -1000,7 +996,6 @@ def _decode_layers_kernel(
                 a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 8 + 2 * step, TRACE)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
-                _clock(trace_at, 9 + 2 * step, TRACE)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                          AHEAD, 0, False, RING_OUT)

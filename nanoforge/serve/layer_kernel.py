@@ -24,12 +24,12 @@ from nanoforge.kernels.dispatch import env_choice, use_fast
 from nanoforge.model.transformer import RMSNorm, Transformer
 
 AUTO_RING = 3  # the stages of the weight rings `auto` times the kernel with (where NANOFORGE_DECODE_RING is unset)
-# the ways `auto` times, in the order it names them: the kernel; with the ring on every projection, on
-# gate-and-up alone (the kernel's `ring`, `ring_on`); layer by layer
-WAYS = {"persistent": "persistent kernel", f"persistent_ring{AUTO_RING}": f"with a {AUTO_RING}-stage weight ring",
-        f"persistent_ring{AUTO_RING}_gate_up": "with it on gate-and-up alone", "kernels": "kernel by kernel"}
-RINGS = {f"persistent_ring{AUTO_RING}": (AUTO_RING, "all"),
-         f"persistent_ring{AUTO_RING}_gate_up": (AUTO_RING, "gate_up")}  # the ways with a ring: (stages, on)
+# the ways `auto` times, in the order it names them, each (its words, its weight ring: the kernel's `ring`,
+# `ring_on`): the kernel; with the ring on every projection, on gate-and-up alone; layer by layer
+WAYS = {"persistent": ("persistent kernel", None),
+        f"persistent_ring{AUTO_RING}": (f"with a {AUTO_RING}-stage weight ring", (AUTO_RING, "all")),
+        f"persistent_ring{AUTO_RING}_gate_up": ("with it on gate-and-up alone", (AUTO_RING, "gate_up")),
+        "kernels": ("kernel by kernel", None)}
 
 
 def mode() -> str:
@@ -40,7 +40,7 @@ def describe(choice: dict) -> str:
     """What NANOFORGE_DECODE_LAYERS=auto chose (`ModelRunner.decode_layers`), in words, with each way's time."""
     tagged = " with tagged vectors" if choice.get("tagged") else ""
     times = ", ".join(f"{label}{tagged if way == 'persistent' else ''} {choice[f'{way}_us']:,.0f} us"
-                      for way, label in WAYS.items() if f"{way}_us" in choice)
+                      for way, (label, _) in WAYS.items() if f"{way}_us" in choice)
     return f"{choice['chosen']} ({times})"
 
 

@@ -512,7 +512,8 @@ class ModelRunner:
         # "replays" read it at each call, so it is set before each)
         ways = {"persistent": (self.graphs[(True, 1)] if graphed else self._capture(Layout(1, 1), decode=True),
                                None)}
-        for way, ring in layer_kernel.RINGS.items() if ring_stages() == 0 else ():  # (NANOFORGE_DECODE_RING unset)
+        rings = {way: ring for way, (_, ring) in layer_kernel.WAYS.items() if ring} if ring_stages() == 0 else {}
+        for way, ring in rings.items():  # (the ways with a ring, where NANOFORGE_DECODE_RING is unset)
             kernel.ring = ring
             ways[way] = (self._capture(Layout(1, 1), decode=True), ring)
         kernel.ring, self.layer_kernel = None, None
