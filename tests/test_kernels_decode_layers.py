@@ -464,15 +464,16 @@ def test_auto_keeps_the_faster_way_of_a_decode_step_and_decodes_the_reference_to
 
 
 def test_layer_kernel_is_only_taken_where_it_applies(tok, monkeypatch):
-    """GPT-2 (LayerNorm, learned positions, biases) keeps its layers; the default leaves every model alone; a
-    bad setting is one line naming it."""
+    """GPT-2 (LayerNorm, learned positions, biases) keeps its layers; the default leaves every model alone on
+    the CPU and times the kernel on a GPU (`auto`); a bad setting is one line naming it."""
     monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
     assert not layer_kernel.supported(make_model(tok, "tiny-gpt2"))
     assert layer_kernel.supported(make_model(tok, "tiny-qwen3")) == layer_kernel.use_fast(torch.zeros(1))
     monkeypatch.setenv("NANOFORGE_KERNELS", "torch")
     assert not layer_kernel.supported(make_model(tok, "tiny-llama"))  # the reference kernels: nothing to fuse
     monkeypatch.delenv("NANOFORGE_DECODE_LAYERS", raising=False)
-    assert layer_kernel.mode() == "kernels"
+    assert layer_kernel.mode() == "kernels" and layer_kernel.mode(torch.device("cpu")) == "kernels"
+    assert layer_kernel.mode(torch.device("cuda")) == "auto"  # (a GPU's default)
     monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "fused")
     with pytest.raises(NanoforgeError,
                        match="NANOFORGE_DECODE_LAYERS must be kernels, persistent or auto, not 'fused'"):
@@ -713,11 +714,11 @@ def test_gpu_engine_with_layers_in_one_kernel_decodes_the_reference_tokens(tok, 
 @pytest.mark.parametrize("name,winner", [(n, None) for n in FAMILIES] + [("tiny-qwen3", w) for w in layer_kernel.WAYS])
 def test_gpu_auto_keeps_the_faster_graph_of_a_decode_step_and_decodes_the_reference_tokens(tok, monkeypatch, name,
                                                                                             winner):
-    """NANOFORGE_DECODE_LAYERS=auto on the GPU: the batch-1 decode graph captured each way
-    (`layer_kernel.WAYS`) and timed (each time real and positive), the kept graph the one captured the winner's
-    way (as timed; or told), and the engine then decodes the reference generator's tokens, greedy and seeded,
-    one sequence and several."""
-    monkeypatch.setenv("NANOFORGE_DECODE_LAYERS", "auto")
+    """NANOFORGE_DECODE_LAYERS=auto (unset: a GPU's default) on the GPU: the batch-1 decode graph captured each
+    way (`layer_kernel.WAYS`) and timed (each time real and positive), the kept graph the one captured the
+    winner's way (as timed; or told), and the engine then decodes the reference generator's tokens, greedy and
+    seeded, one sequence and several."""
+    monkeypatch.delenv("NANOFORGE_DECODE_LAYERS", raising=False)
     model = make_model(tok, name).cuda()
     ps = prompts(4, random.Random(11), 3, 40)
     want = [generate(model, p, max_new_tokens=16) for p in ps]

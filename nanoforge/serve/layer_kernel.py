@@ -1,10 +1,11 @@
 """A batch-1 decode step's layers in one launch (`kernels/decode_layers.py`), where the model allows it.
 
-NANOFORGE_DECODE_LAYERS picks how a decode step of one sequence runs the model's layers: `kernels` (the default:
-layer by layer, each projection the faster of cuBLAS and the skinny matmul, `Block.forward`), `persistent` (one
-persistent kernel for all of them) or `auto` (the engine times its batch-1 decode step each way when it starts,
-the kernel also with its weights through a shared-memory ring, and keeps the fastest:
-`ModelRunner._choose_decode_layers`). The kernel runs the Llama / Qwen2 / Qwen3
+NANOFORGE_DECODE_LAYERS picks how a decode step of one sequence runs the model's layers: `kernels` (layer by
+layer, each projection the faster of cuBLAS and the skinny matmul, `Block.forward`), `persistent` (one persistent
+kernel for all of them) or `auto` (the default on a GPU since session 42; `kernels` elsewhere, where the kernel
+runs interpreted: the engine times its batch-1 decode step each way when it starts, the kernel also with its
+weights through a shared-memory ring, and keeps the fastest: `ModelRunner._choose_decode_layers`). The kernel
+runs the Llama / Qwen2 / Qwen3
 families: RMSNorm, rotary positions, SwiGLU, biases only on Q/K/V, plain `nn.Linear` layers (not
 tensor-parallel ones).
 Steps of more than one token (prefill, mixed, a batch of decodes) always run layer by layer.
@@ -15,6 +16,8 @@ is not doubled, except for one kind at a time while it is copied).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn as nn
@@ -32,7 +35,11 @@ WAYS = {"persistent": ("persistent kernel", None),
         "kernels": ("kernel by kernel", None)}
 
 
-def mode() -> str:
+def mode(device: torch.device | None = None) -> str:
+    """NANOFORGE_DECODE_LAYERS; unset, `auto` on a CUDA device and `kernels` elsewhere (on the CPU the kernel
+    runs interpreted: tests ask for it)."""
+    if "NANOFORGE_DECODE_LAYERS" not in os.environ:
+        return "auto" if device is not None and device.type == "cuda" else "kernels"
     return env_choice("NANOFORGE_DECODE_LAYERS", ("kernels", "persistent", "auto"))
 
 

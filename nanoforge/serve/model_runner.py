@@ -180,9 +180,9 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         shape = (self.cfg.n_layers, num_gpu_blocks + 1, block_size, local_kv_heads(model), self.cfg.head_dim)
         self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
-        # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent, or auto where it times
-        # faster): the weights stacked before the cache takes the memory that is left
-        self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode() != "kernels"
+        # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent, or auto, a GPU's default,
+        # where it times faster): the weights stacked before the cache takes the memory that is left
+        self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode(self.device) != "kernels"
                              and tp is None and layer_kernel.supported(model) else None)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
@@ -221,7 +221,7 @@ class ModelRunner:
         for b in reversed(sizes):
             self.graphs[(True, b)] = self._capture(Layout(b, b), decode=True)
         self.decode_layers = None  # NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step timed each way
-        if self.layer_kernel is not None and layer_kernel.mode() == "auto":
+        if self.layer_kernel is not None and layer_kernel.mode(self.device) == "auto":
             self._choose_decode_layers()
         if cuda and not buckets:
             self._warm_up_eager_prefill()
