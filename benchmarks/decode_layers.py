@@ -24,8 +24,7 @@ then from the last program to store its part to the last to have the whole vecto
 `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
 2,048; the default 256), `poll_capN` (NANOFORGE_DECODE_POLL_SLEEP_CAP_NS=N: that back-off's cap, the default
 2,048), `poll_packN` (NANOFORGE_DECODE_POLL_PACK=N: the most words a thread polls in one loop, the default
-16; 1, 2, 4, 8, 16 or 32), `attn_block_nN` (NANOFORGE_DECODE_ATTN_BLOCK_N=N: the keys a step of the attention
-phase takes, 16, 32 or the default 64; the grain of its splits), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
+16; 1, 2, 4, 8, 16 or 32), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
 `on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts), and looks at each
@@ -181,10 +180,7 @@ SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' p
 COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
     "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", 0, 16384), "poll_pack": ("NANOFORGE_DECODE_POLL_PACK", 1, 32),
-    "ring": ("NANOFORGE_DECODE_RING", 2, 6), "attn_block_n": ("NANOFORGE_DECODE_ATTN_BLOCK_N", 16, 64)}
-
-# the COUNTS whose range is not all allowed: the values each takes
-ONLY = {"NANOFORGE_DECODE_POLL_PACK": dl.POLL_PACKS, "NANOFORGE_DECODE_ATTN_BLOCK_N": (16, 32, 64)}
+    "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -194,8 +190,8 @@ def variant_env(name: str) -> dict[str, str]:
     for part in name.split("+"):
         count = next(((var, part[len(p):]) for p, (var, lo, top) in COUNTS.items() if part.startswith(p)
                       and part[len(p):].isdigit() and lo <= int(part[len(p):]) <= top), None)
-        if count and count[0] in ONLY and int(count[1]) not in ONLY[count[0]]:
-            count = None
+        if count and count[0] == "NANOFORGE_DECODE_POLL_PACK" and int(count[1]) not in dl.POLL_PACKS:
+            count = None  # (a power of two)
         on = part[3:].split(".") if part.startswith("on_") else []
         if part in SWITCHES:
             env.update(SWITCHES[part])
@@ -267,8 +263,7 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
                     "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
                     "(N 0-16384 ns), poll_packN (N 1-32, a power of two), ringN (N 2-6), on_P.Q (the ring on "
-                    "projections P and Q of qkv, o, gate_up, down), attn_block_nN (N 16, 32, 64), joined with + "
-                    "(e.g. ring3+on_gate_up)")
+                    "projections P and Q of qkv, o, gate_up, down), joined with + (e.g. ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

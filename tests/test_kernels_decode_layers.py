@@ -604,7 +604,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
     GPU), every one bit for bit the launches per phase (the same sums in the same order: any difference is a word
     read before it was written, or an old one taken for new), none stale. The traced launch's clocks run in each
     program's order: its start, then each phase's last store and the next one's poll, phase B's marks between its
-    poll and its last store. With attention's steps of 16 keys (other splits: other sums), within bf16 rounding."""
+    poll and its last store."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -648,16 +648,11 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         for _ in range(3):
             graph.replay()
             outs.append(tuple(t.clone() for t in captured))
-        with monkeypatch.context() as m:  # attention's steps (and its splits' grain) of 16 keys: other sums
-            m.setenv("NANOFORGE_DECODE_ATTN_BLOCK_N", "16")
-            fine = launch()
     for got in outs:
         assert all(torch.equal(a, b) for a, b in zip(want, got))
-    for a, b in zip(want, fine):
-        assert (a.float() - b.float()).abs().max().item() <= 0.05 * a.float().abs().max().item()
     assert dl.barrier_timeouts(x.device) == 0
     (_, _, counts), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 13  # launches (a capture launches nothing)
+    assert counts[model.cfg.n_kv_heads].item() == 12  # launches (a capture launches nothing)
     steps = dl.PHASES * n_layers
     clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")
     assert bool((clocks > 0).all()) and bool((clocks[1:] >= clocks[:-1]).all())
@@ -766,8 +761,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
-        "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, poll_pack1 .. poll_pack32, ring2 .. ring6, "
-        "attn_block_n16 .. attn_block_n64 or on_ with qkv.o.gate_up.down or some of them"]
+        "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, poll_pack1 .. poll_pack32, ring2 .. ring6 or "
+        "on_ with qkv.o.gate_up.down or some of them"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
@@ -842,12 +837,6 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_KV", "5")
     with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_PREFETCH_KV must be a whole number from 0 to 4"):
         dl.prefetch_kv_tiles()
-    assert dl.attn_block_n() == dl.ATTN_BLOCK_N == 64
-    monkeypatch.setenv("NANOFORGE_DECODE_ATTN_BLOCK_N", "16")
-    assert dl.attn_block_n() == 16
-    monkeypatch.setenv("NANOFORGE_DECODE_ATTN_BLOCK_N", "48")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_DECODE_ATTN_BLOCK_N must be 16, 32 or 64, not 48"):
-        dl.attn_block_n()
 
 
 

@@ -72,7 +72,7 @@ B_MARKS = 4  # points of phase B a trace clocks (`_attention`): query rotated, k
 _PHASES, _B_MARKS = tl.constexpr(PHASES), tl.constexpr(B_MARKS)
 TILE_ELEMENTS = 16384  # of W a program loads at once (32 KB of bf16): rows x K
 CONTEXT_SPLITS = 16  # attention's pieces per kv head (8 kv heads x 16 = 128 programs busy on 132 SMs)
-ATTN_BLOCK_N = 64  # keys a step of attention's loop by default (NANOFORGE_DECODE_ATTN_BLOCK_N)
+ATTN_BLOCK_N = 64  # keys a step of attention's loop
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: each takes more than one tile, as on a GPU
 WARPS = 8  # a program's warps on a GPU (one under the interpreter)
 _WARPS = tl.constexpr(WARPS)
@@ -188,18 +188,6 @@ def prefetch_kv_tiles() -> int:
     return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
 
 
-def attn_block_n() -> int:
-    """NANOFORGE_DECODE_ATTN_BLOCK_N (default ATTN_BLOCK_N, 64; 16 or 32): the keys a step of the attention
-    phase's loop takes, and the grain its context splits are cut in (whole steps a split: at 384 tokens, 64
-    gives 6 of a head's 16 splits 64 keys each and leaves 10 empty, 16 gives each 24): smaller steps spread a
-    short context over more programs, each loading less before it can count its partials."""
-    value = env_count("NANOFORGE_DECODE_ATTN_BLOCK_N", ATTN_BLOCK_N, 16, 64)
-    if value not in (16, 32, 64):
-        raise NanoforgeError(f"NANOFORGE_DECODE_ATTN_BLOCK_N must be 16, 32 or 64, not {value}",
-                             param="NANOFORGE_DECODE_ATTN_BLOCK_N")
-    return value
-
-
 def preload_kv() -> bool:
     """NANOFORGE_DECODE_PRELOAD_KV (0, the default, or 1; session 32's; session 40, an H100, against tagged
     launches with the back-off without it: 1.01x on Llama-3.2-1B's layers, 0.96x on Qwen3-0.6B's): each attention
@@ -255,7 +243,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     if programs is None:  # one an SM; interpreted: one for a persistent launch, more for launches per phase
         programs = sm_count(dev) if not interp else 1 if persistent else INTERPRET_PROGRAMS
     prefetch, ahead = not interp and pdl.hopper(dev), prefetch_tiles()
-    splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, attn_block_n())  # small: tests reach
+    splits, block_n = (INTERPRET_SPLITS, 16) if interp else (CONTEXT_SPLITS, ATTN_BLOCK_N)  # small: tests reach
     # every branch (full and masked key tiles, empty splits) with short contexts
     xs = torch.empty(2, d, device=dev, dtype=ty)  # the residual stream: [0] between layers, [1] inside one
     pending = torch.empty(d, device=dev, dtype=ty)  # (layer 0 reads x and adds nothing)
