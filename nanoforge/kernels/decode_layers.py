@@ -902,8 +902,9 @@ def _decode_layers_kernel(
 
     TAGGED (a persistent launch of every layer; BARRIERS off): no barrier. Each phase's output vector is stored
     to its layer's place in TAGGED_T as tagged words (`_tag_words`; the tag from the launch count at WS + HKV),
-    and the phases that read it poll it (`_poll`). Every program keeps the residual stream in registers (all
-    compute the same sums); program 0 stores it and the last MLP output to XS and PEND at the end."""
+    and the phases that read it poll it (`_poll`: on a GPU up to POLL_PACK words a thread a loop; 0 under the
+    interpreter, no spin). Every program keeps the residual stream in registers (all compute the same sums);
+    program 0 stores it and the last MLP output to XS and PEND at the end."""
     BAR = COUNTS + HKV
     X_MID = XS + D
     AQ = HQ * DH
