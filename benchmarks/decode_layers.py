@@ -177,10 +177,11 @@ def plot(rows: dict, path: Path) -> None:
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
             "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
-COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
-    "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
-    "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", 0, 16384), "poll_pack": ("NANOFORGE_DECODE_POLL_PACK", 1, 32),
-    "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
+COUNTS = {  # --variants' parts with a number: (switch, the numbers it takes)
+    "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", range(1, 5)),
+    "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", range(4097)),
+    "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", range(16385)),
+    "poll_pack": ("NANOFORGE_DECODE_POLL_PACK", dl.POLL_PACKS), "ring": ("NANOFORGE_DECODE_RING", range(2, 7))}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -188,10 +189,8 @@ def variant_env(name: str) -> dict[str, str]:
     its number), or ValueError naming the part it cannot read."""
     env = {}
     for part in name.split("+"):
-        count = next(((var, part[len(p):]) for p, (var, lo, top) in COUNTS.items() if part.startswith(p)
-                      and part[len(p):].isdigit() and lo <= int(part[len(p):]) <= top), None)
-        if count and count[0] == "NANOFORGE_DECODE_POLL_PACK" and int(count[1]) not in dl.POLL_PACKS:
-            count = None  # (a power of two)
+        count = next(((var, part[len(p):]) for p, (var, taken) in COUNTS.items() if part.startswith(p)
+                      and part[len(p):].isdigit() and int(part[len(p):]) in taken), None)
         on = part[3:].split(".") if part.startswith("on_") else []
         if part in SWITCHES:
             env.update(SWITCHES[part])
@@ -200,7 +199,7 @@ def variant_env(name: str) -> dict[str, str]:
         elif count:
             env[count[0]] = count[1]
         else:
-            names = [*SWITCHES, *(f"{p}{lo} .. {p}{top}" for p, (_, lo, top) in COUNTS.items()),
+            names = [*SWITCHES, *(f"{p}{taken[0]} .. {p}{taken[-1]}" for p, (_, taken) in COUNTS.items()),
                      f"on_ with {'.'.join(dl.RING_TARGETS)} or some of them"]
             raise ValueError(f"--variants: {part!r} is not {', '.join(names[:-1])} or {names[-1]}")
     return env

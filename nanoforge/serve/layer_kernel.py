@@ -5,9 +5,8 @@ layer, each projection the faster of cuBLAS and the skinny matmul, `Block.forwar
 kernel for all of them) or `auto` (the default on a GPU since session 42; `kernels` elsewhere, where the kernel
 runs interpreted: the engine times its batch-1 decode step each way when it starts, the kernel also with its
 weights through a shared-memory ring, and keeps the fastest: `ModelRunner._choose_decode_layers`). The kernel
-runs the Llama / Qwen2 / Qwen3
-families: RMSNorm, rotary positions, SwiGLU, biases only on Q/K/V, plain `nn.Linear` layers (not
-tensor-parallel ones).
+runs the Llama / Qwen2 / Qwen3 families: RMSNorm, rotary positions, SwiGLU, biases only on Q/K/V, plain
+`nn.Linear` layers (not tensor-parallel ones).
 Steps of more than one token (prefill, mixed, a batch of decodes) always run layer by layer.
 
 The kernel indexes each kind of weight by layer, so `LayerKernel` stacks them once: every layer's tensor becomes
