@@ -544,20 +544,12 @@ def attend_new_key(acc, l_i, m_i, q, KN, VN, K, V, slot, COS, SIN, KW, eps, offs
 def combined_heads(O_PART, LSE_PART, first, num_splits, n_heads, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEADS_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
     """One token's `n_heads` consecutive heads over the whole context from their splits' partials (head g's
-    split s at part first + g * num_splits + s), every split's loaded at once: sum_s w_s o_s / sum_s w_s with
-    w_s = 2^(lse_s - max lse), as fp32 (HEADS_P2, BLOCK_D). Read from L2 (.cg: other programs of the same
-    launch may have written them)."""
-    s = tl.arange(0, SPLITS_P2)[:, None, None]
-    g = tl.arange(0, HEADS_P2)[None, :, None]
-    d = tl.arange(0, BLOCK_D)[None, None, :]
-    part = first + g * num_splits + s
-    ok = (s < num_splits) & (g < n_heads)
-    lse = tl.load(LSE_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(O_PART + part * HEAD_D + d, mask=ok & (d < HEAD_D), other=0.0, cache_modifier=".cg")
-    top = tl.max(lse, 0)  # (after both loads: the max's CTA barrier would hold the partials' loads behind it)
-    w = tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)[None])  # (a head no split saw: masked by callers)
-    total = tl.sum(w, 0)
-    return tl.sum(w * o, 0) / tl.where(total > 0, total, 1.0)
+    split s at part first + g * num_splits + s): `combine_parts` with a row a head, as fp32 (HEADS_P2, BLOCK_D)."""
+    g = tl.arange(0, HEADS_P2)
+    d = tl.arange(0, BLOCK_D)
+    ok = g < n_heads
+    return combine_parts(O_PART, LSE_PART, first + g * num_splits, num_splits, ok, ok[:, None] & (d < HEAD_D)[None, :],
+                         d, HEAD_D, HEADS_P2, BLOCK_D, SPLITS_P2)
 
 
 @triton.jit
@@ -575,18 +567,23 @@ def combine_parts(O_PART, LSE_PART, first, num_splits, row_ok, io_mask, offs_d, 
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr):
     """The rows' outputs over the whole context from their splits' partials (row r's are at part first[r] + s,
     s < num_splits), read from L2 (.cg: other programs of this launch wrote them): sum_s w_s o_s / sum_s w_s
-    with w_s = 2^(lse_s - max lse), as `_combine_splits` adds them up."""
-    offs_s = tl.arange(0, SPLITS_P2)
-    lses = tl.load(LSE_PART + first[:, None] + offs_s[None, :], mask=row_ok[:, None] & (offs_s[None, :] < num_splits),
-                   other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lses, 1)
-    top = tl.where(top > float("-inf"), top, 0.0)  # a row no split saw (masked below)
+    with w_s = 2^(lse_s - max lse), added split by split. The split loops are unrolled to SPLITS_P2 (the splits
+    from num_splits on masked off), so that every split's loads can issue at once, one L2 round trip, and each
+    thread adds up its own elements over the splits: no sum or max across threads. (Session 43: the earlier
+    three-dimensional form, splits a dimension reduced by `tl.sum`, took the persistent decode kernel's combine
+    11 CTA barriers and 30 shuffles, compiled for sm_90.)"""
+    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(SPLITS_P2):
+        here = row_ok & (tl.full([BLOCK_M], s, tl.int32) < num_splits)  # (a tensor: the interpreter's masks are)
+        top = tl.maximum(top, tl.load(LSE_PART + first + s, mask=here, other=float("-inf"), cache_modifier=".cg"))
+    top = tl.where(top > float("-inf"), top, 0.0)  # a row no split saw (masked by callers)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(LSE_PART + first + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
-        acc += w[:, None] * tl.load(O_PART + (first + s)[:, None] * HEAD_D + offs_d[None, :], mask=io_mask, other=0.0,
-                                    cache_modifier=".cg")
+    for s in tl.static_range(SPLITS_P2):
+        here = row_ok & (tl.full([BLOCK_M], s, tl.int32) < num_splits)
+        w = tl.exp2(tl.load(LSE_PART + first + s, mask=here, other=float("-inf"), cache_modifier=".cg") - top)
+        acc += w[:, None] * tl.load(O_PART + (first + s)[:, None] * HEAD_D + offs_d[None, :],
+                                    mask=io_mask & here[:, None], other=0.0, cache_modifier=".cg")
         total += w
     return acc / tl.where(total > 0, total, 1.0)[:, None]
 
