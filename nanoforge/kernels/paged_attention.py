@@ -99,8 +99,8 @@ def rope_write_and_attend(
     """A decode step's attention from its projections (one query token per sequence): `rope.rope_qkv_and_write_kv`
     (q and k normalised by `qk_norm` if given, rotated by cos, sin; K and V stored at `slot_mapping`), then
     `paged_attention`, in the attention kernel alone where it can (NANOFORGE_ATTN_ROPE=fused: each program
-    rotates its query heads, and the split holding the context's last position writes the token's K and V and
-    attends to its key from registers; slower in batch-1 decode on the H200, session 15, so not the default).
+    rotates its query heads, and the last split (`split_span`) writes the token's K and V and attends to its key
+    from registers; slower in batch-1 decode on the H200, session 15, so not the default).
     Returns (num_seqs, Hq, D)."""
     from nanoforge.kernels.rope import qkv_fused, rope_qkv_and_write_kv
 
@@ -491,14 +491,16 @@ def _paged_attn_kernel(
 @triton.jit
 def split_span(n, split, num_splits, BLOCK_N: tl.constexpr, LEAVE_LAST: tl.constexpr):
     """Split `split`'s share of keys 0 .. n: keys lo .. hi, whole BLOCK_N tiles a split. LEAVE_LAST: key n - 1 (a
-    decode token's own) left out of the split that holds it, which gets last_here (it takes that key from
-    registers)."""
+    decode token's own) left out of the split that holds it and given to the last split (last_here: it takes
+    that key from registers), which holds the fewest keys or none (session 43: at a short context most splits
+    are empty, and the token's key, normalised, rotated and written to the cache, then lengthened the chain of
+    the split holding the context's last keys)."""
     share = tl.cdiv(tl.cdiv(n, BLOCK_N), num_splits) * BLOCK_N
     lo = split * share
     hi = tl.minimum(lo + share, n)
-    last_here = (lo < hi) & (hi == n)
+    last_here = split == num_splits - 1
     if LEAVE_LAST:
-        hi = tl.where(last_here, hi - 1, hi)
+        hi = tl.where(hi == n, hi - 1, hi)  # (a split past the end stays empty: hi < lo)
     return lo, hi, last_here
 
 
