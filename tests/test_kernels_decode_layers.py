@@ -771,7 +771,7 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not preload_kv, tagged, barrier, handover_count, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, poll_pack1 .. poll_pack32, ring2 .. ring6 or "
         "on_ with qkv.o.gate_up.down or some of them"]
 
