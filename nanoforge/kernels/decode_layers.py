@@ -737,16 +737,20 @@ def _count_done(CNT, COUNTED: tl.constexpr):
 
 
 @triton.jit
-def _await_count(CNT, launch, producers, spin_limit, poll_sleep, COUNTED: tl.constexpr, SPIN: tl.constexpr):
+def _await_count(CNT, launch, producers, spin_limit, poll_sleep, TIMEOUTS, COUNTED: tl.constexpr,
+                 SPIN: tl.constexpr):
     """COUNTED: on a GPU thread 0 polls the count at CNT until all but a sixteenth of this launch's `producers`
     are counted there (a count that only grows: `launch` launches before this one added `producers` each), the
-    other threads waiting at the CTA barrier; returns the back-off of the vector's own poll: none after a count,
-    else `poll_sleep` (`handover`)."""
+    other threads waiting at the CTA barrier; after spin_limit polls (a bug: a count that never comes), or at
+    once after a give-up earlier in the launch, it gives up and counts that at TIMEOUTS. Returns the back-off of
+    the vector's own poll: none after a count, else `poll_sleep` (`handover`)."""
     if COUNTED:
         if SPIN:
             target = (launch + 1) * producers - producers // 16
-            tl.inline_asm_elementwise(POLL_COUNT, "=r,l,r,r,r", [CNT, target, spin_limit, poll_sleep],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit)
+            seen = tl.inline_asm_elementwise(POLL_COUNT, "=r,l,r,r,r", [CNT, target, limit, poll_sleep],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+            tl.atomic_add(TIMEOUTS, 1, mask=seen - target < 0)  # (thread 0's: the others return the target)
             tl.debug_barrier()
         poll_sleep = poll_sleep * 0
     return poll_sleep
@@ -1034,7 +1038,8 @@ def _decode_layers_kernel(
                 wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
             if TAGGED:
                 if layer > 0:
-                    sleep = _await_count(cnt - 1, launch, programs, spin_limit, poll_sleep, COUNTED, POLL_PACK)
+                    sleep = _await_count(cnt - 1, launch, programs, spin_limit, poll_sleep, TIMEOUTS, COUNTED,
+                                         POLL_PACK)
                     pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
                     _clock(trace_at, 2 * step, TRACE)  # the layer before's MLP-down output in: its "departure"
                     x = (x + pend).to(ty).to(tl.float32)
@@ -1074,7 +1079,7 @@ def _decode_layers_kernel(
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
-                sleep = _await_count(cnt, launch, HKV, spin_limit, poll_sleep, COUNTED, POLL_PACK)
+                sleep = _await_count(cnt, launch, HKV, spin_limit, poll_sleep, TIMEOUTS, COUNTED, POLL_PACK)
                 a = _poll_vector(att_t, AQ, AP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
                 _clock(trace_at, 4 + 2 * step, TRACE)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
@@ -1091,7 +1096,8 @@ def _decode_layers_kernel(
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             if TAGGED:
-                sleep = _await_count(cnt + 1, launch, programs, spin_limit, poll_sleep, COUNTED, POLL_PACK)
+                sleep = _await_count(cnt + 1, launch, programs, spin_limit, poll_sleep, TIMEOUTS, COUNTED,
+                                     POLL_PACK)
                 o = _poll_vector(o_t, D, DP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
                 _clock(trace_at, 6 + 2 * step, TRACE)
                 x = (x + o).to(ty).to(tl.float32)
@@ -1112,7 +1118,8 @@ def _decode_layers_kernel(
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
             if TAGGED:
-                sleep = _await_count(cnt + 2, launch, programs, spin_limit, poll_sleep, COUNTED, POLL_PACK)
+                sleep = _await_count(cnt + 2, launch, programs, spin_limit, poll_sleep, TIMEOUTS, COUNTED,
+                                     POLL_PACK)
                 a = _poll_vector(act_t, F, FP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
                 _clock(trace_at, 8 + 2 * step, TRACE)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
