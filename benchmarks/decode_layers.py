@@ -176,8 +176,7 @@ def plot(rows: dict, path: Path) -> None:
 
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
-            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
-            "handover_count": {"NANOFORGE_DECODE_HANDOVER": "count"}}
+            "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
 COUNTS = {  # --variants' parts with a number: (switch, the numbers it takes)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", range(1, 5)),
     "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", range(4097)),
@@ -261,8 +260,8 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "preload_kv, tagged, barrier, handover_count, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), "
-                    "poll_capN (N 0-16384 ns), poll_packN (N 1-32, a power of two), ringN (N 2-6), on_P.Q (the ring on "
+                    "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
+                    "(N 0-16384 ns), poll_packN (N 1-32, a power of two), ringN (N 2-6), on_P.Q (the ring on "
                     "projections P and Q of qkv, o, gate_up, down), joined with + (e.g. ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

@@ -379,7 +379,6 @@ DECODE_VARIANTS = {
     "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},
     "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
     "poll_sleep0": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "0"},
-    "handover_count": {"NANOFORGE_DECODE_HANDOVER": "count"},  # readers wait on a count of producers, then poll
     "poll_cap512": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "512"},  # the back-off's cap (default 2,048 ns)
     "poll_cap1024": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "1024"},
     "poll_pack32": {"NANOFORGE_DECODE_POLL_PACK": "32"},  # a thread's words polled in one loop (default 16 at most)

@@ -161,8 +161,7 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
     ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
     ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
-    ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"}),
-    ("tiny-llama", {"NANOFORGE_DECODE_HANDOVER": "count"})])
+    ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
     """NANOFORGE_DECODE_SYNC=tagged, bf16: the persistent launch with no barrier (each phase's vector stored as
     words carrying the launch's tag, polled by the phases that read it; the residual stream in every program's
@@ -171,9 +170,7 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
     stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
     stale. With the attention phase's first key tile loaded before its query's poll and its context asked of L2
     after phase A (where the wait for A's words can hide them; on a GPU only), the same bits; with the weights
-    through a ring (NANOFORGE_DECODE_RING: the first tile from registers, the rest a pipelined loop), too. With
-    the hand-overs counted (NANOFORGE_DECODE_HANDOVER=count), the same bits, and each layer's four counts grow by
-    their producers each launch (a kv head's combining split for attention; every program for the others)."""
+    through a ring (NANOFORGE_DECODE_RING: the first tile from registers, the rest a pipelined loop), too."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -194,9 +191,7 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
             (tags, _, counts), = kernel.layers.tagged.values()
-            producers = [hkv, 1, 1, 1] if switches.get("NANOFORGE_DECODE_HANDOVER") == "count" else [0] * 4
-            assert counts.tolist() == ([launch * model.cfg.n_layers * dl.INTERPRET_SPLITS] * hkv + [launch, 0]
-                                       + [launch * n for n in producers] * model.cfg.n_layers)
+            assert counts.tolist() == [launch * model.cfg.n_layers * dl.INTERPRET_SPLITS] * hkv + [launch, 0]
             assert arrival_counters(cpu, hkv + 2)[:hkv + 2].eq(0).all()
             words = tags.view(model.cfg.n_layers, -1)
             assert torch.equal(words >> 16, torch.full_like(words, launch))  # every word this launch's (tags 1, 2, ...)
@@ -604,8 +599,7 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
     (cooperative, then plain, then without the polls' back-off, then with up to 32 words a thread polled in one
-    loop, then the weights through a ring, on every projection and on gate-and-up alone, then with the
-    hand-overs counted, twice, each launch adding its producers to each count, then traced), three
+    loop, then the weights through a ring, on every projection and on gate-and-up alone, then traced), three
     launches in a row and three replays of a CUDA graph of it (each its own tag, read from the launch count on the
     GPU), every one bit for bit the launches per phase (the same sums in the same order: any difference is a word
     read before it was written, or an old one taken for new), none stale. The traced launch's clocks run in each
@@ -647,9 +641,6 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
             outs.append(launch())
             m.setenv("NANOFORGE_DECODE_RING_ON", "gate_up")
             outs.append(launch())
-        with monkeypatch.context() as m:  # readers wait on each vector's count of producers, then poll its words
-            m.setenv("NANOFORGE_DECODE_HANDOVER", "count")
-            outs += [launch(), launch()]
         outs.append(launch(trace=trace))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -660,10 +651,8 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
     for got in outs:
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
-    counts = {counted: c for (_, _, counted), (_, _, c) in kernel.layers.tagged.items()}
-    hkv = model.cfg.n_kv_heads
-    assert counts[False][hkv].item() == 12  # launches (a capture launches nothing)
-    assert counts[True][hkv:].tolist() == [2, 0] + [2 * hkv, 2 * programs, 2 * programs, 2 * programs] * n_layers
+    (_, _, counts), = kernel.layers.tagged.values()
+    assert counts[model.cfg.n_kv_heads].item() == 12  # launches (a capture launches nothing)
     steps = dl.PHASES * n_layers
     clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")
     assert bool((clocks > 0).all()) and bool((clocks[1:] >= clocks[:-1]).all())
@@ -771,7 +760,7 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, barrier, handover_count, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, poll_pack1 .. poll_pack32, ring2 .. ring6 or "
         "on_ with qkv.o.gate_up.down or some of them"]
 

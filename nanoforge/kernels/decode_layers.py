@@ -154,15 +154,12 @@ def sync_mode() -> str:
     return env_choice("NANOFORGE_DECODE_SYNC", ("tagged", "barrier"))
 
 
-def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int,
-                    counted: bool = False) -> tuple[torch.Tensor, ...]:
+def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int) -> tuple[torch.Tensor, ...]:
     """A tagged launch's buffers for these layers on this device: every layer's tagged vectors (zeros: no
     launch's tag), each program's copy of Q/K/V's layout for its attention items, and [0, hkv) the attention
-    splits' counts, hkv the launches so far (the tag), hkv + 1 the programs finished, then four counts a layer
-    of the producers done with its attention, attention-out, SwiGLU and MLP-out vectors (`handover`, `count`:
-    like the tag, never reset: a launch adds the same to each). Made at the first tagged
+    splits' counts, hkv the launches so far (the tag), hkv + 1 the programs finished. Made at the first tagged
     launch, which is eager (as `_timeouts`' count): a graph captured later launches with them."""
-    key = (_device_key(dev), programs, counted)  # (a launch of the other hand-over adds nothing to the counts)
+    key = (_device_key(dev), programs)
     if key not in w.tagged:
         if capturing(dev):
             raise RuntimeError("decode_layers: first launched tagged inside a CUDA graph capture; launch it eagerly "
@@ -172,63 +169,8 @@ def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int
         with torch.inference_mode(False):
             w.tagged[key] = (torch.zeros(n_layers * words, device=dev, dtype=torch.int32),
                              torch.zeros(programs, n_qkv, device=dev, dtype=ty),
-                             torch.zeros(w.n_kv_heads + 2 + HANDOVERS * n_layers, device=dev, dtype=torch.int32))
+                             torch.zeros(w.n_kv_heads + 2, device=dev, dtype=torch.int32))
     return w.tagged[key]
-
-
-HANDOVERS = 4  # a layer's vectors a `count` hand-over counts: attention, attention-out, SwiGLU, MLP-out
-_HANDOVERS = tl.constexpr(HANDOVERS)
-
-
-def handover() -> str:
-    """NANOFORGE_DECODE_HANDOVER: how a tagged launch's phases learn that the vector they read is complete.
-    `words` (the default): every program polls the vector's words, backing off between rounds (`_poll`).
-    `count` (session 43; not yet timed on a GPU): each program that produces part of a vector (every program, for
-    attention-out, SwiGLU and MLP-out; each kv head's combining split, for attention) then adds 1 to that vector's
-    count (relaxed, no fence: the tags, not the count, say which words are in), and a reader's thread 0 polls the
-    count with the back-off until all but a sixteenth of the producers are done (`_await_count`), after which
-    the program polls the words with no back-off. The readers that came early then load one word of L2 a round
-    instead of the whole vector while the last producers stream their weights, and the last words are seen
-    about a round trip after they land, not after a back-off as well (session 42, an H100: the last reader of a
-    hand-over had the whole vector ~1.9 us after its last word was stored, where a round trip is ~0.7). Phase
-    B's items poll their Q/K/V words as before: each waits for its kv head's words alone."""
-    return env_choice("NANOFORGE_DECODE_HANDOVER", ("words", "count"))
-
-
-def poll_count_ptx() -> str:
-    """PTX in which thread 0 of a program polls a count at $1 until it reaches $2, compared as $1 - $2 >= 0 in
-    32-bit two's complement (counts that only grow, never reset, may wrap), or $3 polls have gone by, sleeping
-    between polls as `poll_tags_ptx` does ($4: the first back-off low, the cap high); $0 the last count read
-    ($2 in the other threads, which return at once). `_await_count`'s."""
-    return """{
-    .reg .pred nfSkip, nfDone;
-    .reg .u32 nfTid, nfZ, nfC;
-    .reg .s32 nfSpins, nfD;
-    mov.u32 nfTid, %tid.x;
-    mov.s32 $0, $2;
-    setp.ne.u32 nfSkip, nfTid, 0;
-    @nfSkip bra NF_COUNT_DONE;
-    mov.s32 nfSpins, 0;
-    and.b32 nfZ, $4, 65535;
-    shr.u32 nfC, $4, 16;
-    NF_COUNT_AGAIN:
-    ld.relaxed.gpu.global.s32 $0, [$1];
-    sub.s32 nfD, $0, $2;
-    setp.ge.s32 nfDone, nfD, 0;
-    @nfDone bra NF_COUNT_DONE;
-    add.s32 nfSpins, nfSpins, 1;
-    setp.ge.s32 nfDone, nfSpins, $3;
-    @nfDone bra NF_COUNT_DONE;
-    setp.ne.u32 nfDone, nfZ, 0;
-    @nfDone nanosleep.u32 nfZ;
-    shl.b32 nfZ, nfZ, 1;
-    min.u32 nfZ, nfZ, nfC;
-    bra NF_COUNT_AGAIN;
-    NF_COUNT_DONE:
-    }"""
-
-
-POLL_COUNT = tl.constexpr(poll_count_ptx())
 
 
 def prefetch_tiles() -> int:
@@ -317,15 +259,13 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     timeouts = _timeouts(dev)
     tagged = persistent and sync_mode() == "tagged" and ty in (torch.bfloat16, torch.float16)
-    counted = tagged and handover() == "count"
-    tags, scratch, ws = _tagged_buffers(w, dev, ty, programs, counted) if tagged else (counts, x_in, counts)
+    tags, scratch, ws = _tagged_buffers(w, dev, ty, programs) if tagged else (counts, x_in, counts)
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, POLL_PACK=0 if interp else poll_pack_limit(),
                 PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
-                TAGGED=tagged, BARRIERS=persistent and not tagged, COUNTED=counted,
-                **ring_constants(ring, ring_on))
+                TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -730,33 +670,6 @@ def _poll_vector(XT, K, KP: tl.constexpr, tag, spin_limit, poll_sleep, TIMEOUTS,
 
 
 @triton.jit
-def _count_done(CNT, COUNTED: tl.constexpr):
-    """COUNTED: this program's part of a vector is stored; counted at CNT (`handover`)."""
-    if COUNTED:
-        tl.atomic_add(CNT, 1, sem="relaxed")
-
-
-@triton.jit
-def _await_count(CNT, launch, producers, spin_limit, poll_sleep, TIMEOUTS, COUNTED: tl.constexpr,
-                 SPIN: tl.constexpr):
-    """COUNTED: on a GPU thread 0 polls the count at CNT until all but a sixteenth of this launch's `producers`
-    are counted there (a count that only grows: `launch` launches before this one added `producers` each), the
-    other threads waiting at the CTA barrier; after spin_limit polls (a bug: a count that never comes), or at
-    once after a give-up earlier in the launch, it gives up and counts that at TIMEOUTS. Returns the back-off of
-    the vector's own poll: none after a count, else `poll_sleep` (`handover`)."""
-    if COUNTED:
-        if SPIN:
-            target = (launch + 1) * producers - producers // 16
-            limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit)
-            seen = tl.inline_asm_elementwise(POLL_COUNT, "=r,l,r,r,r", [CNT, target, limit, poll_sleep],
-                                             dtype=tl.int32, is_pure=False, pack=1)
-            tl.atomic_add(TIMEOUTS, 1, mask=seen - target < 0)  # (thread 0's: the others return the target)
-            tl.debug_barrier()
-        poll_sleep = poll_sleep * 0
-    return poll_sleep
-
-
-@triton.jit
 def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
     """This program's first tile of W for `_project` (its loads issued: a persistent launch issues them while it
     waits at the barrier in front of the phase, after its arrival, as no phase writes W)."""
@@ -890,8 +803,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
-               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT, ATT_CNT,
-               COUNTED: tl.constexpr):  # fmt: skip
+               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; each kv head's last split
     (`split_span`) writes the token's K and V; each kv head's last split to finish combines them, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
@@ -904,8 +816,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
     the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
     combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone); with TRACE, the
-    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over); COUNTED: a head's
-    combining split counts its heads stored at ATT_CNT (`handover`)."""
+    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over)."""
     if TAGGED:
         QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
@@ -961,7 +872,6 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                 dims = tl.arange(0, BLOCK_D)[None, :]
                 tl.store(ATT_T + (hk * GROUP + g) * DH + dims, _tag_words(out.to(ATT.dtype.element_ty), tag),
                          mask=(g < GROUP) & (dims < DH))
-                _count_done(ATT_CNT, COUNTED)
             else:
                 tl.atomic_xchg(COUNTS + hk, 0, sem="relaxed")  # (ordered before the next layer's count by the barrier)
                 combine_heads(O_PART, LSE_PART, ATT + hk * GROUP * DH, hk * GROUP * SPLITS, SPLITS, GROUP, DH, DH,
@@ -985,7 +895,6 @@ def _decode_layers_kernel(
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
     TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
     RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr, POLL_PACK: tl.constexpr,
-    COUNTED: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -995,9 +904,7 @@ def _decode_layers_kernel(
     to its layer's place in TAGGED_T as tagged words (`_tag_words`; the tag from the launch count at WS + HKV),
     and the phases that read it poll it (`_poll`: on a GPU up to POLL_PACK words a thread a loop; 0 under the
     interpreter, no spin). Every program keeps the residual stream in registers (all compute the same sums);
-    program 0 stores it and the last MLP output to XS and PEND at the end. COUNTED: the producers of a layer's
-    attention, attention-out, SwiGLU and MLP-out vectors also count themselves done at WS + HKV + 2 + 4 layer
-    + 0..3, which their readers wait on before polling the words (`handover`)."""
+    program 0 stores it and the last MLP output to XS and PEND at the end."""
     BAR = COUNTS + HKV
     X_MID = XS + D
     AQ = HQ * DH
@@ -1008,11 +915,9 @@ def _decode_layers_kernel(
     if PERSISTENT:  # each phase's first tile of weights is loaded during the wait at the barrier in front of it
         wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
     tag = 0
-    launch = 0
     x = tl.zeros([DP], dtype=tl.float32)
     if TAGGED:  # (first_layer 0: every layer)
-        launch = tl.load(WS + HKV, volatile=True)
-        tag = launch % _TAGS + 1
+        tag = tl.load(WS + HKV, volatile=True) % _TAGS + 1
         x = _vector(X_IN, D, DP)
         SCRATCH += tl.program_id(0) * NQKV
         COUNTS = WS
@@ -1031,16 +936,12 @@ def _decode_layers_kernel(
         o_t = att_t + AQ
         act_t = o_t + D
         pend_t = act_t + F
-        cnt = WS + HKV + 2 + lw * _HANDOVERS  # (COUNTED) its attention, attention-out, SwiGLU, MLP-out counts
-        programs = tl.num_programs(0)
         if PERSISTENT or PHASE == 0:  # A: x += pending; Q/K/V of the normalised x
             if not PERSISTENT:
                 wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
             if TAGGED:
                 if layer > 0:
-                    sleep = _await_count(cnt - 1, launch, programs, spin_limit, poll_sleep, TIMEOUTS, COUNTED,
-                                         POLL_PACK)
-                    pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
+                    pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
                     _clock(trace_at, 2 * step, TRACE)  # the layer before's MLP-down output in: its "departure"
                     x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
@@ -1069,7 +970,7 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, POLL_PACK,
-                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0), cnt, COUNTED)
+                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
@@ -1079,11 +980,9 @@ def _decode_layers_kernel(
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
-                sleep = _await_count(cnt, launch, HKV, spin_limit, poll_sleep, TIMEOUTS, COUNTED, POLL_PACK)
-                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
+                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
                 _clock(trace_at, 4 + 2 * step, TRACE)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
-                _count_done(cnt + 1, COUNTED)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
                          RING_O)
@@ -1096,14 +995,11 @@ def _decode_layers_kernel(
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             if TAGGED:
-                sleep = _await_count(cnt + 1, launch, programs, spin_limit, poll_sleep, TIMEOUTS, COUNTED,
-                                     POLL_PACK)
-                o = _poll_vector(o_t, D, DP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
+                o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
                 _clock(trace_at, 6 + 2 * step, TRACE)
                 x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
                 _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING_IN)
-                _count_done(cnt + 2, COUNTED)
             else:
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
                 _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING_IN)
@@ -1118,12 +1014,9 @@ def _decode_layers_kernel(
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
             if TAGGED:
-                sleep = _await_count(cnt + 2, launch, programs, spin_limit, poll_sleep, TIMEOUTS, COUNTED,
-                                     POLL_PACK)
-                a = _poll_vector(act_t, F, FP, tag, spin_limit, sleep, TIMEOUTS, ty, POLL_PACK)
+                a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
                 _clock(trace_at, 8 + 2 * step, TRACE)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
-                _count_done(cnt + 3, COUNTED)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                          AHEAD, 0, False, RING_OUT)

@@ -281,8 +281,7 @@ def _decode_layers(**shape) -> TritonKernel:
     one launch, barriers between the phases (or tagged vectors, as NANOFORGE_DECODE_SYNC says), the L2 prefetch
     on (the weights through a ring as NANOFORGE_DECODE_RING and _RING_ON say), no trace; phase B's context
     prefetch and preload as NANOFORGE_DECODE_PREFETCH_KV and NANOFORGE_DECODE_PRELOAD_KV say, a poll's words a
-    thread a loop as NANOFORGE_DECODE_POLL_PACK says, the hand-overs as NANOFORGE_DECODE_HANDOVER says (each read
-    when compiled)."""
+    thread a loop as NANOFORGE_DECODE_POLL_PACK says (each read when compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -292,7 +291,6 @@ def _decode_layers(**shape) -> TritonKernel:
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, POLL_PACK=dl.poll_pack_limit, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv,
         TAGGED=lambda: dl.sync_mode() == "tagged", BARRIERS=lambda: dl.sync_mode() != "tagged",
-        COUNTED=lambda: dl.sync_mode() == "tagged" and dl.handover() == "count",
         **{key: (lambda key=key: dl.ring_constants()[key]) for key in dl.ring_constants()})
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
