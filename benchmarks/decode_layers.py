@@ -22,8 +22,8 @@ grid barriers between the phases, where the default since session 40, `tagged`, 
 polled as tagged words, and a traced launch clocks each program's polls and stores instead: a phase's "wait" is
 then from the last program to store its part to the last to have the whole vector; since session 41),
 `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
-2,048; the default 256), `poll_capN` (NANOFORGE_DECODE_POLL_SLEEP_CAP_NS=N: that back-off's cap, the default
-2,048), `poll_packN` (NANOFORGE_DECODE_POLL_PACK=N: the most words a thread polls in one loop, the default
+its cap; the default 256), `poll_capN` (NANOFORGE_DECODE_POLL_SLEEP_CAP_NS=N: that back-off's cap, the default
+512), `poll_packN` (NANOFORGE_DECODE_POLL_PACK=N: the most words a thread polls in one loop, the default
 16; 1, 2, 4, 8, 16 or 32), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
 `on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.

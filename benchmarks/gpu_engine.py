@@ -379,7 +379,7 @@ DECODE_VARIANTS = {
     "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},
     "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
     "poll_sleep0": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "0"},
-    "poll_cap512": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "512"},  # the back-off's cap (default 2,048 ns)
+    "poll_cap2048": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "2048"},  # the back-off's cap (default 512 ns since s43)
     "poll_cap1024": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "1024"},
     "poll_pack32": {"NANOFORGE_DECODE_POLL_PACK": "32"},  # a thread's words polled in one loop (default 16 at most)
     "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},

@@ -283,7 +283,7 @@ def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it(monkeypatc
         assert "bra.uni" not in ptx and dl.poll_constraints(n).count(",") == 6 * n - 1
         assert f"and.b32 nfZ, ${5 * n}, 65535;" in ptx and "@nfAny nanosleep.u32 nfZ;" in ptx  # (the back-off,
         assert f"shr.u32 nfC, ${5 * n}, 16;" in ptx and "min.u32 nfZ, nfZ, nfC;" in ptx  # when > 0; its cap)
-    assert dl.poll_sleep_arg() == 256 | 2048 << 16  # (the defaults)
+    assert dl.poll_sleep_arg() == 256 | 512 << 16  # (the defaults)
     monkeypatch.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "4096")
     monkeypatch.setenv("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", "16384")
     assert dl.poll_sleep_arg() == 4096 | 16384 << 16 and dl.poll_sleep_arg() < 2 ** 31  # (an int32 argument)
