@@ -23,8 +23,7 @@ polled as tagged words, and a traced launch clocks each program's polls and stor
 then from the last program to store its part to the last to have the whole vector; since session 41),
 `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
 its cap; the default 256), `poll_capN` (NANOFORGE_DECODE_POLL_SLEEP_CAP_NS=N: that back-off's cap, the default
-512), `poll_packN` (NANOFORGE_DECODE_POLL_PACK=N: the most words a thread polls in one loop, the default
-16; 1, 2, 4, 8, 16 or 32), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
+512), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
 `on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts), and looks at each
@@ -181,7 +180,7 @@ COUNTS = {  # --variants' parts with a number: (switch, the numbers it takes)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", range(1, 5)),
     "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", range(4097)),
     "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", range(16385)),
-    "poll_pack": ("NANOFORGE_DECODE_POLL_PACK", dl.POLL_PACKS), "ring": ("NANOFORGE_DECODE_RING", range(2, 7))}
+    "ring": ("NANOFORGE_DECODE_RING", range(2, 7))}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -261,7 +260,7 @@ def main() -> None:
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
                     "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
-                    "(N 0-16384 ns), poll_packN (N 1-32, a power of two), ringN (N 2-6), on_P.Q (the ring on "
+                    "(N 0-16384 ns), ringN (N 2-6), on_P.Q (the ring on "
                     "projections P and Q of qkv, o, gate_up, down), joined with + (e.g. ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

@@ -381,7 +381,6 @@ DECODE_VARIANTS = {
     "poll_sleep0": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "0"},
     "poll_cap2048": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "2048"},  # the back-off's cap (default 512 ns since s43)
     "poll_cap1024": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "1024"},
-    "poll_pack32": {"NANOFORGE_DECODE_POLL_PACK": "32"},  # a thread's words polled in one loop (default 16 at most)
     "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},
     "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
     "ring3": {"NANOFORGE_DECODE_RING": "3"},

@@ -263,7 +263,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
-                ONE_POLLER=not interp, POLL_PACK=0 if interp else poll_pack_limit(),
+                ONE_POLLER=not interp, POLL_PACK=0 if interp else POLL_PACK_LIMIT,
                 PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
                 TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
@@ -478,31 +478,21 @@ def poll_sleep_arg() -> int:
 
 
 # a poll takes as many words a thread into one loop as a vector of its width gives each of WARPS warps' threads
-# (at least that many, in any layout: a multiple of it, as widths are powers of two), up to NANOFORGE_DECODE_POLL_PACK
-POLL_PACKS = (1, 2, 4, 8, 16, 32)
+# (at least that many, in any layout: a multiple of it, as widths are powers of two), up to POLL_PACK_LIMIT; a
+# thread given more polls them in loops one after the other (Llama-3.2-1B's gate-and-up output gives a thread 32
+# words: two loops; session 43, an H100: one loop of 32, then NANOFORGE_DECODE_POLL_PACK=32, timed its layers and
+# Qwen3-0.6B's at 1.005x and 1.008x, and the switch was taken out)
+POLL_PACKS = (1, 2, 4, 8, 16)
+POLL_PACK_LIMIT = POLL_PACKS[-1]
 _POLL_PTX = [tl.constexpr(poll_tags_ptx(n)) for n in POLL_PACKS]
 _POLL_CONSTRAINTS = [tl.constexpr(poll_constraints(n)) for n in POLL_PACKS]
-POLL_1, POLL_2, POLL_4, POLL_8, POLL_16, POLL_32 = _POLL_PTX
-POLL_1_OPS, POLL_2_OPS, POLL_4_OPS, POLL_8_OPS, POLL_16_OPS, POLL_32_OPS = _POLL_CONSTRAINTS
+POLL_1, POLL_2, POLL_4, POLL_8, POLL_16 = _POLL_PTX
+POLL_1_OPS, POLL_2_OPS, POLL_4_OPS, POLL_8_OPS, POLL_16_OPS = _POLL_CONSTRAINTS
 
 
-def poll_pack_limit() -> int:
-    """NANOFORGE_DECODE_POLL_PACK (default 16; 1 to 32, a power of two): the most words a thread polls in one
-    loop. A thread given more polls them in loops one after the other, and each loop after the first starts from
-    its words as first loaded, long stale where the program came early: it backs off once and reloads them, an
-    L2 round trip, only after the loop before it is done (Llama-3.2-1B's gate-and-up output gives a thread 32
-    words: two loops of 16)."""
-    value = env_count("NANOFORGE_DECODE_POLL_PACK", 16, 1, 32)
-    if value not in POLL_PACKS:
-        raise NanoforgeError(f"NANOFORGE_DECODE_POLL_PACK must be one of {', '.join(map(str, POLL_PACKS))}, "
-                             f"not {value}", param="NANOFORGE_DECODE_POLL_PACK")
-    return value
-
-
-def poll_pack(width: int, warps: int = 8, limit: int | None = None) -> int:
+def poll_pack(width: int, warps: int = 8, limit: int = POLL_PACK_LIMIT) -> int:
     """The words a thread polls in one loop in a vector of `width` (a power of two) over `warps` warps, at most
-    `limit` (default `poll_pack_limit`)."""
-    limit = poll_pack_limit() if limit is None else limit
+    `limit`."""
     return max(n for n in POLL_PACKS if n <= min(limit, max(1, width // (32 * warps))))
 
 
@@ -646,9 +636,7 @@ def _poll(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constex
         limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit) + idx * 0
         ops = [at, w, tag + idx * 0, limit, poll_sleep + idx * 0]
         per_thread: tl.constexpr = min(idx.shape[0] // (32 * _WARPS), SPIN)  # (`poll_pack`)
-        if per_thread >= 32:
-            w = tl.inline_asm_elementwise(POLL_32, POLL_32_OPS, ops, dtype=tl.int32, is_pure=False, pack=32)
-        elif per_thread >= 16:
+        if per_thread >= 16:
             w = tl.inline_asm_elementwise(POLL_16, POLL_16_OPS, ops, dtype=tl.int32, is_pure=False, pack=16)
         elif per_thread >= 8:
             w = tl.inline_asm_elementwise(POLL_8, POLL_8_OPS, ops, dtype=tl.int32, is_pure=False, pack=8)
