@@ -793,8 +793,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
                TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
-    """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; each kv head's last split
-    (`split_span`) writes the token's K and V; each kv head's last split to finish combines them, every
+    """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; a kv head's split
+    SPLITS - 1 (`split_span`) writes the token's K and V; its split that finishes last combines them all, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
     query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
     rows MARKS + m * programs (a program's last item's). PRELOAD: each item's first key tile (K and V) is loaded

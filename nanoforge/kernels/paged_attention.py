@@ -576,7 +576,7 @@ def combine_parts(O_PART, LSE_PART, first, num_splits, row_ok, io_mask, offs_d, 
     11 CTA barriers and 30 shuffles, compiled for sm_90.)"""
     top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(SPLITS_P2):
-        here = row_ok & (tl.full([BLOCK_M], s, tl.int32) < num_splits)  # (a tensor: the interpreter's masks are)
+        here = row_ok & (tl.full([BLOCK_M], s, tl.int32) < num_splits)  # (a tensor: the interpreter takes no bool)
         top = tl.maximum(top, tl.load(LSE_PART + first + s, mask=here, other=float("-inf"), cache_modifier=".cg"))
     top = tl.where(top > float("-inf"), top, 0.0)  # a row no split saw (masked by callers)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
