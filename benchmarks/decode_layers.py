@@ -176,11 +176,9 @@ def plot(rows: dict, path: Path) -> None:
 
 SWITCHES = {"preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},  # --variants' parts without a number
             "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"}, "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
-COUNTS = {  # --variants' parts with a number: (switch, the numbers it takes)
-    "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", range(1, 5)),
-    "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", range(4097)),
-    "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", range(16385)),
-    "ring": ("NANOFORGE_DECODE_RING", range(2, 7))}
+COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
+    "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
+    "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", 0, 16384), "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -188,8 +186,8 @@ def variant_env(name: str) -> dict[str, str]:
     its number), or ValueError naming the part it cannot read."""
     env = {}
     for part in name.split("+"):
-        count = next(((var, part[len(p):]) for p, (var, taken) in COUNTS.items() if part.startswith(p)
-                      and part[len(p):].isdigit() and int(part[len(p):]) in taken), None)
+        count = next(((var, part[len(p):]) for p, (var, lo, top) in COUNTS.items() if part.startswith(p)
+                      and part[len(p):].isdigit() and lo <= int(part[len(p):]) <= top), None)
         on = part[3:].split(".") if part.startswith("on_") else []
         if part in SWITCHES:
             env.update(SWITCHES[part])
@@ -198,7 +196,7 @@ def variant_env(name: str) -> dict[str, str]:
         elif count:
             env[count[0]] = count[1]
         else:
-            names = [*SWITCHES, *(f"{p}{taken[0]} .. {p}{taken[-1]}" for p, (_, taken) in COUNTS.items()),
+            names = [*SWITCHES, *(f"{p}{lo} .. {p}{top}" for p, (_, lo, top) in COUNTS.items()),
                      f"on_ with {'.'.join(dl.RING_TARGETS)} or some of them"]
             raise ValueError(f"--variants: {part!r} is not {', '.join(names[:-1])} or {names[-1]}")
     return env
@@ -260,8 +258,8 @@ def main() -> None:
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
                     "preload_kv, tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
-                    "(N 0-16384 ns), ringN (N 2-6), on_P.Q (the ring on "
-                    "projections P and Q of qkv, o, gate_up, down), joined with + (e.g. ring3+on_gate_up)")
+                    "(N 0-16384 ns), ringN (N 2-6), on_P.Q (the ring on projections P and Q of qkv, o, gate_up, "
+                    "down), joined with + (e.g. ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

@@ -263,13 +263,11 @@ def test_a_poll_takes_as_many_words_a_thread_as_every_layout_gives_it(monkeypatc
     (NANOFORGE_DECODE_POLL_SLEEP_NS, doubling up to NANOFORGE_DECODE_POLL_SLEEP_CAP_NS: one argument, the cap in
     its high 16 bits); its width a power of two that
     divides the words any layout of a vector gives each of 256 threads (at least width / 256: 4 from 1,024), at
-    most 16 (Llama-3.2-1B's 8,192 gate-and-up words take two loops) or a smaller limit."""
+    most 16 (Llama-3.2-1B's 8,192 gate-and-up words take two loops)."""
     from nanoforge.kernels import decode_layers as dl
 
     widths = (64, 512, 1024, 2048, 4096, 8192, 16384)
     assert [dl.poll_pack(w) for w in widths] == [1, 2, 4, 8, 16, 16, 16]
-    assert [dl.poll_pack(w, limit=4) for w in widths] == [1, 2, 4, 4, 4, 4, 4]
-    assert [dl.poll_pack(w, limit=1) for w in widths] == [1] * len(widths)
     for n in dl.POLL_PACKS:
         ptx = dl.poll_tags_ptx(n)
         assert ptx.count("ld.relaxed.gpu.global.u32") == n and ptx.count("setp.ne.u32") == n + 1
@@ -594,10 +592,10 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
     (cooperative, then plain, then without the polls' back-off, then the weights through a ring, on every
     projection and on gate-and-up alone, then traced), three launches in a row and three replays of a CUDA graph
-    of it (each its own tag, read from the launch count on the GPU), every one bit for bit the launches per
-    phase (the same sums in the same order: any difference is a word read before it was written, or an old one
-    taken for new), none stale. The traced launch's clocks run in each program's order: its start, then each
-    phase's last store and the next one's poll, phase B's marks between its poll and its last store."""
+    of it (each its own tag, read from the launch count on the GPU), every one bit for bit the launches per phase
+    (the same sums in the same order: any difference is a word read before it was written, or an old one taken
+    for new), none stale. The traced launch's clocks run in each program's order: its start, then each phase's
+    last store and the next one's poll, phase B's marks between its poll and its last store."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -751,8 +749,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
-        "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6 or "
-        "on_ with qkv.o.gate_up.down or some of them"]
+        "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6 or on_ with qkv.o.gate_up.down or "
+        "some of them"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():

@@ -263,8 +263,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
-                ONE_POLLER=not interp, POLL_PACK=0 if interp else POLL_PACK_LIMIT,
-                PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
+                ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
                 TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
@@ -484,16 +483,16 @@ def poll_sleep_arg() -> int:
 # Qwen3-0.6B's at 1.005x and 1.008x, and the switch was taken out)
 POLL_PACKS = (1, 2, 4, 8, 16)
 POLL_PACK_LIMIT = POLL_PACKS[-1]
+_POLL_PACK_LIMIT = tl.constexpr(POLL_PACK_LIMIT)
 _POLL_PTX = [tl.constexpr(poll_tags_ptx(n)) for n in POLL_PACKS]
 _POLL_CONSTRAINTS = [tl.constexpr(poll_constraints(n)) for n in POLL_PACKS]
 POLL_1, POLL_2, POLL_4, POLL_8, POLL_16 = _POLL_PTX
 POLL_1_OPS, POLL_2_OPS, POLL_4_OPS, POLL_8_OPS, POLL_16_OPS = _POLL_CONSTRAINTS
 
 
-def poll_pack(width: int, warps: int = 8, limit: int = POLL_PACK_LIMIT) -> int:
-    """The words a thread polls in one loop in a vector of `width` (a power of two) over `warps` warps, at most
-    `limit`."""
-    return max(n for n in POLL_PACKS if n <= min(limit, max(1, width // (32 * warps))))
+def poll_pack(width: int, warps: int = 8) -> int:
+    """The words a thread polls in one loop in a vector of `width` (a power of two) over `warps` warps."""
+    return max(n for n in POLL_PACKS if n <= max(1, width // (32 * warps)))
 
 
 TAGS = 32767  # a launch's tag: 1 .. TAGS (never 0: a word of zeros is no launch's), from the launch count
@@ -625,9 +624,9 @@ def _tag_words(v, tag):
 @triton.jit
 def _poll(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr):
     """The values of the tagged words XT[idx] (where inside; 0 elsewhere) as fp32, once each carries `tag`:
-    loaded, then on a GPU (SPIN > 0) every thread loads its own stale words again until none is (`poll_tags_ptx`:
-    `poll_pack` words a thread a loop, at most SPIN; `poll_sleep` its back-off), so whichever threads hold a copy
-    of a word, each copy is the tagged one; after spin_limit rounds, or at once after a give-up earlier in the
+    loaded, then on a GPU (SPIN) every thread loads its own stale words again until none is (`poll_tags_ptx`:
+    `poll_pack` words a thread a loop; `poll_sleep` its back-off), so whichever threads hold a copy of a word,
+    each copy is the tagged one; after spin_limit rounds, or at once after a give-up earlier in the
     launch, any still stale are counted at TIMEOUTS (wrong numbers follow). Under the interpreter the launch's one
     program wrote them."""
     at = XT + idx  # (a word outside is never loaded: it starts out carrying the tag; contiguous idx: wide loads)
@@ -635,7 +634,7 @@ def _poll(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constex
     if SPIN:
         limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit) + idx * 0
         ops = [at, w, tag + idx * 0, limit, poll_sleep + idx * 0]
-        per_thread: tl.constexpr = min(idx.shape[0] // (32 * _WARPS), SPIN)  # (`poll_pack`)
+        per_thread: tl.constexpr = min(idx.shape[0] // (32 * _WARPS), _POLL_PACK_LIMIT)  # (`poll_pack`)
         if per_thread >= 16:
             w = tl.inline_asm_elementwise(POLL_16, POLL_16_OPS, ops, dtype=tl.int32, is_pure=False, pack=16)
         elif per_thread >= 8:
@@ -883,7 +882,7 @@ def _decode_layers_kernel(
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
     TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
-    RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr, POLL_PACK: tl.constexpr,
+    RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -891,9 +890,8 @@ def _decode_layers_kernel(
 
     TAGGED (a persistent launch of every layer; BARRIERS off): no barrier. Each phase's output vector is stored
     to its layer's place in TAGGED_T as tagged words (`_tag_words`; the tag from the launch count at WS + HKV),
-    and the phases that read it poll it (`_poll`: on a GPU up to POLL_PACK words a thread a loop; 0 under the
-    interpreter, no spin). Every program keeps the residual stream in registers (all compute the same sums);
-    program 0 stores it and the last MLP output to XS and PEND at the end."""
+    and the phases that read it poll it (`_poll`). Every program keeps the residual stream in registers (all
+    compute the same sums); program 0 stores it and the last MLP output to XS and PEND at the end."""
     BAR = COUNTS + HKV
     X_MID = XS + D
     AQ = HQ * DH
@@ -930,7 +928,7 @@ def _decode_layers_kernel(
                 wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
             if TAGGED:
                 if layer > 0:
-                    pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
+                    pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                     _clock(trace_at, 2 * step, TRACE)  # the layer before's MLP-down output in: its "departure"
                     x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
@@ -958,7 +956,7 @@ def _decode_layers_kernel(
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
-                       PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, POLL_PACK,
+                       PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
                        ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
@@ -969,7 +967,7 @@ def _decode_layers_kernel(
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
             if TAGGED:
-                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
+                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 4 + 2 * step, TRACE)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
             else:
@@ -984,7 +982,7 @@ def _decode_layers_kernel(
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
             if TAGGED:
-                o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
+                o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 6 + 2 * step, TRACE)
                 x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
@@ -1003,7 +1001,7 @@ def _decode_layers_kernel(
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
             if TAGGED:
-                a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK)
+                a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 8 + 2 * step, TRACE)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
             else:
@@ -1018,7 +1016,7 @@ def _decode_layers_kernel(
             k = tl.arange(0, DP)
             tl.store(XS + k, x.to(ty), mask=k < D)
             last = TAGGED_T + (first_layer + n_layers).to(tl.int64) * words - D
-            tl.store(PEND + k, _poll_vector(last, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, POLL_PACK).to(ty),
+            tl.store(PEND + k, _poll_vector(last, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER).to(ty),
                      mask=k < D)
         _clock(trace_at, 10 * n_layers, TRACE)  # the last departure (program 0's once the last MLP output is in)
         if tl.atomic_add(WS + HKV + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # the last program out: the

@@ -289,7 +289,7 @@ def _decode_layers(**shape) -> TritonKernel:
                              dl.CONTEXT_SPLITS),
         BLOCK_N=dl.ATTN_BLOCK_N, BLOCK_SIZE=16, HAS_BIAS=shape["HAS_BIAS"], QK_NORM=shape["QK_NORM"], PHASE=-1,
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
-        ONE_POLLER=True, POLL_PACK=dl.POLL_PACK_LIMIT, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv,
+        ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles, PRELOAD_KV=dl.preload_kv,
         TAGGED=lambda: dl.sync_mode() == "tagged", BARRIERS=lambda: dl.sync_mode() != "tagged",
         **{key: (lambda key=key: dl.ring_constants()[key]) for key in dl.ring_constants()})
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
