@@ -56,7 +56,7 @@ from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _epilogue
 from nanoforge.kernels.paged_attention import (
     _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combined_heads,
-    load_key_tile, split_span,
+    TABLE_TILES, load_key_tile, split_span, table_chunk,
 )
 
 def _cuda_options():
@@ -791,7 +791,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
-               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
+               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT, table0):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; a kv head's split
     SPLITS - 1 (`split_span`) writes the token's K and V; its split that finishes last combines them all, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
@@ -804,7 +804,11 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
     the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
     combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone); with TRACE, the
-    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over)."""
+    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over).
+
+    table0: the block-table entries of the program's first item's first chunk of keys (`table_chunk`, loaded
+    once a launch: no layer changes the table), which that item's keys take their blocks from, so that no table
+    load stands between its query's poll and its K and V loads."""
     if TAGGED:
         QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
@@ -836,8 +840,12 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
             acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
             lo += BLOCK_N
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        covered = 0  # the keys from lo that table0 holds the entries of: its chunk's for the program's first item
+        if not PRELOAD:  # (the preload's tile takes lo's)
+            covered = tl.where(item == tl.program_id(0), TABLE_TILES * BLOCK_N, 0)
         acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
-                                    stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D, 0)
+                                    stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D, 0,
+                                    table0, lo + covered)
         if new_here:
             acc, l_i, m_i = attend_new_key(
                 acc, l_i, m_i, q, QKV + (HQ + hk) * DH, QKV + (HQ + HKV + hk) * DH, K, V, tl.load(SLOT).to(tl.int64),
@@ -901,6 +909,9 @@ def _decode_layers_kernel(
         tl.store(trace_at, tl.extra.cuda.globaltimer())
     if PERSISTENT:  # each phase's first tile of weights is loaded during the wait at the barrier in front of it
         wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
+    seq_len = tl.load(SEQ_LEN)  # the table entries of this program's first attention item's keys, once a launch
+    table0 = table_chunk(TABLE, split_span(seq_len, tl.program_id(0) % SPLITS, SPLITS, BLOCK_N, True)[0], seq_len,
+                         BLOCK_N, BLOCK_SIZE)
     tag = 0
     x = tl.zeros([DP], dtype=tl.float32)
     if TAGGED:  # (first_layer 0: every layer)
@@ -957,7 +968,7 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
-                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
+                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0), table0)
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)

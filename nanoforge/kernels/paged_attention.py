@@ -42,7 +42,7 @@ from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
-_TABLE_TILES = tl.constexpr(16)  # key tiles whose block-table entries a program holds in registers at once
+TABLE_TILES = tl.constexpr(16)  # key tiles whose block-table entries a program holds in registers at once
 
 
 # ----------------------------------------------------------------------------------------------
@@ -617,11 +617,11 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
 @triton.jit
 def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr):
+                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr, table0=None, table0_end=None):
     """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
     without a mask, the rest masked (`_attend_keys`): the diagonal of a tile's query tokens, a split's ragged end.
 
-    The unmasked tiles take their block ids from a chunk of the block table held in registers (_TABLE_TILES
+    The unmasked tiles take their block ids from a chunk of the block table held in registers (TABLE_TILES
     tiles' worth, loaded once a chunk), not from a load a tile: a table load inside the loop is an asynchronous
     copy that each tile's K and V addresses wait on, and as such copies complete in order, the wait is for all of
     them: compiled for sm_90 (Triton 3.6 and 3.9), every iteration then began with `cp.async.wait_group 0` and
@@ -629,18 +629,29 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     (`nanoforge kernels inspect` shows the wait). TAIL_KEYS > 0 (prefill: BLOCK_N + the tile's query tokens, more
     than there are masked keys): the masked tiles' entries are loaded before the unmasked loop too, so their K/V
     loads wait on no table load once it drains; 0 (decode, where that costs Triton 3.6 27 registers): a load a
-    masked tile."""
+    masked tile.
+
+    table0 (optional): the entries of the span's first chunk (`table_chunk(TABLE, lo, ...)`), loaded by the
+    caller before it could start on the keys (the persistent decode kernel: once a launch, as no layer changes
+    the table), keys lo .. table0_end taken from it without a table load (table0_end = lo: none of them)."""
+    chunk: tl.constexpr = TABLE_TILES * BLOCK_N
+    start = lo
+    if table0 is not None:
+        first0 = lo // BLOCK_SIZE
+        for n0 in range(lo, tl.minimum(table0_end, full_hi), BLOCK_N):
+            block = tl.gather(table0, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first0, 0).to(tl.int64)
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
+                                         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
+                                         False)
+        start = tl.maximum(tl.minimum(table0_end, full_hi), lo)
     if TAIL_KEYS > 0:
         tail_entries: tl.constexpr = triton.next_power_of_2(TAIL_KEYS // BLOCK_SIZE + 2)
         tail_first = full_hi // BLOCK_SIZE
         tail_ids = tail_first + tl.arange(0, tail_entries)
         tail_table = tl.load(TABLE + tail_ids, mask=tail_ids * BLOCK_SIZE < hi, other=0)
-    chunk: tl.constexpr = _TABLE_TILES * BLOCK_N
-    entries: tl.constexpr = triton.next_power_of_2(chunk // BLOCK_SIZE + 1)
-    for c0 in range(lo, full_hi, chunk):
+    for c0 in range(start, full_hi, chunk):
         first = c0 // BLOCK_SIZE
-        ids = first + tl.arange(0, entries)
-        table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
+        table = table_chunk(TABLE, c0, full_hi, BLOCK_N, BLOCK_SIZE)
         for n0 in range(c0, tl.minimum(c0 + chunk, full_hi), BLOCK_N):
             block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
@@ -650,6 +661,13 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
         if TAIL_KEYS > 0:
             keys = n0 + tl.arange(0, BLOCK_N)
             block = tl.gather(tail_table, tl.where(keys < hi, keys // BLOCK_SIZE - tail_first, 0), 0).to(tl.int64)
+        elif table0 is not None:
+            if n0 + BLOCK_N <= table0_end:
+                keys = n0 + tl.arange(0, BLOCK_N)
+                block = tl.gather(table0, tl.where(keys < hi, keys // BLOCK_SIZE - lo // BLOCK_SIZE, 0),
+                                  0).to(tl.int64)
+            else:
+                block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
         else:
             block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
@@ -678,6 +696,16 @@ def _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_sc
         v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
+
+
+@triton.jit
+def table_chunk(TABLE, c0, limit, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The block-table entries of keys c0 .. c0 + TABLE_TILES * BLOCK_N (`attend_span`'s chunk; those of
+    blocks from `limit` on 0), from block c0 // BLOCK_SIZE on (one more than the chunk's keys fill, for a c0
+    inside a block)."""
+    entries: tl.constexpr = triton.next_power_of_2(TABLE_TILES * BLOCK_N // BLOCK_SIZE + 1)
+    ids = c0 // BLOCK_SIZE + tl.arange(0, entries)
+    return tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < limit, other=0)
 
 
 @triton.jit
