@@ -220,7 +220,7 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
-            (tags, _, counts), = kernel.layers.tagged.values()
+            (tags, counts), = kernel.layers.tagged.values()
             assert counts.tolist() == [launch * model.cfg.n_layers * dl.INTERPRET_SPLITS] * hkv + [launch, 0]
             assert arrival_counters(cpu, hkv + 2)[:hkv + 2].eq(0).all()
             words = tags.view(model.cfg.n_layers, -1)
@@ -385,7 +385,7 @@ def test_engine_with_tagged_vectors_decodes_what_it_does_with_barriers(tok, monk
     def check(sync, runner):
         tagged = runner.layer_kernel.layers.tagged
         if sync == "tagged":
-            (_, _, counts), = tagged.values()
+            (_, counts), = tagged.values()
             assert counts[model.cfg.n_kv_heads].item() == 1 + 3 * 5  # the warm-up's, then one a decode step
         else:
             assert not tagged
@@ -669,7 +669,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
     for got in outs:
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
-    (_, _, counts), = kernel.layers.tagged.values()
+    (_, counts), = kernel.layers.tagged.values()
     assert counts[model.cfg.n_kv_heads].item() == 11  # launches (a capture launches nothing)
     steps = dl.PHASES * n_layers
     clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")

@@ -460,10 +460,13 @@ def _paged_attn_kernel(
                                 (BLOCK_N + BLOCK_Q) * VARLEN)
     if ROPE:
         if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
-            acc, l_i, m_i = attend_new_key(
-                acc, l_i, m_i, q, KN + t * stride_knt + hk * stride_knh, VN + t * stride_vnt + hk * stride_vnh, K, V,
-                tl.load(SLOTS + t).to(tl.int64), COS + t * stride_ct, SIN + t * stride_ct, KW, eps, offs_d, d_ok,
-                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_D, BLOCK_SIZE, HAS_NORM)
+            k_new = _norm_rope_rows(KN + t * stride_knt + hk * stride_knh + tl.zeros([1, 1], dtype=tl.int64), offs_d,
+                                    tl.full([1], 1, dtype=tl.int1), COS + t * stride_ct, SIN + t * stride_ct, KW, eps,
+                                    HEAD_D, HAS_NORM)
+            v_new = tl.load(VN + t * stride_vnt + hk * stride_vnh + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            acc, l_i, m_i = attend_new_key(acc, l_i, m_i, q, k_new, v_new, K, V, tl.load(SLOTS + t).to(tl.int64),
+                                           offs_d, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                           BLOCK_SIZE)
 
     pdl.leave(PDL)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
@@ -520,15 +523,11 @@ def _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, seq, num_splits, stride_k
 
 
 @triton.jit
-def attend_new_key(acc, l_i, m_i, q, KN, VN, K, V, slot, COS, SIN, KW, eps, offs_d, d_ok, qk_scale,
-                   stride_kb, stride_ks, stride_vb, stride_vs, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
-    """A decode token's own key and value, from the projection (KN, VN: its kv head's rows): the key normalised
-    (Qwen3) and rotated as `_norm_rope_rows` does, both written to the cache slot `slot`, and taken into the
-    rows' online softmax from registers (no program reads the slot this one writes)."""
-    ones = tl.full([1], 1, dtype=tl.int1)
-    k_new = _norm_rope_rows(KN + tl.zeros([1, 1], dtype=tl.int64), offs_d, ones, COS, SIN, KW, eps, HEAD_D, HAS_NORM)
-    v_new = tl.load(VN + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+def attend_new_key(acc, l_i, m_i, q, k_new, v_new, K, V, slot, offs_d, d_ok, qk_scale,
+                   stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE: tl.constexpr):
+    """A decode token's own key (normalised and rotated) and value, (1, BLOCK_D) rows in registers: both written
+    to the cache slot `slot` and taken into the rows' online softmax from registers (no program reads the slot
+    this one writes)."""
     tl.store(K + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + offs_d[None, :], k_new,
              mask=d_ok[None, :])
     tl.store(V + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + offs_d[None, :], v_new,
@@ -596,22 +595,39 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
     rotated by one token's COS, SIN rows: rope.py's `_norm_rope_heads` over whole rows, each element paired with
     the one half a head away (x * cos - partner * sin in the first half, + in the second), each product and the
     sum rounded to X's dtype as there."""
-    half: tl.constexpr = HEAD_D // 2
     d_ok = offs_d < HEAD_D
-    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+    partner = rope_partner(offs_d, HEAD_D)
     m = rows_ok[:, None] & d_ok[None, :]
     x = tl.load(X + offs_d[None, :], mask=m, other=0.0)
     ty = x.dtype
-    x = x.to(tl.float32)
     xp = tl.load(X + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_D + eps)[:, None]
-        x = (x * r * tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]).to(ty).to(tl.float32)
-        xp = (xp * r * tl.load(W + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]).to(ty).to(tl.float32)
     c = tl.load(COS + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     sn = tl.load(SIN + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    w, wp = c, sn  # (unread without the norm)
+    if HAS_NORM:
+        w = tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(W + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    return norm_rope(x.to(tl.float32), xp, w, wp, c, sn, offs_d, eps, HEAD_D, HAS_NORM, ty)
+
+
+@triton.jit
+def rope_partner(offs_d, HEAD_D: tl.constexpr):
+    """Each dimension's partner in the rotation: the one half a head away."""
+    half: tl.constexpr = HEAD_D // 2
+    return tl.where(offs_d < half, offs_d + half, offs_d - half)
+
+
+@triton.jit
+def norm_rope(x, xp, w, wp, c, sn, offs_d, eps, HEAD_D: tl.constexpr, HAS_NORM: tl.constexpr, ty: tl.constexpr):
+    """Rows x of heads (fp32 values of ty; xp each element's `rope_partner`'s) normalised over each row with weights
+    w (wp the partners') if HAS_NORM, then rotated by cos c and sin sn (x * c - xp * sn in a head's first half,
+    + in its second): rope.py's `_norm_rope_heads`, each product and the sum rounded to ty as there."""
+    if HAS_NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_D + eps)[:, None]
+        x = (x * r * w).to(ty).to(tl.float32)
+        xp = (xp * r * wp).to(ty).to(tl.float32)
     turned = (xp * sn).to(ty).to(tl.float32)
-    return ((x * c).to(ty).to(tl.float32) + tl.where(offs_d < half, -turned, turned)).to(ty)
+    return ((x * c).to(ty).to(tl.float32) + tl.where(offs_d < HEAD_D // 2, -turned, turned)).to(ty)
 
 
 @triton.jit
