@@ -788,11 +788,10 @@ def _item_tile(QKV, QKV_T, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.con
 
 
 @triton.jit
-def _rotate_item(t, is_key, QW, KW, CS, eps, DH: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                 QK_NORM: tl.constexpr, ty: tl.constexpr):
-    """An `_item_tile`'s query rows and key row (is_key) normalised (QK_NORM: with q_norm's weights QW, k_norm's
-    KW) and rotated by the token's cos and sin (CS), in registers (`norm_rope`), each element's partner gathered
-    from its own row."""
+def _rotation(QW, KW, CS, is_key, DH: tl.constexpr, BLOCK_D: tl.constexpr, QK_NORM: tl.constexpr):
+    """The operands of `norm_rope` for an `_item_tile`'s query rows and key row (is_key): the token's cos and
+    sin (CS), the norms' weights (QK_NORM: q_norm's QW, k_norm's KW) and their partners' (loaded before the
+    item's poll, so that no load stands between its words and its rotation)."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < DH
     partner = rope_partner(d, DH)
@@ -804,7 +803,17 @@ def _rotate_item(t, is_key, QW, KW, CS, eps, DH: tl.constexpr, ROWS: tl.constexp
                      tl.load(QW + d, mask=d_ok, other=0.0).to(tl.float32)[None, :])
         wp = tl.where(is_key, tl.load(KW + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :],
                       tl.load(QW + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :])
-    tp = tl.where(d_ok[None, :], tl.gather(t, tl.broadcast_to(partner[None, :], [ROWS, BLOCK_D]), 1), 0.0)
+    return c, sn, w, wp
+
+
+@triton.jit
+def _rotate_item(t, c, sn, w, wp, eps, DH: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                 QK_NORM: tl.constexpr, ty: tl.constexpr):
+    """An `_item_tile`'s query rows and key row normalised and rotated in registers (`norm_rope`, with
+    `_rotation`'s operands), each element's partner gathered from its own row."""
+    d = tl.arange(0, BLOCK_D)
+    partner = tl.broadcast_to(rope_partner(d, DH)[None, :], [ROWS, BLOCK_D])
+    tp = tl.where((d < DH)[None, :], tl.gather(t, partner, 1), 0.0)
     return norm_rope(t, tp, w, wp, c, sn, d, eps, DH, QK_NORM, ty)
 
 
@@ -854,11 +863,12 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         if PRELOAD:
             kt0, v0 = load_key_tile(K, V, TABLE, lo, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
                                     BLOCK_N, BLOCK_SIZE)
+        c, sn, w, wp = _rotation(QW, KW, CS, tile_rows == GROUP, DH, BLOCK_D, QK_NORM)
         t = _item_tile(QKV, QKV_T, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, ROWS, BLOCK_D,
                        TAGGED, SPIN, ty)
         if TAGGED:
             _clock(LEFT, 0, TRACE)
-        turned = _rotate_item(t, tile_rows == GROUP, QW, KW, CS, eps, DH, ROWS, BLOCK_D, QK_NORM, ty)
+        turned = _rotate_item(t, c, sn, w, wp, eps, DH, ROWS, BLOCK_D, QK_NORM, ty)
         q = tl.where(row_ok[:, None], tl.gather(turned, from_tile, 0), 0.0).to(ty)
         k_new = tl.zeros([1, BLOCK_D], dtype=ty)  # the tile's key row, rotated, and its value row (rows, not the
         v_new = k_new  # tile, held over the keys' loop)
