@@ -83,36 +83,6 @@ def test_layers_in_one_kernel_equal_the_layer_by_layer_forward(monkeypatch, name
     assert not torch.equal(got_k, case["k"])  # the token's key was written
 
 
-@interpreter
-def test_keys_past_the_table_chunk_a_program_holds_take_their_blocks_from_the_table(monkeypatch):
-    """Each program holds the block-table entries of its first attention item's first chunk of keys from the
-    launch's start; with a chunk of one key tile (of 16 here) a split's second tile is past it and takes its
-    blocks from a table load: launches per phase (three programs, each with a first item) and the persistent one
-    still give the model's own forward (blocks out of order: a wrong entry reads another block's keys)."""
-    from nanoforge.kernels import decode_layers as dl
-    from nanoforge.kernels import paged_attention as pa
-    import triton.language as tl
-
-    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
-    for module in (pa, dl):
-        monkeypatch.setattr(module, "TABLE_TILES", tl.constexpr(1))
-    torch.manual_seed(0)
-    model = Transformer(preset("tiny-qwen3", max_seq_len=256)).eval()
-    case = decode_case(model, 70, seed=1)  # splits of 32 keys, two tiles each; keys 64 .. 68 in block 1, not 0,
-    # which a masked entry reads as
-    want_h, want_k, _ = run_step(model, case, None)
-    kernel = layer_kernel.LayerKernel(model)
-    got_h, got_k, _ = run_step(model, case, kernel)  # one program: item 0's second tile past its chunk
-    torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
-    with torch.inference_mode():  # three programs: item 2's masked tile (keys 64 .. 68) from its chunk
-        args = kernel_inputs(model, case)
-        phased = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
-        args = kernel_inputs(model, case)
-        one = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
-    assert all(torch.equal(a, b) for a, b in zip(phased, one))
-
-
 def kernel_inputs(model: Transformer, case: dict):
     """`decode_layers`' arguments for a case, the caches copied (each launch writes the token's K and V)."""
     cs = torch.stack((case["rope"][0].reshape(-1), case["rope"][1].reshape(-1)))
@@ -220,7 +190,7 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=True) + (args[2],)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
-            (tags, counts), = kernel.layers.tagged.values()
+            (tags, _, counts), = kernel.layers.tagged.values()
             assert counts.tolist() == [launch * model.cfg.n_layers * dl.INTERPRET_SPLITS] * hkv + [launch, 0]
             assert arrival_counters(cpu, hkv + 2)[:hkv + 2].eq(0).all()
             words = tags.view(model.cfg.n_layers, -1)
@@ -385,7 +355,7 @@ def test_engine_with_tagged_vectors_decodes_what_it_does_with_barriers(tok, monk
     def check(sync, runner):
         tagged = runner.layer_kernel.layers.tagged
         if sync == "tagged":
-            (_, counts), = tagged.values()
+            (_, _, counts), = tagged.values()
             assert counts[model.cfg.n_kv_heads].item() == 1 + 3 * 5  # the warm-up's, then one a decode step
         else:
             assert not tagged
@@ -669,7 +639,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
     for got in outs:
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
-    (_, counts), = kernel.layers.tagged.values()
+    (_, _, counts), = kernel.layers.tagged.values()
     assert counts[model.cfg.n_kv_heads].item() == 11  # launches (a capture launches nothing)
     steps = dl.PHASES * n_layers
     clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")

@@ -181,7 +181,7 @@ def test_block_table_chunks_held_in_registers_cover_every_tile(poisoned, monkeyp
     line up with them): prefill and decode (split contexts) still equal the float64 reference."""
     import triton.language as tl
 
-    monkeypatch.setattr(pa, "TABLE_TILES", tl.constexpr(2))
+    monkeypatch.setattr(pa, "_TABLE_TILES", tl.constexpr(2))
     b = batch([170, 97, 33], [60, 1, 33], 4, 2, 16, bs, seed=bs)
     check(b, launch(b, 60, pa._tile_config(60, 2, 16)))
     d = batch([170, 97, 33, 250], [1] * 4, 4, 2, 16, bs, seed=bs + 1)

@@ -55,8 +55,8 @@ from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, 
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _epilogue
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, TABLE_TILES, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combined_heads,
-    load_key_tile, norm_rope, rope_partner, split_span, table_chunk,
+    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combined_heads,
+    load_key_tile, split_span,
 )
 
 def _cuda_options():
@@ -154,9 +154,9 @@ def sync_mode() -> str:
     return env_choice("NANOFORGE_DECODE_SYNC", ("tagged", "barrier"))
 
 
-def _tagged_buffers(w: Layers, dev: torch.device, programs: int) -> tuple[torch.Tensor, ...]:
+def _tagged_buffers(w: Layers, dev: torch.device, ty: torch.dtype, programs: int) -> tuple[torch.Tensor, ...]:
     """A tagged launch's buffers for these layers on this device: every layer's tagged vectors (zeros: no
-    launch's tag), and [0, hkv) the attention
+    launch's tag), each program's copy of Q/K/V's layout for its attention items, and [0, hkv) the attention
     splits' counts, hkv the launches so far (the tag), hkv + 1 the programs finished. Made at the first tagged
     launch, which is eager (as `_timeouts`' count): a graph captured later launches with them."""
     key = (_device_key(dev), programs)
@@ -168,6 +168,7 @@ def _tagged_buffers(w: Layers, dev: torch.device, programs: int) -> tuple[torch.
         words = n_qkv + w.n_heads * w.head_dim + d + w.w_out.shape[2] + d
         with torch.inference_mode(False):
             w.tagged[key] = (torch.zeros(n_layers * words, device=dev, dtype=torch.int32),
+                             torch.zeros(programs, n_qkv, device=dev, dtype=ty),
                              torch.zeros(w.n_kv_heads + 2, device=dev, dtype=torch.int32))
     return w.tagged[key]
 
@@ -210,7 +211,7 @@ def shape_constants(d: int, n_qkv: int, hq: int, hkv: int, dh: int, f: int, spli
     return dict(D=d, DP=p2(d), NQKV=n_qkv, HQ=hq, HKV=hkv, GROUP=group, GROUP_P2=p2(group), DH=dh, BLOCK_D=p2(dh),
                 BLOCK_M=max(16, p2(group)), F=f, FP=p2(f), AP=p2(hq * dh), BN_QKV=_rows_per_tile(d),
                 BN_O=_rows_per_tile(hq * dh), BN_IN=max(1, _rows_per_tile(d) // 2), BN_OUT=_rows_per_tile(f),
-                SPLITS=splits, SPLITS_P2=p2(splits))
+                SPLITS=splits, SPLITS_P2=p2(splits), ITEM_P2=p2(group * dh + 2 * dh))
 
 
 def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -258,7 +259,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     counts = arrival_counters(dev, hkv + 2)  # [0, hkv): attention's splits; hkv, hkv + 1: the barrier
     timeouts = _timeouts(dev)
     tagged = persistent and sync_mode() == "tagged" and ty in (torch.bfloat16, torch.float16)
-    tags, ws = _tagged_buffers(w, dev, programs) if tagged else (counts, counts)
+    tags, scratch, ws = _tagged_buffers(w, dev, ty, programs) if tagged else (counts, x_in, counts)
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
@@ -268,7 +269,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
     none = w.attn_norm  # any tensor, for the pointers a model does not have
-    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts, tags, ws,
+    args = (x_in, xs, pending, qkv, attn, o, act, o_part, lse_part, counts, timeouts, tags, scratch, ws,
             w.attn_norm, w.wqkv, w.bqkv if w.bqkv is not None else none,
             w.q_norm if w.q_norm is not None else none, w.k_norm if w.k_norm is not None else none,
             w.wo, w.mlp_norm, w.w_in, w.w_out, k_cache, v_cache, table, seq_len, slot, cos_sin,
@@ -633,7 +634,7 @@ def _poll(XT, idx, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constex
     if SPIN:
         limit = tl.where(tl.load(TIMEOUTS, volatile=True) > 0, 0, spin_limit) + idx * 0
         ops = [at, w, tag + idx * 0, limit, poll_sleep + idx * 0]
-        per_thread: tl.constexpr = min(idx.numel // (32 * _WARPS), _POLL_PACK_LIMIT)  # (`poll_pack`)
+        per_thread: tl.constexpr = min(idx.shape[0] // (32 * _WARPS), _POLL_PACK_LIMIT)  # (`poll_pack`)
         if per_thread >= 16:
             w = tl.inline_asm_elementwise(POLL_16, POLL_16_OPS, ops, dtype=tl.int32, is_pure=False, pack=16)
         elif per_thread >= 8:
@@ -768,53 +769,19 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
 
 
 @triton.jit
-def _item_tile(QKV, QKV_T, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.constexpr, HKV: tl.constexpr,
-               GROUP: tl.constexpr, DH: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-               TAGGED: tl.constexpr, SPIN: tl.constexpr, ty: tl.constexpr):
-    """Kv head hk's query rows (rows 0 .. GROUP - 1), key (row GROUP) and value (row GROUP + 1) of the layer's
-    Q/K/V as one (ROWS, BLOCK_D) tile of fp32 values (ROWS >= GROUP + 2), 0 elsewhere: polled from the tagged words
-    (TAGGED: as one vector, so that each thread polls all its words in one loop), else loaded from QKV. Held in
-    registers from there (no store and load back to change its layout)."""
-    j = tl.arange(0, ROWS * BLOCK_D)
-    r = j // BLOCK_D
-    d = j % BLOCK_D
-    at = tl.where(r < GROUP, hk * GROUP + r, tl.where(r == GROUP, HQ + hk, HQ + HKV + hk)) * DH + d
-    inside = (r < GROUP + 2) & (d < DH)
-    if TAGGED:
-        v = _poll(QKV_T, at, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN)
-    else:
-        v = tl.load(QKV + at, mask=inside, other=0.0).to(tl.float32)
-    return tl.reshape(v, [ROWS, BLOCK_D])
-
-
-@triton.jit
-def _rotation(QW, KW, CS, is_key, DH: tl.constexpr, BLOCK_D: tl.constexpr, QK_NORM: tl.constexpr):
-    """The operands of `norm_rope` for an `_item_tile`'s query rows and key row (is_key): the token's cos and
-    sin (CS), the norms' weights (QK_NORM: q_norm's QW, k_norm's KW) and their partners' (loaded before the
-    item's poll, so that no load stands between its words and its rotation)."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < DH
-    partner = rope_partner(d, DH)
-    c = tl.load(CS + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sn = tl.load(CS + DH + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    w, wp = c, sn  # (unread without the norm)
-    if QK_NORM:
-        w = tl.where(is_key, tl.load(KW + d, mask=d_ok, other=0.0).to(tl.float32)[None, :],
-                     tl.load(QW + d, mask=d_ok, other=0.0).to(tl.float32)[None, :])
-        wp = tl.where(is_key, tl.load(KW + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :],
-                      tl.load(QW + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :])
-    return c, sn, w, wp
-
-
-@triton.jit
-def _rotate_item(t, c, sn, w, wp, eps, DH: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                 QK_NORM: tl.constexpr, ty: tl.constexpr):
-    """An `_item_tile`'s query rows and key row normalised and rotated in registers (`norm_rope`, with
-    `_rotation`'s operands), each element's partner gathered from its own row."""
-    d = tl.arange(0, BLOCK_D)
-    partner = tl.broadcast_to(rope_partner(d, DH)[None, :], [ROWS, BLOCK_D])
-    tp = tl.where((d < DH)[None, :], tl.gather(t, partner, 1), 0.0)
-    return norm_rope(t, tp, w, wp, c, sn, d, eps, DH, QK_NORM, ty)
+def _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.constexpr, HKV: tl.constexpr,
+               GROUP: tl.constexpr, DH: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):
+    """Kv head hk's query rows, key and value from the tagged Q/K/V into the same places of SCRATCH (QKV's
+    layout), every thread's stores made before the program reads them."""
+    j = tl.arange(0, ITEM_P2)
+    gd: tl.constexpr = GROUP * DH
+    at = tl.where(j < gd, hk * gd + j,
+                  tl.where(j < gd + DH, (HQ + hk) * DH + j - gd, (HQ + HKV + hk) * DH + j - gd - DH))
+    inside = j < gd + 2 * DH
+    ty = SCRATCH.dtype.element_ty
+    v = _poll(QKV_T, at, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN)
+    tl.store(SCRATCH + at, v.to(ty), mask=inside)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -823,8 +790,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
-               TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, tag, spin_limit, poll_sleep,
-               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, LEFT, table0):  # fmt: skip
+               TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
+               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; a kv head's split
     SPLITS - 1 (`split_span`) writes the token's K and V; its split that finishes last combines them all, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
@@ -833,16 +800,13 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     before its query, so that the HBM loads of the one overlap the L2 loads and the norm and rotation of the
     other (`load_key_tile`; attended masked, as the last tile of a span is: the same sums).
 
-    Each item takes its query rows, key and value as one tile (`_item_tile`: TAGGED, polled from the tagged Q/K/V,
-    QKV_T; else loaded from QKV), normalised and rotated in registers. TAGGED (no barriers): COUNTS are
+    TAGGED (no barriers): each item polls its query rows, key and value from the tagged Q/K/V (QKV_T) into the
+    program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
     the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
     combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone); with TRACE, the
-    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over).
-
-    table0: the block-table entries of the program's first item's first chunk of keys (`table_chunk`, loaded
-    once a launch: no layer changes the table), which that item's keys take their blocks from, so that no table
-    load stands between its query's poll and its K and V loads."""
-    ty = ATT.dtype.element_ty
+    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over)."""
+    if TAGGED:
+        QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -850,9 +814,6 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     io_mask = row_ok[:, None] & d_ok[None, :]
     seq_len = tl.load(SEQ_LEN)
     pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
-    ROWS: tl.constexpr = triton.next_power_of_2(GROUP + 2)  # an item's tile: query rows, key, value
-    tile_rows = tl.arange(0, ROWS)[:, None]
-    from_tile = tl.broadcast_to(tl.minimum(rows, ROWS - 1)[:, None], [BLOCK_M, BLOCK_D])  # q's rows in the tile
     for item in range(tl.program_id(0), HKV * SPLITS, tl.num_programs(0)):
         hk = item // SPLITS
         split = item % SPLITS
@@ -863,18 +824,10 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         if PRELOAD:
             kt0, v0 = load_key_tile(K, V, TABLE, lo, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
                                     BLOCK_N, BLOCK_SIZE)
-        c, sn, w, wp = _rotation(QW, KW, CS, tile_rows == GROUP, DH, BLOCK_D, QK_NORM)
-        t = _item_tile(QKV, QKV_T, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, ROWS, BLOCK_D,
-                       TAGGED, SPIN, ty)
         if TAGGED:
+            _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN, ITEM_P2)
             _clock(LEFT, 0, TRACE)
-        turned = _rotate_item(t, c, sn, w, wp, eps, DH, ROWS, BLOCK_D, QK_NORM, ty)
-        q = tl.where(row_ok[:, None], tl.gather(turned, from_tile, 0), 0.0).to(ty)
-        k_new = tl.zeros([1, BLOCK_D], dtype=ty)  # the tile's key row, rotated, and its value row (rows, not the
-        v_new = k_new  # tile, held over the keys' loop)
-        if new_here:
-            k_new = tl.sum(tl.where(tile_rows == GROUP, turned.to(tl.float32), 0.0), 0)[None, :].to(ty)
-            v_new = tl.sum(tl.where(tile_rows == GROUP + 1, t, 0.0), 0)[None, :].to(ty)
+        q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
         _mark(MARKS, 0, TRACE)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -883,15 +836,13 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
             acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
             lo += BLOCK_N
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-        covered = 0  # the keys from lo that table0 holds the entries of: its chunk's for the program's first item
-        if not PRELOAD:  # (the preload's tile takes lo's)
-            covered = tl.where(item == tl.program_id(0), TABLE_TILES * BLOCK_N, 0)
         acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
-                                    stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D, 0,
-                                    table0, lo + covered)
+                                    stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D, 0)
         if new_here:
-            acc, l_i, m_i = attend_new_key(acc, l_i, m_i, q, k_new, v_new, K, V, tl.load(SLOT).to(tl.int64), offs_d,
-                                           d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE)
+            acc, l_i, m_i = attend_new_key(
+                acc, l_i, m_i, q, QKV + (HQ + hk) * DH, QKV + (HQ + HKV + hk) * DH, K, V, tl.load(SLOT).to(tl.int64),
+                CS, CS + DH, KW, eps, offs_d, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, DH,
+                BLOCK_SIZE, QK_NORM)
         _mark(MARKS, 1, TRACE)
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
         part = head * SPLITS + split
@@ -918,7 +869,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
 
 @triton.jit(do_not_specialize=["first_layer", "spin_limit", "poll_sleep"])
 def _decode_layers_kernel(
-    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS, TAGGED_T, WS,
+    X_IN, XS, PEND, QKV, ATT, O, ACT, O_PART, LSE_PART, COUNTS, TIMEOUTS, TAGGED_T, SCRATCH, WS,
     G1, WQKV, BQKV, QW, KW, WO, G2, WIN, WOUT, KC, VC, TABLE, SEQ_LEN, SLOT, CS,
     stride_kl, stride_kb, stride_ks, stride_kh, stride_vl, stride_vb, stride_vs, stride_vh, eps, qk_scale, TRACE_T,
     spin_limit, poll_sleep, first_layer, n_layers,
@@ -930,7 +881,7 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
-    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, RING_QKV: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
     RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
@@ -950,14 +901,12 @@ def _decode_layers_kernel(
         tl.store(trace_at, tl.extra.cuda.globaltimer())
     if PERSISTENT:  # each phase's first tile of weights is loaded during the wait at the barrier in front of it
         wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
-    seq_len = tl.load(SEQ_LEN)  # the table entries of this program's first attention item's keys, once a launch
-    table0 = table_chunk(TABLE, split_span(seq_len, tl.program_id(0) % SPLITS, SPLITS, BLOCK_N, True)[0], seq_len,
-                         BLOCK_N, BLOCK_SIZE)
     tag = 0
     x = tl.zeros([DP], dtype=tl.float32)
     if TAGGED:  # (first_layer 0: every layer)
         tag = tl.load(WS + HKV, volatile=True) % _TAGS + 1
         x = _vector(X_IN, D, DP)
+        SCRATCH += tl.program_id(0) * NQKV
         COUNTS = WS
     words: tl.constexpr = NQKV + AQ + D + F + D  # a layer's tagged words: Q/K/V, attention, o, SwiGLU, MLP out
     for i in range(0, n_layers):
@@ -1007,8 +956,8 @@ def _decode_layers_kernel(
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
-                       PRELOAD_KV, qkv_t, att_t, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
-                       trace_at + (2 + 2 * step) * tl.num_programs(0), table0)
+                       PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
+                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)

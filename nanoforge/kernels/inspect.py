@@ -269,7 +269,7 @@ def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
 
 _DECODE_LAYERS_SIGNATURE = {
     **{p: "*bf16" for p in ("X_IN", "XS", "PEND", "QKV", "ATT", "O", "ACT")}, "O_PART": "*fp32", "LSE_PART": "*fp32",
-    "COUNTS": "*i32", "TIMEOUTS": "*i32", "TAGGED_T": "*i32", "WS": "*i32",
+    "COUNTS": "*i32", "TIMEOUTS": "*i32", "TAGGED_T": "*i32", "SCRATCH": "*bf16", "WS": "*i32",
     **{p: "*bf16" for p in ("G1", "WQKV", "BQKV", "QW", "KW", "WO", "G2", "WIN", "WOUT", "KC", "VC")},
     "TABLE": "*i32", "SEQ_LEN": "*i32", "SLOT": "*i64", "CS": "*bf16",
     **{f"stride_{c}{d}": "i64" if d == "l" else "i32" for c in "kv" for d in "lbsh"}, "eps": "fp32",

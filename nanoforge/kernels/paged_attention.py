@@ -42,7 +42,7 @@ from nanoforge.kernels.matmul import _dot  # tl.dot that also works on bfloat16 
 from nanoforge.kernels.flash_attention import LOG2E, sdpa
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max (see flash_attention.py)
-TABLE_TILES = tl.constexpr(16)  # key tiles whose block-table entries a program holds in registers at once
+_TABLE_TILES = tl.constexpr(16)  # key tiles whose block-table entries a program holds in registers at once
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,13 +460,10 @@ def _paged_attn_kernel(
                                 (BLOCK_N + BLOCK_Q) * VARLEN)
     if ROPE:
         if new_here:  # write the token's K and V into its cache slot and take its key into the softmax
-            k_new = _norm_rope_rows(KN + t * stride_knt + hk * stride_knh + tl.zeros([1, 1], dtype=tl.int64), offs_d,
-                                    tl.full([1], 1, dtype=tl.int1), COS + t * stride_ct, SIN + t * stride_ct, KW, eps,
-                                    HEAD_D, HAS_NORM)
-            v_new = tl.load(VN + t * stride_vnt + hk * stride_vnh + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-            acc, l_i, m_i = attend_new_key(acc, l_i, m_i, q, k_new, v_new, K, V, tl.load(SLOTS + t).to(tl.int64),
-                                           offs_d, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                           BLOCK_SIZE)
+            acc, l_i, m_i = attend_new_key(
+                acc, l_i, m_i, q, KN + t * stride_knt + hk * stride_knh, VN + t * stride_vnt + hk * stride_vnh, K, V,
+                tl.load(SLOTS + t).to(tl.int64), COS + t * stride_ct, SIN + t * stride_ct, KW, eps, offs_d, d_ok,
+                qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_D, BLOCK_SIZE, HAS_NORM)
 
     pdl.leave(PDL)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
@@ -523,11 +520,15 @@ def _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, seq, num_splits, stride_k
 
 
 @triton.jit
-def attend_new_key(acc, l_i, m_i, q, k_new, v_new, K, V, slot, offs_d, d_ok, qk_scale,
-                   stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE: tl.constexpr):
-    """A decode token's own key (normalised and rotated) and value, (1, BLOCK_D) rows in registers: both written
-    to the cache slot `slot` and taken into the rows' online softmax from registers (no program reads the slot
-    this one writes)."""
+def attend_new_key(acc, l_i, m_i, q, KN, VN, K, V, slot, COS, SIN, KW, eps, offs_d, d_ok, qk_scale,
+                   stride_kb, stride_ks, stride_vb, stride_vs, HEAD_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   HAS_NORM: tl.constexpr):
+    """A decode token's own key and value, from the projection (KN, VN: its kv head's rows): the key normalised
+    (Qwen3) and rotated as `_norm_rope_rows` does, both written to the cache slot `slot`, and taken into the
+    rows' online softmax from registers (no program reads the slot this one writes)."""
+    ones = tl.full([1], 1, dtype=tl.int1)
+    k_new = _norm_rope_rows(KN + tl.zeros([1, 1], dtype=tl.int64), offs_d, ones, COS, SIN, KW, eps, HEAD_D, HAS_NORM)
+    v_new = tl.load(VN + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     tl.store(K + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + offs_d[None, :], k_new,
              mask=d_ok[None, :])
     tl.store(V + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + offs_d[None, :], v_new,
@@ -595,49 +596,32 @@ def _norm_rope_rows(X, offs_d, rows_ok, COS, SIN, W, eps, HEAD_D: tl.constexpr, 
     rotated by one token's COS, SIN rows: rope.py's `_norm_rope_heads` over whole rows, each element paired with
     the one half a head away (x * cos - partner * sin in the first half, + in the second), each product and the
     sum rounded to X's dtype as there."""
+    half: tl.constexpr = HEAD_D // 2
     d_ok = offs_d < HEAD_D
-    partner = rope_partner(offs_d, HEAD_D)
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
     m = rows_ok[:, None] & d_ok[None, :]
     x = tl.load(X + offs_d[None, :], mask=m, other=0.0)
     ty = x.dtype
+    x = x.to(tl.float32)
     xp = tl.load(X + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    c = tl.load(COS + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sn = tl.load(SIN + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    w, wp = c, sn  # (unread without the norm)
-    if HAS_NORM:
-        w = tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(W + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    return norm_rope(x.to(tl.float32), xp, w, wp, c, sn, offs_d, eps, HEAD_D, HAS_NORM, ty)
-
-
-@triton.jit
-def rope_partner(offs_d, HEAD_D: tl.constexpr):
-    """Each dimension's partner in the rotation: the one half a head away."""
-    half: tl.constexpr = HEAD_D // 2
-    return tl.where(offs_d < half, offs_d + half, offs_d - half)
-
-
-@triton.jit
-def norm_rope(x, xp, w, wp, c, sn, offs_d, eps, HEAD_D: tl.constexpr, HAS_NORM: tl.constexpr, ty: tl.constexpr):
-    """Rows x of heads (fp32 values of ty; xp each element's `rope_partner`'s) normalised over each row with weights
-    w (wp the partners') if HAS_NORM, then rotated by cos c and sin sn (x * c - xp * sn in a head's first half,
-    + in its second): rope.py's `_norm_rope_heads`, each product and the sum rounded to ty as there."""
     if HAS_NORM:
         r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_D + eps)[:, None]
-        x = (x * r * w).to(ty).to(tl.float32)
-        xp = (xp * r * wp).to(ty).to(tl.float32)
+        x = (x * r * tl.load(W + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]).to(ty).to(tl.float32)
+        xp = (xp * r * tl.load(W + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]).to(ty).to(tl.float32)
+    c = tl.load(COS + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sn = tl.load(SIN + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     turned = (xp * sn).to(ty).to(tl.float32)
-    return ((x * c).to(ty).to(tl.float32) + tl.where(offs_d < HEAD_D // 2, -turned, turned)).to(ty)
+    return ((x * c).to(ty).to(tl.float32) + tl.where(offs_d < half, -turned, turned)).to(ty)
 
 
 @triton.jit
 def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                 stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr, table0=None, table0_end=None):
+                EVEN_D: tl.constexpr, TAIL_KEYS: tl.constexpr):
     """The online softmax over keys lo .. hi in BLOCK_N tiles: those before full_hi (whole tiles every row sees)
     without a mask, the rest masked (`_attend_keys`): the diagonal of a tile's query tokens, a split's ragged end.
 
-    The unmasked tiles take their block ids from a chunk of the block table held in registers (TABLE_TILES
+    The unmasked tiles take their block ids from a chunk of the block table held in registers (_TABLE_TILES
     tiles' worth, loaded once a chunk), not from a load a tile: a table load inside the loop is an asynchronous
     copy that each tile's K and V addresses wait on, and as such copies complete in order, the wait is for all of
     them: compiled for sm_90 (Triton 3.6 and 3.9), every iteration then began with `cp.async.wait_group 0` and
@@ -645,29 +629,18 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
     (`nanoforge kernels inspect` shows the wait). TAIL_KEYS > 0 (prefill: BLOCK_N + the tile's query tokens, more
     than there are masked keys): the masked tiles' entries are loaded before the unmasked loop too, so their K/V
     loads wait on no table load once it drains; 0 (decode, where that costs Triton 3.6 27 registers): a load a
-    masked tile.
-
-    table0 (optional): the entries of the span's first chunk (`table_chunk(TABLE, lo, ...)`), loaded by the
-    caller before it could start on the keys (the persistent decode kernel: once a launch, as no layer changes
-    the table), keys lo .. table0_end taken from it without a table load (table0_end = lo: none of them)."""
-    chunk: tl.constexpr = TABLE_TILES * BLOCK_N
-    start = lo
-    if table0 is not None:
-        first0 = lo // BLOCK_SIZE
-        for n0 in range(lo, tl.minimum(table0_end, full_hi), BLOCK_N):
-            block = tl.gather(table0, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first0, 0).to(tl.int64)
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
-                                         stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, EVEN_D,
-                                         False)
-        start = tl.maximum(tl.minimum(table0_end, full_hi), lo)
+    masked tile."""
     if TAIL_KEYS > 0:
         tail_entries: tl.constexpr = triton.next_power_of_2(TAIL_KEYS // BLOCK_SIZE + 2)
         tail_first = full_hi // BLOCK_SIZE
         tail_ids = tail_first + tl.arange(0, tail_entries)
         tail_table = tl.load(TABLE + tail_ids, mask=tail_ids * BLOCK_SIZE < hi, other=0)
-    for c0 in range(start, full_hi, chunk):
+    chunk: tl.constexpr = _TABLE_TILES * BLOCK_N
+    entries: tl.constexpr = triton.next_power_of_2(chunk // BLOCK_SIZE + 1)
+    for c0 in range(lo, full_hi, chunk):
         first = c0 // BLOCK_SIZE
-        table = table_chunk(TABLE, c0, full_hi, BLOCK_N, BLOCK_SIZE)
+        ids = first + tl.arange(0, entries)
+        table = tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < full_hi, other=0)
         for n0 in range(c0, tl.minimum(c0 + chunk, full_hi), BLOCK_N):
             block = tl.gather(table, (n0 + tl.arange(0, BLOCK_N)) // BLOCK_SIZE - first, 0).to(tl.int64)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
@@ -677,13 +650,6 @@ def attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_o
         if TAIL_KEYS > 0:
             keys = n0 + tl.arange(0, BLOCK_N)
             block = tl.gather(tail_table, tl.where(keys < hi, keys // BLOCK_SIZE - tail_first, 0), 0).to(tl.int64)
-        elif table0 is not None:
-            if n0 + BLOCK_N <= table0_end:
-                keys = n0 + tl.arange(0, BLOCK_N)
-                block = tl.gather(table0, tl.where(keys < hi, keys // BLOCK_SIZE - lo // BLOCK_SIZE, 0),
-                                  0).to(tl.int64)
-            else:
-                block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
         else:
             block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_scale,
@@ -712,16 +678,6 @@ def _attend_keys(acc, l_i, m_i, q, K, V, block, n0, hi, pos, offs_d, d_ok, qk_sc
         v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
-
-
-@triton.jit
-def table_chunk(TABLE, c0, limit, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The block-table entries of keys c0 .. c0 + TABLE_TILES * BLOCK_N (`attend_span`'s chunk; those of
-    blocks from `limit` on 0), from block c0 // BLOCK_SIZE on (one more than the chunk's keys fill, for a c0
-    inside a block)."""
-    entries: tl.constexpr = triton.next_power_of_2(TABLE_TILES * BLOCK_N // BLOCK_SIZE + 1)
-    ids = c0 // BLOCK_SIZE + tl.arange(0, entries)
-    return tl.load(TABLE + ids, mask=ids * BLOCK_SIZE < limit, other=0)
 
 
 @triton.jit
