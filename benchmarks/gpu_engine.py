@@ -368,20 +368,16 @@ DECODE_VARIANTS = {
     "persistent_pf6": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PREFETCH_TILES": "6"},
     # launched as a plain kernel, not a cooperative one
     "persistent_plain": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_COOPERATIVE": "0"},
-    # each attention item's first K and V tile loaded before its query (session 32's preload;
-    # `benchmarks/decode_layers.py --variants` times it alone)
-    "persistent_preload_kv": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_PRELOAD_KV": "1"},
     # no barriers: each phase's vector stored as tagged words and polled (NANOFORGE_DECODE_SYNC=tagged, session 39)
     "persistent_tagged": {"NANOFORGE_DECODE_LAYERS": "persistent", "NANOFORGE_DECODE_SYNC": "tagged"},
     "auto_tagged": {"NANOFORGE_DECODE_LAYERS": "auto", "NANOFORGE_DECODE_SYNC": "tagged"},
-    # parts to join with '+' onto the above (e.g. auto+preload_kv+ring3): the persistent kernel's switches (tagged
+    # parts to join with '+' onto the above (e.g. auto+prefetch_kv2+ring3): the persistent kernel's switches (tagged
     # vectors and the 256 ns back-off are its defaults since session 40)
     "tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},
     "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
     "poll_sleep0": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "0"},
     "poll_cap2048": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "2048"},  # the back-off's cap (default 512 ns since s43)
     "poll_cap1024": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "1024"},
-    "preload_kv": {"NANOFORGE_DECODE_PRELOAD_KV": "1"},
     "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
     "ring3": {"NANOFORGE_DECODE_RING": "3"},
     "ring4": {"NANOFORGE_DECODE_RING": "4"},

@@ -91,16 +91,14 @@ def kernel_inputs(model: Transformer, case: dict):
 
 
 @interpreter
-@pytest.mark.parametrize("name,preload,ring", [(n, "0", "0") for n in FAMILIES]
-                         + [("tiny-llama", "1", "0"), ("tiny-qwen3", "1", "0"), ("tiny-llama", "0", "4")])
-def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name, preload, ring):
+@pytest.mark.parametrize("name,ring", [(n, "0") for n in FAMILIES] + [("tiny-llama", "4")])
+def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatch, name, ring):
     """The persistent launch's own code (each phase's first weight tile loaded while it waits at the barrier in
     front of it, the next layer's before the last one, every barrier, the count reset at the end), interpreted
     with one program, which passes each barrier at its own arrival: bit for bit the launches per phase of three
     programs, the barrier's counts back at zero after it and none given up, twice (the second launch counts from
-    zero). With NANOFORGE_DECODE_PRELOAD_KV=1 (each attention item's first key tile loaded before its query; two
-    tiles a split here), or NANOFORGE_DECODE_RING=4 (the weight tiles after each program's first through a
-    pipelined loop), both ways equal the launches per phase without it, bit for bit."""
+    zero). With NANOFORGE_DECODE_RING=4 (the weight tiles after each program's first through a pipelined loop),
+    both ways equal the launches per phase without it, bit for bit."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -112,9 +110,8 @@ def test_one_persistent_program_computes_what_a_launch_per_phase_does(monkeypatc
     with torch.inference_mode():
         args = kernel_inputs(model, case)
         want = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
-        monkeypatch.setenv("NANOFORGE_DECODE_PRELOAD_KV", preload)
         monkeypatch.setenv("NANOFORGE_DECODE_RING", ring)
-        if preload == "1" or ring != "0":
+        if ring != "0":
             args = kernel_inputs(model, case)
             got = dl.decode_layers(kernel.layers, *args, persistent=False) + (args[2],)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -159,7 +156,7 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 
 @interpreter
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
-    ("tiny-qwen3", {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+    ("tiny-qwen3", {"NANOFORGE_DECODE_PREFETCH_KV": "2"}),
     ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
     ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
@@ -537,7 +534,7 @@ GPU_SHAPES = {  # two layers at the real widths of the models issue 14 measures,
 def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward(name, ctx, monkeypatch):
     """bf16 at full width: the persistent launch (barriers between phases; cooperative, then plain; with one
     thread a program polling at the barriers, every thread, or thread 0 doing the whole barrier; with phase B's
-    context asked of L2 ahead, or its first tile loaded ahead; its weights through a 4-stage ring in shared memory;
+    context asked of L2 ahead; its weights through a 4-stage ring in shared memory;
     traced) gives exactly the phase-at-a-time
     launches' result (the same code and order of sums: any difference is a barrier that did not hold), and both
     stay within bf16 rounding of the layer-by-layer forward (cuBLAS / the skinny matmul, paged attention). The
@@ -558,11 +555,11 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
     programs = torch.cuda.get_device_properties(x.device).multi_processor_count
     trace = torch.zeros(dl.trace_rows(model.cfg.n_layers), programs, dtype=torch.int64, device=x.device)
     # (each switch set is one more kernel compiled for each shape, beside the default's six, the launches per phase
-    # being five; the phased launches with the preload are checked interpreted, on the CPU)
+    # being five)
     launches = [(True, {}), (False, {}), (True, {"NANOFORGE_DECODE_COOPERATIVE": "0"}),  # the count starts again
-                (True, {"NANOFORGE_DECODE_PRELOAD_KV": "1", "NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+                (True, {"NANOFORGE_DECODE_PREFETCH_KV": "2"}),
                 (True, {"NANOFORGE_DECODE_RING": "4"}),
-                (True, {"NANOFORGE_DECODE_PREFETCH_KV": "1", "NANOFORGE_DECODE_PRELOAD_KV": "1", "trace": trace})]
+                (True, {"NANOFORGE_DECODE_PREFETCH_KV": "1", "trace": trace})]
     for persistent, env in launches:
         with monkeypatch.context() as m:
             for key, value in env.items():
@@ -737,18 +734,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "prefetch_kv1+preload_kv,prefetch_kv2", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "prefetch_kv1+tagged,prefetch_kv2", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["prefetch_kv1+preload_kv", "prefetch_kv2"] and all(
+    assert all(list(r["variants"]) == ["prefetch_kv1+tagged", "prefetch_kv2"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not preload_kv, tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6 or on_ with qkv.o.gate_up.down or "
         "some of them"]
 

@@ -55,8 +55,7 @@ from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, 
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _epilogue
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combined_heads,
-    load_key_tile, split_span,
+    _NEG_BIG, _norm_rope_rows, attend_new_key, attend_span, combine_heads, combined_heads, split_span,
 )
 
 def _cuda_options():
@@ -188,17 +187,6 @@ def prefetch_kv_tiles() -> int:
     return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
 
 
-def preload_kv() -> bool:
-    """NANOFORGE_DECODE_PRELOAD_KV (0, the default, or 1; session 32's; session 40, an H100, against tagged
-    launches with the back-off without it: 1.01x on Llama-3.2-1B's layers, 0.96x on Qwen3-0.6B's): each attention
-    item loads its first key tile, K and V at once, before its query's loads, norm and rotation, which the HBM
-    loads then overlap (by default the tiles are loaded in `attend_span`'s loop, after the query is rotated, and
-    each V after its scores). Session 28's version loaded the tile before the barrier in front of attention;
-    session 30 timed it on an H100: the keys part fell 124 -> 85 us over Qwen3-0.6B's layers and the barrier
-    waits grew by as much, as a barrier's release fence waits for the loads the program has in flight."""
-    return env_choice("NANOFORGE_DECODE_PRELOAD_KV", ("0", "1")) == "1"
-
-
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
@@ -263,7 +251,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     meta = dict(**shape_constants(d, n_qkv, hq, hkv, dh, f, splits), BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[2],
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
-                ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0, PRELOAD_KV=preload_kv(),
+                ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0,
                 TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
@@ -790,15 +778,16 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DH: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
-               TRACE: tl.constexpr, PRELOAD: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
+               TRACE: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
                TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; a kv head's split
     SPLITS - 1 (`split_span`) writes the token's K and V; its split that finishes last combines them all, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
     query rotated; its keys attended; its partials stored and counted; combined, where it was the last), at
-    rows MARKS + m * programs (a program's last item's). PRELOAD: each item's first key tile (K and V) is loaded
-    before its query, so that the HBM loads of the one overlap the L2 loads and the norm and rotation of the
-    other (`load_key_tile`; attended masked, as the last tile of a span is: the same sums).
+    rows MARKS + m * programs (a program's last item's). (Sessions 32-44's NANOFORGE_DECODE_PRELOAD_KV loaded each
+    item's first K and V tile before its query's poll: the tile's copy into shared memory for the dot, compiled
+    for sm_90, then waited for the K and V loads before the poll began; 0.96-0.98x on Qwen3-0.6B's layers, taken
+    out.)
 
     TAGGED (no barriers): each item polls its query rows, key and value from the tagged Q/K/V (QKV_T) into the
     program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
@@ -821,9 +810,6 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         lo, hi, new_here = split_span(seq_len, split, SPLITS, BLOCK_N, True)
         K = KC + hk * stride_kh
         V = VC + hk * stride_vh
-        if PRELOAD:
-            kt0, v0 = load_key_tile(K, V, TABLE, lo, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-                                    BLOCK_N, BLOCK_SIZE)
         if TAGGED:
             _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN, ITEM_P2)
             _clock(LEFT, 0, TRACE)
@@ -832,9 +818,6 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-        if PRELOAD:
-            acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
-            lo += BLOCK_N
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D, 0)
@@ -880,7 +863,7 @@ def _decode_layers_kernel(
     BN_OUT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
-    TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr, PRELOAD_KV: tl.constexpr,
+    TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr,
     TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
     RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
@@ -956,7 +939,7 @@ def _decode_layers_kernel(
                        stride_kh, stride_vb, stride_vs, stride_vh, HQ, HKV, GROUP, GROUP_P2, DH, BLOCK_D, BLOCK_M,
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
-                       PRELOAD_KV, qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
+                       qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
                        ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
