@@ -25,7 +25,8 @@ its cap; the default 256), `poll_capN` (NANOFORGE_DECODE_POLL_SLEEP_CAP_NS=N: th
 512), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
 `on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
-Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts), and looks at each
+Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts; and by context
+split: each split's items' own time for each part, and which split was the last to count), and looks at each
 wait from its last program to leave: its own time from its arrival, and how often it was also the last to arrive
 (with tagged vectors: whether a hand-over is the last producer's own next loads and poll).
 --smoke runs the tiny presets interpreted (one launch of one program).
@@ -211,7 +212,7 @@ def traced_phases(model: Transformer, kernel: LayerKernel, c: dict, device) -> d
         dl.decode_layers(kernel.layers, x, c["cs"].reshape(2, -1), c["k"], c["v"], c["table"][0], c["seq_lens"],
                          c["slot"], trace=trace)
     torch.cuda.synchronize()
-    return dl.phase_times(trace)
+    return dl.phase_times(trace, model.cfg.n_kv_heads * dl.CONTEXT_SPLITS)
 
 
 def ours_with(model, kernel: LayerKernel, c: dict, device, replays: int, base_fn, base_us: float, *,
@@ -246,6 +247,15 @@ def ours_with(model, kernel: LayerKernel, c: dict, device, replays: int, base_fn
 def attention_parts(ph: dict) -> str:
     """Phase B's parts of a trace, in words."""
     return ", ".join(f"{p} {ph[f'B {p}']:.1f}" for p in dl.B_POINTS + ("rest",))
+
+
+def attention_splits(ph: dict) -> str:
+    """Phase B's items by context split (`phase_times`' "by split"), in words: each part's own time a layer
+    and how often the split was the last to count."""
+    parts = [f"{p} " + " ".join("-" if v is None else f"{v:.2f}" for v in ph[f"B {p} by split"])
+             for p in dl.B_POINTS[:3]]
+    last = " ".join(f"{100 * v:.0f}%" for v in ph["B last counted by split"])
+    return "; ".join(parts) + f"; the last to count {last}"
 
 
 def main() -> None:
@@ -310,6 +320,8 @@ def main() -> None:
             print(f"   phases, {dl.sync_mode()} (us over all layers, the rate each read its weights or K/V at): "
                   + phase_line(r["phases_us"], r["phase_tb_s"]))
             print("   attention phase's parts: " + attention_parts(r["phases_us"]))
+            print("   its items by context split 0, 1, ... (us a layer, each item's own): "
+                  + attention_splits(r["phases_us"]))
             print("   each wait's last program to leave, from its own arrival (us over all layers; how often it was "
                   "also the last to arrive): " + handover_line(r["phases_us"]))
         runs = [("splits", n, {"splits": n}) for n in splits]

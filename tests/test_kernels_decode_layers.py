@@ -783,7 +783,7 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     the last departure before it to the last arrival after it, its barrier from that arrival to the last
     departure, and phase B's work is cut at its marks the same way (a program that never got to a mark, its
     clock 0, does not count); each barrier's last program to leave, its own time there and whether it was the
-    last to arrive; and the switches take their values only, in one line."""
+    last to arrive; phase B by context split; and the switches take their values only, in one line."""
     from nanoforge.kernels import decode_layers as dl
 
     start = [0, 1000]
@@ -811,6 +811,13 @@ def test_phase_times_reads_a_trace_as_the_slowest_program_sees_each_phase(monkey
     b_parts = [got[f"B {n}"] for n in ("query", "keys", "counted", "combined", "rest")]
     assert b_parts == pytest.approx([0.3, 0.9, 0.3, 1.1, 0.4]) and sum(b_parts) == pytest.approx(got["B work"])
     assert got["total"] == (t - 0) / 1e3 and got["layers"] == 1
+    # by split, program p the item of split p: each one's own time from its poll's end (its departure from phase
+    # A, 3.5 and 3.4 us) to each mark, none where it never got to the mark; program 0 the last to count
+    by = dl.phase_times(trace, items=2, splits=2)
+    assert by["B query by split"] == pytest.approx([0.1, 0.4]) and by["B keys by split"][1] is None
+    assert by["B keys by split"][0] == pytest.approx(1.1) and by["B counted by split"] == pytest.approx([0.3, None])
+    assert by["B combined by split"] == pytest.approx([1.1, 0.0]) and by["B last counted by split"] == [1.0, 0.0]
+    assert "B keys by split" not in got
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_TILES", "0")
     assert dl.prefetch_tiles() == 0
     monkeypatch.setenv("NANOFORGE_DECODE_PREFETCH_TILES", "lots")

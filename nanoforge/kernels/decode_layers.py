@@ -42,6 +42,7 @@ The caller (`serve/layer_kernel.py`) stacks the layers' weights and decides when
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -292,7 +293,7 @@ def grid_steps(start: torch.Tensor, arrive: torch.Tensor, leave: torch.Tensor) -
     return before, last_arrival - before, last_departure - last_arrival
 
 
-def phase_times(trace: torch.Tensor) -> dict:
+def phase_times(trace: torch.Tensor, items: int | None = None, splits: int = CONTEXT_SPLITS) -> dict:
     """Microseconds per phase from a `decode_layers` trace, summed over the layers: "work" from the last program
     to leave the barrier before (or to start) to the last to arrive at the one after it (the phase as the grid
     sees it: its slowest program), "wait" from that arrival to the last program's departure (the barrier's own
@@ -306,7 +307,13 @@ def phase_times(trace: torch.Tensor) -> dict:
     leave: "X last tail" sums, over the layers, that program's own time from its arrival to its departure (its
     last store of phase X to its poll's end; in a launch with barriers, its own wait), and "X last self" is the
     share of phase X's waits whose last to leave was also the last to arrive (with tagged vectors, the last
-    producer of a vector the last to have it whole: its own next loads and its poll are then the hand-over)."""
+    producer of a vector the last to have it whole: its own next loads and its poll are then the hand-over).
+
+    `items` (kv heads x `splits`, where each program has at most one: program p the item of split p % splits):
+    phase B by split too, which of them is on the phase's path: "B <part> by split", each split's own time for
+    that part (from its item's point before to its own mark: for the query, from its poll's end), averaged over
+    the layers and kv heads, and "B last counted by split", the share of the layers whose last item to count
+    (the one whose head's combine ends the phase, unless another head's combine runs longer) was of that split."""
     t = trace.double().cpu() / 1e3
     layers = (t.shape[0] - 1) // (2 * PHASES + B_MARKS)
     steps = PHASES * layers
@@ -326,6 +333,16 @@ def phase_times(trace: torch.Tensor) -> dict:
         out[f"B {name}"] = float(d.sum())
     out["total"] = float(leave.max() - start.min())
     out["layers"] = layers
+    if items is not None and 0 < items <= t.shape[1]:
+        clocks = t[1 + 2 * steps:].reshape(layers, B_MARKS, -1)[:, :, :items]  # (layers, marks, items)
+        clocks = torch.cat([leave[0::PHASES, None, :items], clocks], 1)  # from the item's poll's end on
+        own = clocks.diff(dim=1).masked_fill((clocks[:, 1:] == 0) | (clocks[:, :-1] == 0), float("nan"))
+        split = torch.arange(items) % splits
+        for m, name in enumerate(B_POINTS):  # (None: no item of the split got from the point before to there)
+            means = [own[:, m, split == s].nanmean().item() for s in range(splits)]
+            out[f"B {name} by split"] = [None if math.isnan(v) else v for v in means]
+        last = clocks[:, 3].argmax(1) % splits
+        out["B last counted by split"] = [float((last == s).double().mean()) for s in range(splits)]
     return out
 
 
