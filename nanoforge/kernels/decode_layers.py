@@ -341,7 +341,7 @@ def phase_times(trace: torch.Tensor, items: int | None = None, splits: int = CON
         for m, name in enumerate(B_POINTS):  # (None: no item of the split got from the point before to there)
             means = [own[:, m, split == s].nanmean().item() for s in range(splits)]
             out[f"B {name} by split"] = [None if math.isnan(v) else v for v in means]
-        last = clocks[:, 3].argmax(1) % splits
+        last = clocks[:, 1 + B_POINTS.index("counted")].argmax(1) % splits  # (clocks[:, 0]: the poll's end)
         out["B last counted by split"] = [float((last == s).double().mean()) for s in range(splits)]
     return out
 
