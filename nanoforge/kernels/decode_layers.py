@@ -219,8 +219,8 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
     departure, then per layer phase B's marks (`phase_times` reads it; a diagnostic, persistent launches only).
     A tagged launch has no barrier: its "arrival" after a phase is the program's clock once it has stored its
     part of the phase's vector, its "departure" once it has polled the whole vector the next phase reads (phase
-    B: its item's Q/K/V words; a program with no item, at B's start), so that a phase's "wait" runs from the
-    last program to store its part to the last to have read it all.
+    B: its item's Q/K/V words, the query rows alone but in a head's last split; a program with no item, at B's
+    start), so that a phase's "wait" runs from the last program to store its part to the last to have read it all.
     `ring`, `ring_on`: the weight ring's stages and the projections it serves (default: the environment's,
     `ring_stages`, `ring_targets`)."""
     n_layers, n_qkv, d = w.wqkv.shape
@@ -774,15 +774,18 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
 
 
 @triton.jit
-def _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.constexpr, HKV: tl.constexpr,
-               GROUP: tl.constexpr, DH: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):
-    """Kv head hk's query rows, key and value from the tagged Q/K/V into the same places of SCRATCH (QKV's
-    layout), every thread's stores made before the program reads them."""
+def _poll_item(QKV_T, SCRATCH, hk, with_kv, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.constexpr,
+               HKV: tl.constexpr, GROUP: tl.constexpr, DH: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):
+    """Kv head hk's query rows (and where with_kv, its key and value) from the tagged Q/K/V into the same places
+    of SCRATCH (QKV's layout), every thread's stores made before the program reads them. Only the split holding
+    the token's own key reads its key and value (`attend_new_key`); the others wait for the query rows alone,
+    which phase A's programs store first (Q's rows are the first tiles of W_qkv, each program's first tile the
+    one it had loaded before the phase's input came: session 45)."""
     j = tl.arange(0, ITEM_P2)
     gd: tl.constexpr = GROUP * DH
     at = tl.where(j < gd, hk * gd + j,
                   tl.where(j < gd + DH, (HQ + hk) * DH + j - gd, (HQ + HKV + hk) * DH + j - gd - DH))
-    inside = j < gd + 2 * DH
+    inside = j < tl.where(with_kv, gd + 2 * DH, gd)
     ty = SCRATCH.dtype.element_ty
     v = _poll(QKV_T, at, inside, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN)
     tl.store(SCRATCH + at, v.to(ty), mask=inside)
@@ -806,11 +809,12 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     for sm_90, then waited for the K and V loads before the poll began; 0.96-0.98x on Qwen3-0.6B's layers, taken
     out.)
 
-    TAGGED (no barriers): each item polls its query rows, key and value from the tagged Q/K/V (QKV_T) into the
-    program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way reads QKV; COUNTS are
-    the launch's own, never reset (the last split of a head is the one counting a multiple of SPLITS); the
-    combined heads are stored tagged to ATT_T straight from the registers (ATT is left alone); with TRACE, the
-    item's poll's end is clocked at LEFT (the program's departure row of phase A's hand-over)."""
+    TAGGED (no barriers): each item polls its query rows (the last split: and its key and value) from the tagged
+    Q/K/V (QKV_T) into the program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way
+    reads QKV (`_poll_item`); COUNTS are the launch's own, never reset (the last split of a head is the one
+    counting a multiple of SPLITS); the combined heads are stored tagged to ATT_T straight from the registers (ATT
+    is left alone); with TRACE, the item's poll's end is clocked at LEFT (the program's departure row of phase
+    A's hand-over)."""
     if TAGGED:
         QKV = SCRATCH
     rows = tl.arange(0, BLOCK_M)
@@ -828,7 +832,8 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         K = KC + hk * stride_kh
         V = VC + hk * stride_vh
         if TAGGED:
-            _poll_item(QKV_T, SCRATCH, hk, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN, ITEM_P2)
+            _poll_item(QKV_T, SCRATCH, hk, new_here, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN,
+                       ITEM_P2)
             _clock(LEFT, 0, TRACE)
         q = _norm_rope_rows(QKV + head[:, None] * DH, offs_d, row_ok, CS, CS + DH, QW, eps, DH, QK_NORM)
         _mark(MARKS, 0, TRACE)
@@ -949,7 +954,7 @@ def _decode_layers_kernel(
             _depart(BAR, step, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 1:  # B: attention
             _prefetch_tiles(w_o, D, AQ, AP, BN_O, PREFETCH_TILES, False, PREFETCH)
-            if TAGGED:  # (a program with an item clocks its departure again once its Q/K/V words are in)
+            if TAGGED:  # (a program with an item clocks its departure again once its item's words are in)
                 _clock(trace_at, 2 + 2 * step, TRACE)
             _attention(qkv, ATT, O_PART, LSE_PART, COUNTS, QW + lw * DH, KW + lw * DH, KC + lw * stride_kl,
                        VC + lw * stride_vl, TABLE, SEQ_LEN, SLOT, CS, eps, qk_scale, stride_kb, stride_ks,
