@@ -56,8 +56,7 @@ from nanoforge.kernels.dispatch import arrival_counters, capturing, env_choice, 
 from nanoforge.kernels.flash_attention import LOG2E
 from nanoforge.kernels.gemv import _epilogue
 from nanoforge.kernels.paged_attention import (
-    _NEG_BIG, _norm_rope_rows, attend_loaded_tile, attend_new_key, attend_span, combine_heads, combined_heads,
-    load_key_tile, split_span,
+    _NEG_BIG, _norm_rope_rows, attend_new_key, attend_span, combine_heads, combined_heads, split_span,
 )
 
 def _cuda_options():
@@ -189,16 +188,6 @@ def prefetch_kv_tiles() -> int:
     return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
 
 
-def early_kv() -> bool:
-    """NANOFORGE_DECODE_EARLY_KV (0, the default, or 1; session 45; tagged launches): each attention item issues
-    its first key tile's K and V loads (and their block-table entries') before it polls its query, and takes them
-    only after the poll, through an asm the compiler keeps in place (`_held`): the HBM loads then run under the
-    hand-over's wait, where the item's keys part (session 44, an H100: 3.6 us of Qwen3-0.6B's ~26 us layer) waited
-    for them after it. Sessions 32-44's NANOFORGE_DECODE_PRELOAD_KV loaded the tile there too, but compiled for
-    sm_90 its copy into shared memory for the dot sat before the poll loop and waited for the loads (taken out)."""
-    return env_choice("NANOFORGE_DECODE_EARLY_KV", ("0", "1")) == "1"
-
-
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
@@ -264,8 +253,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0,
-                TAGGED=tagged, BARRIERS=persistent and not tagged, EARLY_KV=tagged and early_kv(),
-                **ring_constants(ring, ring_on))
+                TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -786,13 +774,6 @@ def _prefetch_context(KC, VC, TABLE, SEQ_LEN, stride_kb, stride_ks, stride_kh, s
 
 
 @triton.jit
-def _held(x):
-    """x (16-bit values) as it is, through an asm with side effects, which the compiler keeps where it stands:
-    what is made of x (a tile's copy into shared memory for a dot) comes after what the program does before."""
-    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], dtype=x.dtype, is_pure=False, pack=1)
-
-
-@triton.jit
 def _poll_item(QKV_T, SCRATCH, hk, with_kv, tag, spin_limit, poll_sleep, TIMEOUTS, HQ: tl.constexpr,
                HKV: tl.constexpr, GROUP: tl.constexpr, DH: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr):
     """Kv head hk's query rows (and where with_kv, its key and value) from the tagged Q/K/V into the same places
@@ -818,8 +799,7 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, MARKS,
                TRACE: tl.constexpr, QKV_T, ATT_T, SCRATCH, tag, spin_limit, poll_sleep,
-               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, EARLY_KV: tl.constexpr, ITEM_P2: tl.constexpr,
-               LEFT):  # fmt: skip
+               TIMEOUTS, TAGGED: tl.constexpr, SPIN: tl.constexpr, ITEM_P2: tl.constexpr, LEFT):  # fmt: skip
     """Phase B: program p takes (kv head, context split) pairs p, p + programs, ...; a kv head's split
     SPLITS - 1 (`split_span`) writes the token's K and V; its split that finishes last combines them all, every
     split's partials loaded at once (`combine_heads`). TRACE: the clock at B_MARKS points of the item (its
@@ -827,7 +807,9 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
     rows MARKS + m * programs (a program's last item's). (Sessions 32-44's NANOFORGE_DECODE_PRELOAD_KV loaded each
     item's first K and V tile before its query's poll: the tile's copy into shared memory for the dot, compiled
     for sm_90, then waited for the K and V loads before the poll began; 0.96-0.98x on Qwen3-0.6B's layers, taken
-    out.)
+    out. Session 45's NANOFORGE_DECODE_EARLY_KV took the tile through a side-effecting asm after the poll, so that
+    no copy of it waited before the poll: the keys part 92.2 -> 64.8 us over Qwen3-0.6B's layers on an H100, but
+    the hand-overs' waits 252 -> 296 and the layers 0.97x (Llama-3.2-1B's 0.99x); taken out too.)
 
     TAGGED (no barriers): each item polls its query rows (the last split: and its key and value) from the tagged
     Q/K/V (QKV_T) into the program's own rows of QKV's layout (SCRATCH), which it then reads as the barrier way
@@ -851,9 +833,6 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         lo, hi, new_here = split_span(seq_len, split, SPLITS, BLOCK_N, True)
         K = KC + hk * stride_kh
         V = VC + hk * stride_vh
-        if EARLY_KV:  # (TAGGED) the first key tile's loads in flight through the poll (`early_kv`)
-            kt0, v0 = load_key_tile(K, V, TABLE, lo, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-                                    BLOCK_N, BLOCK_SIZE)
         if TAGGED:
             _poll_item(QKV_T, SCRATCH, hk, new_here, tag, spin_limit, poll_sleep, TIMEOUTS, HQ, HKV, GROUP, DH, SPIN,
                        ITEM_P2)
@@ -863,11 +842,6 @@ def _attention(QKV, ATT, O_PART, LSE_PART, COUNTS, QW, KW, KC, VC, TABLE, SEQ_LE
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-        if EARLY_KV:  # attended masked, as a span's last tile is (nothing where the split is empty): the same sums
-            if SPIN:
-                kt0, v0 = _held(kt0), _held(v0)
-            acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
-            lo += BLOCK_N
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = attend_span(acc, l_i, m_i, q, K, V, TABLE, lo, full_hi, hi, pos, offs_d, d_ok, qk_scale,
                                     stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, DH == BLOCK_D, 0)
@@ -914,8 +888,8 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr,
-    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, EARLY_KV: tl.constexpr, ITEM_P2: tl.constexpr,
-    RING_QKV: tl.constexpr, RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
+    RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -990,7 +964,7 @@ def _decode_layers_kernel(
                        SPLITS, SPLITS_P2, BLOCK_N, BLOCK_SIZE, QK_NORM,
                        trace_at + (1 + 2 * _PHASES * n_layers + i * _B_MARKS) * tl.num_programs(0), TRACE,
                        qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
-                       EARLY_KV, ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
+                       ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
             if PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
