@@ -22,7 +22,9 @@ polled as tagged words, and a traced launch clocks each program's polls and stor
 then from the last program to store its part to the last to have the whole vector; since session 41),
 `poll_sleepN` (NANOFORGE_DECODE_POLL_SLEEP_NS=N: a tagged poll's back-off, N ns doubling up to
 its cap; the default 256), `poll_capN` (NANOFORGE_DECODE_POLL_SLEEP_CAP_NS=N: that back-off's cap, the default
-512), `ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
+512), `prefetch_tilesN` (NANOFORGE_DECODE_PREFETCH_TILES=N: each program's first N tiles of the next phase
+asked of L2 as a phase starts, and the tile after its two in registers inside one; the default 2; 0: neither),
+`ringN` (NANOFORGE_DECODE_RING=N: the weight tiles through an N-stage ring in shared
 memory), `on_` and projections joined with `.` (NANOFORGE_DECODE_RING_ON: the ones the ring serves, e.g.
 `on_gate_up`, `on_qkv.o.gate_up`), joined with `+`.
 Each traced launch also cuts the attention phase at its marks (`phase_times`' "B ..." parts; and by context
@@ -178,7 +180,8 @@ SWITCHES = {"tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},  # --variants' parts 
             "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"}}
 COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
-    "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", 0, 16384), "ring": ("NANOFORGE_DECODE_RING", 2, 6)}
+    "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", 0, 16384), "ring": ("NANOFORGE_DECODE_RING", 2, 6),
+    "prefetch_tiles": ("NANOFORGE_DECODE_PREFETCH_TILES", 0, 16)}
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -267,7 +270,7 @@ def main() -> None:
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
                     "tagged, barrier, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
-                    "(N 0-16384 ns), ringN (N 2-6), on_P.Q (the ring on projections P and Q of qkv, o, gate_up, "
+                    "(N 0-16384 ns), ringN (N 2-6), prefetch_tilesN (N 0-16), on_P.Q (the ring on projections P and Q of qkv, o, gate_up, "
                     "down), joined with + (e.g. ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

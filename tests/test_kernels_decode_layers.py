@@ -746,8 +746,8 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "--variants: 'poll_two' is not tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
-        "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6 or on_ with qkv.o.gate_up.down or "
-        "some of them"]
+        "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6, "
+        "prefetch_tiles0 .. prefetch_tiles16 or on_ with qkv.o.gate_up.down or some of them"]
 
 
 def test_the_benchmark_gives_each_phase_the_rate_it_read_its_bytes_at():
