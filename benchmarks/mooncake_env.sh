@@ -14,7 +14,7 @@ if ! $PY -c "import mooncake.store" 2>/dev/null; then
     fi
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/nf-mooncake \
         .whl/mooncake_transfer_engine_non_cuda-*.whl
-    export PYTHONPATH="$PYTHONPATH:/tmp/nf-mooncake" PATH="/tmp/nf-mooncake/bin:$PATH"
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/nf-mooncake" PATH="/tmp/nf-mooncake/bin:$PATH"
     $PY -c "import mooncake.store" || { echo "Mooncake Store does not import (see above)" >&2; exit 2; }
 fi
 export MC_TCP_BIND_ADDRESS=127.0.0.1
