@@ -156,7 +156,8 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 
 @interpreter
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
-    ("tiny-qwen3", {"NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+    ("tiny-qwen3", {"NANOFORGE_DECODE_PREFETCH_KV": "2"}), ("tiny-llama", {"NANOFORGE_DECODE_FIRST_TILE": "after"}),
+    ("tiny-qwen3", {"NANOFORGE_DECODE_FIRST_TILE": "after", "NANOFORGE_DECODE_RING": "2"}),
     ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
     ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
@@ -165,8 +166,9 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
     registers), interpreted with one program, which wrote each word before it reads it: bit for bit the launches
     per phase, three times over. Each launch takes the next tag (its count), the attention splits' own counts
     stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
-    stale. With the attention phase's first key tile loaded before its query's poll and its context asked of L2
-    after phase A (where the wait for A's words can hide them; on a GPU only), the same bits; with the weights
+    stale. With the attention phase's context asked of L2 after phase A (where the wait for A's words can hide
+    it; on a GPU only), the same bits; with each phase's first weight tile loaded after its poll
+    (NANOFORGE_DECODE_FIRST_TILE=after: a wrong layer's or projection's tile would show), too; with the weights
     through a ring (NANOFORGE_DECODE_RING: the first tile from registers, the rest a pipelined loop), too."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
@@ -587,12 +589,13 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
-    (cooperative, then plain, then without the polls' back-off, then the weights through a ring, on every
-    projection and on gate-and-up alone, then traced), three launches in a row and three replays of a CUDA graph
-    of it (each its own tag, read from the launch count on the GPU), every one bit for bit the launches per phase
-    (the same sums in the same order: any difference is a word read before it was written, or an old one taken
-    for new), none stale. The traced launch's clocks run in each program's order: its start, then each phase's
-    last store and the next one's poll, phase B's marks between its poll and its last store."""
+    (cooperative, then plain, then without the polls' back-off, then each phase's first weight tile loaded after
+    its poll, then the weights through a ring, on every projection and on gate-and-up alone, then traced), three
+    launches in a row and three replays of a CUDA graph of it (each its own tag, read from the launch count on
+    the GPU), every one bit for bit the launches per phase (the same sums in the same order: any difference is a
+    word read before it was written, or an old one taken for new), none stale. The traced launch's clocks run in
+    each program's order: its start, then each phase's last store and the next one's poll, phase B's marks
+    between its poll and its last store."""
     from nanoforge.kernels import decode_layers as dl
 
     torch.manual_seed(0)
@@ -621,6 +624,9 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         with monkeypatch.context() as m:  # no back-off (a runtime argument: the same kernel)
             m.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "0")
             outs.append(launch())
+        with monkeypatch.context() as m:  # each phase's first weight tile loaded once its poll is done
+            m.setenv("NANOFORGE_DECODE_FIRST_TILE", "after")
+            outs.append(launch())
         with monkeypatch.context() as m:  # the weights through a 4-stage ring, then gate-and-up's alone
             m.setenv("NANOFORGE_DECODE_RING", "4")
             outs.append(launch())
@@ -637,7 +643,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
     (_, _, counts), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 11  # launches (a capture launches nothing)
+    assert counts[model.cfg.n_kv_heads].item() == 12  # launches (a capture launches nothing)
     steps = dl.PHASES * n_layers
     clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")
     assert bool((clocks > 0).all()) and bool((clocks[1:] >= clocks[:-1]).all())
@@ -734,18 +740,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "prefetch_kv1+tagged,prefetch_kv2", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "prefetch_kv1+tagged,first_after", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["prefetch_kv1+tagged", "prefetch_kv2"] and all(
+    assert all(list(r["variants"]) == ["prefetch_kv1+tagged", "first_after"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not tagged, barrier, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not tagged, barrier, first_after, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6, "
         "prefetch_tiles0 .. prefetch_tiles16 or on_ with qkv.o.gate_up.down or some of them"]
 

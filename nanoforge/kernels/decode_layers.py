@@ -188,6 +188,18 @@ def prefetch_kv_tiles() -> int:
     return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
 
 
+def first_tile_after_poll() -> bool:
+    """NANOFORGE_DECODE_FIRST_TILE (tagged launches): `wait` (the default) loads each phase's first tile of
+    weights into registers once the program has stored its part of the phase before, so that it comes from HBM
+    (or L2, where the phase before asked for it) while the program polls that phase's vector; `after` loads it
+    once the poll is done (from L2, asked for as the phase before began: NANOFORGE_DECODE_PREFETCH_TILES), no
+    load of the program's own in flight while it polls. Session 45 (an H100): the one hand-over a layer with no
+    tile loading under its poll (Q/K/V to the attention items) took 1.24 us of Qwen3-0.6B's layer, the four
+    others 1.6-2.4, and 32 KB of K and V loaded before the items' poll (NANOFORGE_DECODE_EARLY_KV) took that one
+    to 2.0: a poll's loads seem to wait behind the program's loads in flight. Off until timed."""
+    return env_choice("NANOFORGE_DECODE_FIRST_TILE", ("wait", "after")) == "after"
+
+
 def _rows_per_tile(k: int) -> int:
     return max(1, min(64, TILE_ELEMENTS // triton.next_power_of_2(k)))
 
@@ -253,7 +265,8 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0,
-                TAGGED=tagged, BARRIERS=persistent and not tagged, **ring_constants(ring, ring_on))
+                TAGGED=tagged, BARRIERS=persistent and not tagged, FIRST_AFTER=tagged and first_tile_after_poll(),
+                **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
         raise ValueError(f"decode_layers: a trace is ({rows}, {programs}) int64, of a persistent launch")
@@ -888,8 +901,8 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr,
-    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, ITEM_P2: tl.constexpr, RING_QKV: tl.constexpr,
-    RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, FIRST_AFTER: tl.constexpr, ITEM_P2: tl.constexpr,
+    RING_QKV: tl.constexpr, RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
     PHASE alone. X_IN: the embedding's output (layer 0's input); XS: the residual stream ([0] between layers,
@@ -937,6 +950,8 @@ def _decode_layers_kernel(
                 if layer > 0:
                     pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                     _clock(trace_at, 2 * step, TRACE)  # the layer before's MLP-down output in: its "departure"
+                    if FIRST_AFTER:  # (layer 0's came at the launch's start)
+                        wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
                     x = (x + pend).to(ty).to(tl.float32)
                 h = _norm(x, G1 + lw * D, eps, D, DP, ty)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
@@ -966,7 +981,7 @@ def _decode_layers_kernel(
                        qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
                        ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
-            if PERSISTENT:
+            if PERSISTENT and not FIRST_AFTER:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _depart(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 2:  # C: attention-out
@@ -976,12 +991,14 @@ def _decode_layers_kernel(
             if TAGGED:
                 a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 4 + 2 * step, TRACE)
+                if FIRST_AFTER:
+                    wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
                          RING_O)
             _arrive(BAR, step + 2, trace_at, BARRIERS, TRACE)
-            if PERSISTENT:
+            if PERSISTENT and not FIRST_AFTER:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _depart(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
@@ -991,6 +1008,8 @@ def _decode_layers_kernel(
             if TAGGED:
                 o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 6 + 2 * step, TRACE)
+                if FIRST_AFTER:
+                    wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
                 x = (x + o).to(ty).to(tl.float32)
                 h = _norm(x, G2 + lw * D, eps, D, DP, ty)
                 _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING_IN)
@@ -998,7 +1017,7 @@ def _decode_layers_kernel(
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
                 _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING_IN)
             _arrive(BAR, step + 3, trace_at, BARRIERS, TRACE)
-            if PERSISTENT:
+            if PERSISTENT and not FIRST_AFTER:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
             _depart(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
@@ -1010,12 +1029,14 @@ def _decode_layers_kernel(
             if TAGGED:
                 a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
                 _clock(trace_at, 8 + 2 * step, TRACE)
+                if FIRST_AFTER:
+                    wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                          AHEAD, 0, False, RING_OUT)
             _arrive(BAR, step + 4, trace_at, BARRIERS, TRACE)
-            if PERSISTENT:
+            if PERSISTENT and not FIRST_AFTER:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
             _depart(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
     if TAGGED:
