@@ -156,8 +156,10 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 
 @interpreter
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
-    ("tiny-qwen3", {"NANOFORGE_DECODE_PREFETCH_KV": "2"}), ("tiny-llama", {"NANOFORGE_DECODE_FIRST_TILE": "after"}),
-    ("tiny-qwen3", {"NANOFORGE_DECODE_FIRST_TILE": "after", "NANOFORGE_DECODE_RING": "2"}),
+    ("tiny-qwen3", {"NANOFORGE_DECODE_PREFETCH_KV": "2"}),
+    ("tiny-llama", {"NANOFORGE_DECODE_RING_AHEAD": "1", "NANOFORGE_DECODE_RING": "3"}),
+    ("tiny-qwen3", {"NANOFORGE_DECODE_RING_AHEAD": "1", "NANOFORGE_DECODE_RING": "2",
+                    "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"}),
     ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
     ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
@@ -167,9 +169,10 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
     per phase, three times over. Each launch takes the next tag (its count), the attention splits' own counts
     stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
     stale. With the attention phase's context asked of L2 after phase A (where the wait for A's words can hide
-    it; on a GPU only), the same bits; with each phase's first weight tile loaded after its poll
-    (NANOFORGE_DECODE_FIRST_TILE=after: a wrong layer's or projection's tile would show), too; with the weights
-    through a ring (NANOFORGE_DECODE_RING: the first tile from registers, the rest a pipelined loop), too."""
+    it; on a GPU only), the same bits; with the weights through a ring (NANOFORGE_DECODE_RING: the first tile
+    from registers, the rest a pipelined loop), too; and with the ring taking every tile of its projections, the
+    input polled in the loop's first pass (NANOFORGE_DECODE_RING_AHEAD: on all four, and on two with the other
+    two as before, so that a wrong layer's or projection's tile, or a residual taken twice, would show)."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -624,13 +627,14 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         with monkeypatch.context() as m:  # no back-off (a runtime argument: the same kernel)
             m.setenv("NANOFORGE_DECODE_POLL_SLEEP_NS", "0")
             outs.append(launch())
-        with monkeypatch.context() as m:  # each phase's first weight tile loaded once its poll is done
-            m.setenv("NANOFORGE_DECODE_FIRST_TILE", "after")
-            outs.append(launch())
         with monkeypatch.context() as m:  # the weights through a 4-stage ring, then gate-and-up's alone
             m.setenv("NANOFORGE_DECODE_RING", "4")
             outs.append(launch())
             m.setenv("NANOFORGE_DECODE_RING_ON", "gate_up")
+            outs.append(launch())
+            m.setenv("NANOFORGE_DECODE_RING_AHEAD", "1")  # its first tiles copied before each poll: gate-and-up's,
+            outs.append(launch())
+            m.setenv("NANOFORGE_DECODE_RING_ON", "all")  # then every projection's
             outs.append(launch())
         outs.append(launch(trace=trace))
         graph = torch.cuda.CUDAGraph()
@@ -740,18 +744,18 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_layers.py"
     subprocess.run([sys.executable, str(script), "--smoke", "--splits", "1,2", "--variants",
-                    "prefetch_kv1+tagged,first_after", "--out", str(tmp_path)], check=True, capture_output=True)
+                    "prefetch_kv1+tagged,ring2+ring_ahead", "--out", str(tmp_path)], check=True, capture_output=True)
     rows = json.loads((tmp_path / "decode_layers.json").read_text())
     assert set(rows) == {"tiny-llama", "tiny-qwen3"}
     assert all(r["max_abs_difference"] < 1e-4 and r["bytes"] > 0 and r["barrier_timeouts"] == 0 for r in rows.values())
     assert all(set(r["splits"]) == {"1", "2"} and all(s["max_abs_difference"] < 1e-4 and "one_kernel_us" in s
                                                      for s in r["splits"].values()) for r in rows.values())
-    assert all(list(r["variants"]) == ["prefetch_kv1+tagged", "first_after"] and all(
+    assert all(list(r["variants"]) == ["prefetch_kv1+tagged", "ring2+ring_ahead"] and all(
         v["max_abs_difference"] < 1e-4 for v in r["variants"].values()) for r in rows.values())
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not tagged, barrier, first_after, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not tagged, barrier, ring_ahead, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6, "
         "prefetch_tiles0 .. prefetch_tiles16 or on_ with qkv.o.gate_up.down or some of them"]
 

@@ -190,16 +190,16 @@ def prefetch_kv_tiles() -> int:
     return env_count("NANOFORGE_DECODE_PREFETCH_KV", 0, 0, 4)
 
 
-def first_tile_after_poll() -> bool:
-    """NANOFORGE_DECODE_FIRST_TILE (tagged launches): `wait` (the default) loads each phase's first tile of
-    weights into registers once the program has stored its part of the phase before, so that it comes from HBM
-    (or L2, where the phase before asked for it) while the program polls that phase's vector; `after` loads it
-    once the poll is done (from L2, asked for as the phase before began: NANOFORGE_DECODE_PREFETCH_TILES), no
-    load of the program's own in flight while it polls. Session 45 (an H100): the one hand-over a layer with no
-    tile loading under its poll (Q/K/V to the attention items) took 1.24 us of Qwen3-0.6B's layer, the four
-    others 1.6-2.4, and 32 KB of K and V loaded before the items' poll (NANOFORGE_DECODE_EARLY_KV) took that one
-    to 2.0: a poll's loads seem to wait behind the program's loads in flight. Off until timed."""
-    return env_choice("NANOFORGE_DECODE_FIRST_TILE", ("wait", "after")) == "after"
+def ring_ahead() -> bool:
+    """NANOFORGE_DECODE_RING_AHEAD (`1`; default `0`, off until timed): in a tagged launch, each projection the
+    ring serves (NANOFORGE_DECODE_RING, _RING_ON) takes all its tiles through the ring, whose first stages are
+    copied before the program polls the phase's input, not its first tile into registers and the rest once the
+    poll is done: the pipelined loop's first pass polls. RING - 1 tiles of the phase are then in flight while
+    the program waits for the vector (Qwen3-0.6B's phases are 1-3 tiles a program: all of them), where the
+    default has one (32 KB) in registers. Session 46 (an H100) timed NANOFORGE_DECODE_FIRST_TILE=after, the
+    first tile loaded only once the poll was done: Qwen3-0.6B's layers 0.91x (724.6 -> 796.9 us), Llama-3.2-1B's
+    0.98x: what the program has in flight when its poll ends is what it reduces at once."""
+    return env_choice("NANOFORGE_DECODE_RING_AHEAD", ("0", "1")) == "1"
 
 
 def _rows_per_tile(k: int) -> int:
@@ -267,7 +267,7 @@ def decode_layers(w: Layers, x: torch.Tensor, cos_sin: torch.Tensor, k_cache: to
                 HAS_BIAS=w.bqkv is not None, QK_NORM=w.q_norm is not None, PERSISTENT=persistent,
                 PREFETCH=prefetch, PREFETCH_TILES=ahead, AHEAD=prefetch and ahead > 0, TRACE=trace is not None,
                 ONE_POLLER=not interp, PREFETCH_KV=prefetch_kv_tiles() if prefetch else 0,
-                TAGGED=tagged, BARRIERS=persistent and not tagged, FIRST_AFTER=tagged and first_tile_after_poll(),
+                TAGGED=tagged, BARRIERS=persistent and not tagged, RING_AHEAD=tagged and ring_ahead(),
                 **ring_constants(ring, ring_on))
     rows = trace_rows(n_layers)
     if trace is not None and (not persistent or trace.shape != (rows, programs)):
@@ -741,6 +741,55 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
 
 
 @triton.jit
+def _take_input(x, XT, RESIDUAL: tl.constexpr, G, eps, polls, K, KP: tl.constexpr, tag, spin_limit, poll_sleep,
+                TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr, trace_at, row, TRACE: tl.constexpr):
+    """A tagged phase's input: the vector at XT once polled (where `polls`; then the clock at trace row `row`,
+    the phase's "departure"), as is, or with RESIDUAL added to the residual stream x and normalised with weight
+    G. Returns (x, the input)."""
+    v = tl.zeros([KP], dtype=tl.float32)
+    if polls:
+        v = _poll_vector(XT, K, KP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN)
+        _clock(trace_at, row, TRACE)
+    if RESIDUAL:
+        if polls:
+            x = (x + v).to(ty).to(tl.float32)
+        v = _norm(x, G, eps, K, KP, ty)
+    return x, v
+
+
+@triton.jit
+def _ring_phase(x, XT, RESIDUAL: tl.constexpr, G, eps, polls, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr,
+                SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, tag, RING: tl.constexpr, spin_limit, poll_sleep,
+                TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr, trace_at, row, TRACE: tl.constexpr):
+    """A tagged phase (NANOFORGE_DECODE_RING_AHEAD): `_project` of `_take_input`'s input with every tile through
+    the RING-stage ring, the input taken in the pipelined loop's first pass, so that the loop's first RING - 1
+    tiles are copied while the program polls (stored as words tagged `tag`). A program with no tile of the phase
+    takes the input after the loop (the residual stream is every program's). Returns x."""
+    k = tl.arange(0, KP)
+    k_ok = k < K
+    rows = tl.arange(0, BN)
+    t = tl.program_id(0)
+    tiles = tl.cdiv(N, BN)
+    h = tl.zeros([KP], dtype=tl.float32)
+    for r in tl.range(t, tiles, tl.num_programs(0), num_stages=RING):
+        n = r * BN + rows
+        mask = (n < N)[:, None] & k_ok[None, :]
+        ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
+        w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        u = w
+        if SWIGLU:
+            u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
+        if r == t:
+            x, h = _take_input(x, XT, RESIDUAL, G, eps, polls, K, KP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
+                               SPIN, trace_at, row, TRACE)
+        _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, True, ty)
+    if t >= tiles:
+        x, h = _take_input(x, XT, RESIDUAL, G, eps, polls, K, KP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN,
+                           trace_at, row, TRACE)
+    return x
+
+
+@triton.jit
 def _reduce_store(h, w, u, B, Y, n, N, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, tag, TAGGED: tl.constexpr,
                   ty: tl.constexpr):
     """One tile of `_project`: its rows n of W (w; u the up rows with SWIGLU) against h, the epilogue, the store
@@ -903,7 +952,7 @@ def _decode_layers_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PHASE: tl.constexpr,
     PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_TILES: tl.constexpr, AHEAD: tl.constexpr,
     TRACE: tl.constexpr, ONE_POLLER: tl.constexpr, PREFETCH_KV: tl.constexpr,
-    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, FIRST_AFTER: tl.constexpr, ITEM_P2: tl.constexpr,
+    TAGGED: tl.constexpr, BARRIERS: tl.constexpr, RING_AHEAD: tl.constexpr, ITEM_P2: tl.constexpr,
     RING_QKV: tl.constexpr, RING_O: tl.constexpr, RING_IN: tl.constexpr, RING_OUT: tl.constexpr,
 ):  # fmt: skip
     """Layers first_layer .. first_layer + n_layers, every phase (PERSISTENT, barriers between them) or phase
@@ -913,15 +962,21 @@ def _decode_layers_kernel(
     TAGGED (a persistent launch of every layer; BARRIERS off): no barrier. Each phase's output vector is stored
     to its layer's place in TAGGED_T as tagged words (`_tag_words`; the tag from the launch count at WS + HKV),
     and the phases that read it poll it (`_poll`). Every program keeps the residual stream in registers (all
-    compute the same sums); program 0 stores it and the last MLP output to XS and PEND at the end."""
+    compute the same sums); program 0 stores it and the last MLP output to XS and PEND at the end. With
+    RING_AHEAD, each projection with a ring polls its input inside the ring's loop (`_ring_phase`), no first
+    tile in registers."""
     BAR = COUNTS + HKV
+    AHEAD_QKV: tl.constexpr = TAGGED and RING_AHEAD and RING_QKV > 1  # (each projection's: `_ring_phase`)
+    AHEAD_O: tl.constexpr = TAGGED and RING_AHEAD and RING_O > 1
+    AHEAD_IN: tl.constexpr = TAGGED and RING_AHEAD and RING_IN > 1
+    AHEAD_OUT: tl.constexpr = TAGGED and RING_AHEAD and RING_OUT > 1
     X_MID = XS + D
     AQ = HQ * DH
     ty = XS.dtype.element_ty
     trace_at = TRACE_T + tl.program_id(0)
     if TRACE:
         tl.store(trace_at, tl.extra.cuda.globaltimer())
-    if PERSISTENT:  # each phase's first tile of weights is loaded during the wait at the barrier in front of it
+    if PERSISTENT and not AHEAD_QKV:  # each phase's first tile of weights is loaded during the wait in front of it
         wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
     tag = 0
     x = tl.zeros([DP], dtype=tl.float32)
@@ -948,14 +1003,13 @@ def _decode_layers_kernel(
         if PERSISTENT or PHASE == 0:  # A: x += pending; Q/K/V of the normalised x
             if not PERSISTENT:
                 wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
-            if TAGGED:
-                if layer > 0:
-                    pend = _poll_vector(pend_t - words, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                    _clock(trace_at, 2 * step, TRACE)  # the layer before's MLP-down output in: its "departure"
-                    if FIRST_AFTER:  # (layer 0's came at the launch's start)
-                        wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
-                    x = (x + pend).to(ty).to(tl.float32)
-                h = _norm(x, G1 + lw * D, eps, D, DP, ty)
+            if AHEAD_QKV:  # (layer 0 takes x from the launch's start: nothing to poll)
+                x = _ring_phase(x, pend_t - words, True, G1 + lw * D, eps, layer > 0, w_qkv, BQKV + lw * NQKV, qkv_t,
+                                NQKV, D, DP, BN_QKV, False, HAS_BIAS, tag, RING_QKV, spin_limit, poll_sleep,
+                                TIMEOUTS, ty, ONE_POLLER, trace_at, 2 * step, TRACE)
+            elif TAGGED:  # (the layer before's MLP-down output in: the clock is its "departure")
+                x, h = _take_input(x, pend_t - words, True, G1 + lw * D, eps, layer > 0, D, DP, tag, spin_limit,
+                                   poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at, 2 * step, TRACE)
                 _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
                          tag, True, RING_QKV)
             else:
@@ -983,43 +1037,44 @@ def _decode_layers_kernel(
                        qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
                        ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not FIRST_AFTER:
+            if PERSISTENT and not AHEAD_O:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _depart(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            if TAGGED:
-                a = _poll_vector(att_t, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _clock(trace_at, 4 + 2 * step, TRACE)
-                if FIRST_AFTER:
-                    wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
+            if AHEAD_O:
+                x = _ring_phase(x, att_t, False, G2, eps, True, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, tag,
+                                RING_O, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at, 4 + 2 * step, TRACE)
+            elif TAGGED:
+                x, a = _take_input(x, att_t, False, G2, eps, True, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
+                                   ONE_POLLER, trace_at, 4 + 2 * step, TRACE)
                 _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
                          RING_O)
             _arrive(BAR, step + 2, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not FIRST_AFTER:
+            if PERSISTENT and not AHEAD_IN:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _depart(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
-            if TAGGED:
-                o = _poll_vector(o_t, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _clock(trace_at, 6 + 2 * step, TRACE)
-                if FIRST_AFTER:
-                    wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
-                x = (x + o).to(ty).to(tl.float32)
-                h = _norm(x, G2 + lw * D, eps, D, DP, ty)
+            if AHEAD_IN:
+                x = _ring_phase(x, o_t, True, G2 + lw * D, eps, True, w_in, WIN, act_t, F, D, DP, BN_IN, True, False,
+                                tag, RING_IN, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at,
+                                6 + 2 * step, TRACE)
+            elif TAGGED:
+                x, h = _take_input(x, o_t, True, G2 + lw * D, eps, True, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS,
+                                   ty, ONE_POLLER, trace_at, 6 + 2 * step, TRACE)
                 _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING_IN)
             else:
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
                 _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING_IN)
             _arrive(BAR, step + 3, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not FIRST_AFTER:
+            if PERSISTENT and not AHEAD_OUT:
                 wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
             _depart(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
@@ -1028,17 +1083,19 @@ def _decode_layers_kernel(
             following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
-            if TAGGED:
-                a = _poll_vector(act_t, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER)
-                _clock(trace_at, 8 + 2 * step, TRACE)
-                if FIRST_AFTER:
-                    wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
+            if AHEAD_OUT:
+                x = _ring_phase(x, act_t, False, G2, eps, True, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False,
+                                tag, RING_OUT, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at,
+                                8 + 2 * step, TRACE)
+            elif TAGGED:
+                x, a = _take_input(x, act_t, False, G2, eps, True, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
+                                   ONE_POLLER, trace_at, 8 + 2 * step, TRACE)
                 _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                          AHEAD, 0, False, RING_OUT)
             _arrive(BAR, step + 4, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not FIRST_AFTER:
+            if PERSISTENT and not AHEAD_QKV:
                 wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
             _depart(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
     if TAGGED:

@@ -280,8 +280,8 @@ def _decode_layers(**shape) -> TritonKernel:
     """The persistent decode kernel (kernels/decode_layers.py) for one model's shape, as a GPU launch takes it:
     one launch, barriers between the phases (or tagged vectors, as NANOFORGE_DECODE_SYNC says), the L2 prefetch
     on (the weights through a ring as NANOFORGE_DECODE_RING and _RING_ON say), no trace; phase B's context
-    prefetch as NANOFORGE_DECODE_PREFETCH_KV says, each phase's first weight tile loaded as
-    NANOFORGE_DECODE_FIRST_TILE says (each read when compiled)."""
+    prefetch as NANOFORGE_DECODE_PREFETCH_KV says, the ring's first tiles copied before each poll as
+    NANOFORGE_DECODE_RING_AHEAD says (each read when compiled)."""
     from nanoforge.kernels import decode_layers as dl
 
     constexprs = dict(
@@ -291,7 +291,7 @@ def _decode_layers(**shape) -> TritonKernel:
         PERSISTENT=True, PREFETCH=True, PREFETCH_TILES=2, AHEAD=True, TRACE=False,
         ONE_POLLER=True, PREFETCH_KV=dl.prefetch_kv_tiles,
         TAGGED=lambda: dl.sync_mode() == "tagged", BARRIERS=lambda: dl.sync_mode() != "tagged",
-        FIRST_AFTER=lambda: dl.sync_mode() == "tagged" and dl.first_tile_after_poll(),
+        RING_AHEAD=lambda: dl.sync_mode() == "tagged" and dl.ring_ahead(),
         **{key: (lambda key=key: dl.ring_constants()[key]) for key in dl.ring_constants()})
     aligned = tuple(a for a in _DECODE_LAYERS_SIGNATURE if a.startswith("stride_"))
     return TritonKernel(dl._decode_layers_kernel, _DECODE_LAYERS_SIGNATURE, constexprs, num_warps=8, aligned=aligned)
