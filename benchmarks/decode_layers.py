@@ -15,8 +15,9 @@ with the rate it read its weights (phase B: the context's K and V) at. The LM he
 sampling are left out (the same in both ways). --splits times the kernel again with its attention phase cut into
 other numbers of pieces a kv head (the default's 16 leave most of them empty at short contexts, and each kv
 head's last piece combines all of them). --variants times it again under the kernel's switches, each against the
-same layer-by-layer baseline: `ring_ahead` (NANOFORGE_DECODE_RING_AHEAD=1: with `ringN`, the ring takes
-every tile of its projections, its first stages copied before the program polls the phase's input),
+same layer-by-layer baseline: `ring_behind` (NANOFORGE_DECODE_RING_AHEAD=0: with `ringN`, the ring's first tile in
+registers under the poll and the ring's copies started after it, where by default since session 46 the ring
+takes every tile of its projections, its first stages copied before the program polls the phase's input),
 `prefetch_kvN` (NANOFORGE_DECODE_PREFETCH_KV=N: phase B's first N
 key tiles asked of L2 while the program waits at the barrier in front of it), `barrier` (NANOFORGE_DECODE_SYNC=barrier:
 grid barriers between the phases, where the default since session 40, `tagged`, has none: the phases' vectors
@@ -180,7 +181,8 @@ def plot(rows: dict, path: Path) -> None:
 
 SWITCHES = {"tagged": {"NANOFORGE_DECODE_SYNC": "tagged"},  # --variants' parts without a number
             "barrier": {"NANOFORGE_DECODE_SYNC": "barrier"},
-            "ring_ahead": {"NANOFORGE_DECODE_RING_AHEAD": "1"}}
+            "ring_ahead": {"NANOFORGE_DECODE_RING_AHEAD": "1"},
+            "ring_behind": {"NANOFORGE_DECODE_RING_AHEAD": "0"}}
 COUNTS = {  # --variants' parts with a number: (switch, lowest, highest)
     "prefetch_kv": ("NANOFORGE_DECODE_PREFETCH_KV", 1, 4), "poll_sleep": ("NANOFORGE_DECODE_POLL_SLEEP_NS", 0, 4096),
     "poll_cap": ("NANOFORGE_DECODE_POLL_SLEEP_CAP_NS", 0, 16384), "ring": ("NANOFORGE_DECODE_RING", 2, 6),
@@ -272,7 +274,7 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "tagged, barrier, ring_ahead, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
+                    "tagged, barrier, ring_ahead, ring_behind, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
                     "(N 0-16384 ns), ringN (N 2-6), prefetch_tilesN (N 0-16), on_P.Q (the ring on projections P "
                     "and Q of qkv, o, gate_up, down), joined with + (e.g. ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")

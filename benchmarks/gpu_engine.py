@@ -380,8 +380,9 @@ DECODE_VARIANTS = {
     "poll_cap1024": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "1024"},
     "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
     "pf0": {"NANOFORGE_DECODE_PREFETCH_TILES": "0"},  # no L2 prefetch of the next phase's tiles nor inside one
-    # (with ring3 / ring4) the ring takes every tile, its first stages copied before each poll
+    # the ring takes every tile, its first stages copied before each poll (the default since session 46), or not
     "ring_ahead": {"NANOFORGE_DECODE_RING_AHEAD": "1"},
+    "ring_behind": {"NANOFORGE_DECODE_RING_AHEAD": "0"},
     "ring3": {"NANOFORGE_DECODE_RING": "3"},
     "ring4": {"NANOFORGE_DECODE_RING": "4"},
     "ring_gate_up": {"NANOFORGE_DECODE_RING_ON": "gate_up"},  # (with ringN: the ring on gate-and-up alone,

@@ -157,9 +157,8 @@ def test_a_barrier_that_waits_too_long_gives_up_counts_it_and_the_launch_ends(mo
 @interpreter
 @pytest.mark.parametrize("name,switches", [(n, {}) for n in FAMILIES] + [
     ("tiny-qwen3", {"NANOFORGE_DECODE_PREFETCH_KV": "2"}),
-    ("tiny-llama", {"NANOFORGE_DECODE_RING_AHEAD": "1", "NANOFORGE_DECODE_RING": "3"}),
-    ("tiny-qwen3", {"NANOFORGE_DECODE_RING_AHEAD": "1", "NANOFORGE_DECODE_RING": "2",
-                    "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"}),
+    ("tiny-llama", {"NANOFORGE_DECODE_RING_AHEAD": "0", "NANOFORGE_DECODE_RING": "3"}),
+    ("tiny-qwen3", {"NANOFORGE_DECODE_RING_AHEAD": "0", "NANOFORGE_DECODE_RING": "2"}),
     ("tiny-qwen2", {"NANOFORGE_DECODE_RING": "3"}),
     ("tiny-qwen3", {"NANOFORGE_DECODE_RING": "2", "NANOFORGE_DECODE_RING_ON": "qkv,gate_up"})])
 def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(monkeypatch, name, switches):
@@ -169,10 +168,10 @@ def test_tagged_vectors_without_barriers_compute_what_a_launch_per_phase_does(mo
     per phase, three times over. Each launch takes the next tag (its count), the attention splits' own counts
     stay multiples of the split count (never reset), the shared arrival counts are untouched and no word was
     stale. With the attention phase's context asked of L2 after phase A (where the wait for A's words can hide
-    it; on a GPU only), the same bits; with the weights through a ring (NANOFORGE_DECODE_RING: the first tile
-    from registers, the rest a pipelined loop), too; and with the ring taking every tile of its projections, the
-    input polled in the loop's first pass (NANOFORGE_DECODE_RING_AHEAD: on all four, and on two with the other
-    two as before, so that a wrong layer's or projection's tile, or a residual taken twice, would show)."""
+    it; on a GPU only), the same bits; with the weights through a ring (NANOFORGE_DECODE_RING: every tile of its
+    projections, the input polled in the pipelined loop's first pass, on all four and on two with the other two
+    through registers, so that a wrong layer's or projection's tile, or a residual taken twice, would show), too;
+    and with NANOFORGE_DECODE_RING_AHEAD=0 (the first tile from registers, the rest a pipelined loop), too."""
     from nanoforge.kernels import decode_layers as dl
     from nanoforge.kernels.dispatch import arrival_counters
 
@@ -592,8 +591,9 @@ def test_gpu_one_launch_equals_a_launch_per_phase_and_the_layer_by_layer_forward
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx, monkeypatch):
     """NANOFORGE_DECODE_SYNC=tagged, bf16 at full width, a program an SM: the persistent launch with no barrier
-    (cooperative, then plain, then without the polls' back-off, then each phase's first weight tile loaded after
-    its poll, then the weights through a ring, on every projection and on gate-and-up alone, then traced), three
+    (cooperative, then plain, then without the polls' back-off, then the weights through a ring, on every
+    projection and on gate-and-up alone, each with its first stages copied before the poll (the default) and
+    not (NANOFORGE_DECODE_RING_AHEAD=0), then traced), three
     launches in a row and three replays of a CUDA graph of it (each its own tag, read from the launch count on
     the GPU), every one bit for bit the launches per phase (the same sums in the same order: any difference is a
     word read before it was written, or an old one taken for new), none stale. The traced launch's clocks run in
@@ -632,9 +632,9 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
             outs.append(launch())
             m.setenv("NANOFORGE_DECODE_RING_ON", "gate_up")
             outs.append(launch())
-            m.setenv("NANOFORGE_DECODE_RING_AHEAD", "1")  # its first tiles copied before each poll: gate-and-up's,
+            m.setenv("NANOFORGE_DECODE_RING_AHEAD", "0")  # the first tile in registers, the ring after the poll:
             outs.append(launch())
-            m.setenv("NANOFORGE_DECODE_RING_ON", "all")  # then every projection's
+            m.setenv("NANOFORGE_DECODE_RING_ON", "all")  # gate-and-up's, then every projection's
             outs.append(launch())
         outs.append(launch(trace=trace))
         graph = torch.cuda.CUDAGraph()
@@ -647,7 +647,7 @@ def test_gpu_tagged_vectors_without_barriers_equal_a_launch_per_phase(name, ctx,
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert dl.barrier_timeouts(x.device) == 0
     (_, _, counts), = kernel.layers.tagged.values()
-    assert counts[model.cfg.n_kv_heads].item() == 12  # launches (a capture launches nothing)
+    assert counts[model.cfg.n_kv_heads].item() == 13  # launches (a capture launches nothing)
     steps = dl.PHASES * n_layers
     clocks = trace[:1 + 2 * steps]  # start, then each step's last store ("arrival") and the next poll ("departure")
     assert bool((clocks > 0).all()) and bool((clocks[1:] >= clocks[:-1]).all())
@@ -755,7 +755,7 @@ def test_decode_layers_benchmark_smoke_runs_both_ways_to_the_same_state(tmp_path
     bad = subprocess.run([sys.executable, str(script), "--smoke", "--variants", "poll_two"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "--variants: 'poll_two' is not tagged, barrier, ring_ahead, prefetch_kv1 .. prefetch_kv4, "
+        "--variants: 'poll_two' is not tagged, barrier, ring_ahead, ring_behind, prefetch_kv1 .. prefetch_kv4, "
         "poll_sleep0 .. poll_sleep4096, poll_cap0 .. poll_cap16384, ring2 .. ring6, "
         "prefetch_tiles0 .. prefetch_tiles16 or on_ with qkv.o.gate_up.down or some of them"]
 

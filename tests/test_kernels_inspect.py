@@ -393,6 +393,33 @@ def test_the_tagged_decode_kernel_polls_words_instead_of_barriers(tmp_path):
         assert ptx.count("%globaltimer") == (17 if how == "traced" else 0)
 
 
+def test_the_tagged_decode_kernels_ring_copies_its_first_tiles_before_the_poll_and_waits_after(tmp_path):
+    """NANOFORGE_DECODE_RING_AHEAD (the default) with a 3-stage ring on every projection, compiled for sm_90: the
+    pipelined loop's first two tiles of Q/K/V are copied into shared memory (cp.async, a commit group each) as
+    each layer starts, before the loop over the tiles whose first pass polls phase A's input, with no wait and
+    no tile loaded into registers there, and the kernel does not spill (it spilled 24 bytes a thread with the
+    first tile in registers under the poll, session 46)."""
+    _need_cuda_tools()
+    script = tmp_path / "ring.py"
+    script.write_text(_TAGGED_DECODE)
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(ki.__file__).parents[2]), env.get("PYTHONPATH")]))
+    env.update(NANOFORGE_DECODE_SYNC="tagged", NANOFORGE_DECODE_RING="3", NANOFORGE_DECODE_RING_ON="all")
+    env.pop("NANOFORGE_DECODE_RING_AHEAD", None)
+    run = subprocess.run([sys.executable, str(script), str(tmp_path), "plain"], env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["threads_per_block"] == 256 and r["local_bytes_per_thread"] == 0
+    ptx = (tmp_path / "decode_layers_qwen3.ptx").read_text()
+    # the layers' loop header (a block: from its label to the next), where phase A's ring starts, before the loop
+    # over its tiles whose first pass polls (the blocks' order in the text is not the order they run in)
+    head = ptx[ptx.index("=>This Loop Header: Depth=1"):]
+    head = head[:head.index("\n$L__BB")]
+    assert head.count("cp.async.commit_group") == 2 and "cp.async.wait_group" not in head
+    assert "NF_TAGS_AGAIN" not in head and "ld.global.L1::evict_first" not in head
+
+
 _PREFILL_MODEL = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
