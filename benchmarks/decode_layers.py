@@ -274,9 +274,9 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="comma-separated context splits of the attention phase to time "
                     f"the kernel at too, e.g. 4,8 (its default: {dl.CONTEXT_SPLITS})")
     ap.add_argument("--variants", default="", help="comma-separated switch sets to time the kernel under too: "
-                    "tagged, barrier, ring_ahead, ring_behind, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), poll_capN "
-                    "(N 0-16384 ns), ringN (N 2-6), prefetch_tilesN (N 0-16), on_P.Q (the ring on projections P "
-                    "and Q of qkv, o, gate_up, down), joined with + (e.g. ring3+on_gate_up)")
+                    "tagged, barrier, ring_ahead, ring_behind, prefetch_kvN (N 1-4), poll_sleepN (N 0-4096 ns), "
+                    "poll_capN (N 0-16384 ns), ringN (N 2-6), prefetch_tilesN (N 0-16), on_P.Q (the ring on "
+                    "projections P and Q of qkv, o, gate_up, down), joined with + (e.g. ring3+on_gate_up)")
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU, interpreted")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()

@@ -191,16 +191,17 @@ def prefetch_kv_tiles() -> int:
 
 
 def ring_ahead() -> bool:
-    """NANOFORGE_DECODE_RING_AHEAD (`1`, the default; `0`): in a tagged launch, each projection the ring serves (NANOFORGE_DECODE_RING, _RING_ON) takes all its tiles through the ring, whose first stages are
-    copied before the program polls the phase's input, not its first tile into registers and the rest once the
-    poll is done: the pipelined loop's first pass polls. RING - 1 tiles of the phase are then in flight while
-    the program waits for the vector (Qwen3-0.6B's phases are 1-3 tiles a program: all of them), where the
-    default has one (32 KB) in registers. Session 46 (an H100) timed NANOFORGE_DECODE_FIRST_TILE=after, the
-    first tile loaded only once the poll was done: Qwen3-0.6B's layers 0.91x (724.6 -> 796.9 us), Llama-3.2-1B's
-    0.98x: what the program has in flight when its poll ends is what it reduces at once. Then this (the same
-    call's kernel, context 384): Qwen3's layers with a 3-stage ring on gate-and-up 696.7 us against 719.1
-    without it (1.03x), on every projection 715.1 against 765.2 (1.07x); Llama's 911.6 against 910.0; the
-    engine's `auto` 1,194 tok/s on Qwen3 against 1,157 (1.03x), 897 on Llama against 892."""
+    """NANOFORGE_DECODE_RING_AHEAD (`1`, the default; `0`): in a tagged launch, each projection the ring serves
+    (NANOFORGE_DECODE_RING, _RING_ON) takes all its tiles through the ring, whose first stages are copied before
+    the program polls the phase's input (the pipelined loop's first pass polls: `_ring_phase`), where `0` loads
+    the first tile into registers under the poll and starts the ring once the poll is done. RING - 1 tiles of
+    the phase are then in flight while the program waits for the vector (Qwen3-0.6B's phases are 1-3 tiles a
+    program), not one (32 KB). Session 46 (an H100) first timed NANOFORGE_DECODE_FIRST_TILE=after, the first
+    tile loaded only once the poll was done: Qwen3-0.6B's layers 0.91x (724.6 -> 796.9 us), Llama-3.2-1B's
+    0.98x (taken out): what a program has in flight when its poll ends is what it reduces at once. Then this
+    (context 384): Qwen3's layers with a 3-stage ring on gate-and-up 696.7 and 694.7 us against 719.1 the old
+    way (1.03x), on every projection 715.1 against 765.2 (1.07x); Llama's 911.6 against 910.0; the engine's
+    `auto` 1,194 tok/s on Qwen3 against 1,157 (1.03x), 897 on Llama against 892."""
     return env_choice("NANOFORGE_DECODE_RING_AHEAD", ("1", "0")) == "1"
 
 
@@ -435,7 +436,9 @@ def ring_stages() -> int:
     through a ring of this many stages in shared memory (Triton's pipelined loop, cp.async; 2 to 6), where by
     default two tiles are held in registers and a third asked of L2. Session 40 (an H100): Llama-3.2-1B's layers
     1.04x with 3 stages, Qwen3-0.6B's 0.90x (its kernel spills with them), so the engine's `auto` times the kernel
-    with a 3-stage ring too where this is unset (`decode_layers(ring=)` overrides it)."""
+    with a 3-stage ring too where this is unset (`decode_layers(ring=)` overrides it). Since session 46 the ring
+    takes every tile of its projections and starts before each poll (`ring_ahead`): Qwen3's layers 1.03-1.04x
+    with it on gate-and-up, 1.07x on every projection against the old way."""
     value = env_count("NANOFORGE_DECODE_RING", 0, 0, 6)
     if value == 1:
         raise NanoforgeError("NANOFORGE_DECODE_RING must be 0 (off) or 2 to 6 stages, not 1",
@@ -452,7 +455,9 @@ def ring_targets(value: str | None = None) -> frozenset:
     gate-and-up, MLP-down), e.g. `gate_up` (each layer's largest alone); anything else is one line naming the
     problem. Compiled for sm_90 by Triton 3.6 with a 3-stage ring, Qwen3-0.6B's kernel spills 56 bytes a thread
     on every projection, none on gate_up alone, none on qkv,o,gate_up, 24 on qkv,gate_up,down and 64 on
-    o,gate_up,down (register allocation is the whole kernel's)."""
+    o,gate_up,down (register allocation is the whole kernel's). With the ring ahead of the polls (`ring_ahead`,
+    session 46's default), no first tile is held in registers across a poll, and none of those spills (Qwen3
+    with a 3-stage ring on every projection: 255 registers, Llama-3.2-1B's 232)."""
     if value is None:
         value = os.environ.get("NANOFORGE_DECODE_RING_ON", "all")
     value = value.lower().replace(" ", "")
