@@ -685,17 +685,25 @@ def _poll_vector(XT, K, KP: tl.constexpr, tag, spin_limit, poll_sleep, TIMEOUTS,
 
 
 @triton.jit
-def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
-    """This program's first tile of W for `_project` (its loads issued: a persistent launch issues them while it
-    waits at the barrier in front of the phase, after its arrival, as no phase writes W)."""
+def _tile(W, t, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
+    """Tile t of W (N x K) as `_project` reduces it: rows t * BN .. + BN (w; with SWIGLU also u, the rows N
+    further: W being 2N rows), evict-first, zero past N (a tile past the last) and past K; and its rows."""
     k = tl.arange(0, KP)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n = t * BN + tl.arange(0, BN)
     mask = (n < N)[:, None] & (k < K)[None, :]
     ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
     w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
     u = w
     if SWIGLU:
         u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
+    return w, u, n
+
+
+@triton.jit
+def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
+    """This program's first tile of W for `_project` (its loads issued: a persistent launch issues them while it
+    waits at the barrier in front of the phase, after its arrival, as no phase writes W)."""
+    w, u, _ = _tile(W, tl.program_id(0), N, K, KP, BN, SWIGLU)
     return w, u
 
 
@@ -708,36 +716,21 @@ def _project(h, w, u, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU:
     the tile after that asked of L2 (registers hold two tiles; L2 a third, so that HBM has more in flight).
     RING > 1: after the first tile, the tiles stream through a RING-stage ring in shared memory (Triton's
     pipelined loop: cp.async copies, RING - 1 tiles in flight; `NANOFORGE_DECODE_RING`)."""
-    k = tl.arange(0, KP)
-    k_ok = k < K
-    rows = tl.arange(0, BN)
     ty = W.dtype.element_ty
     step = tl.num_programs(0)
     tiles = tl.cdiv(N, BN)
     t = tl.program_id(0)
-    n = t * BN + rows
+    n = t * BN + tl.arange(0, BN)
     if RING > 1:
         if t < tiles:
             _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED, ty)
         for r in tl.range(t + step, tiles, step, num_stages=RING):
-            n = r * BN + rows
-            mask = (n < N)[:, None] & k_ok[None, :]
-            ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
-            w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-            u = w
-            if SWIGLU:
-                u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
+            w, u, n = _tile(W, r, N, K, KP, BN, SWIGLU)
             _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED, ty)
     else:
         while t < tiles:
             nxt = t + step
-            n_next = nxt * BN + rows
-            mask_next = (n_next < N)[:, None] & k_ok[None, :]  # (a tile past the last has rows past N)
-            ptrs_next = W + n_next[:, None].to(tl.int64) * K + k[None, :]
-            w_next = tl.load(ptrs_next, mask=mask_next, other=0.0, eviction_policy="evict_first")
-            u_next = w_next
-            if SWIGLU:
-                u_next = tl.load(ptrs_next + N * K, mask=mask_next, other=0.0, eviction_policy="evict_first")
+            w_next, u_next, n_next = _tile(W, nxt, N, K, KP, BN, SWIGLU)  # (a tile past the last: rows past N)
             if AHEAD:
                 _prefetch_rows(W, nxt + step, N, K, KP, BN, SWIGLU)
             _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, TAGGED, ty)
@@ -772,20 +765,11 @@ def _ring_phase(x, XT, RESIDUAL: tl.constexpr, G, eps, polls, W, B, Y, N, K, KP:
     the RING-stage ring, the input taken in the pipelined loop's first pass, so that the loop's first RING - 1
     tiles are copied while the program polls (stored as words tagged `tag`). A program with no tile of the phase
     takes the input after the loop (the residual stream is every program's). Returns x."""
-    k = tl.arange(0, KP)
-    k_ok = k < K
-    rows = tl.arange(0, BN)
     t = tl.program_id(0)
     tiles = tl.cdiv(N, BN)
     h = tl.zeros([KP], dtype=tl.float32)
     for r in tl.range(t, tiles, tl.num_programs(0), num_stages=RING):
-        n = r * BN + rows
-        mask = (n < N)[:, None] & k_ok[None, :]
-        ptrs = W + n[:, None].to(tl.int64) * K + k[None, :]
-        w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-        u = w
-        if SWIGLU:
-            u = tl.load(ptrs + N * K, mask=mask, other=0.0, eviction_policy="evict_first")
+        w, u, n = _tile(W, r, N, K, KP, BN, SWIGLU)
         if r == t:
             x, h = _take_input(x, XT, RESIDUAL, G, eps, polls, K, KP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
                                SPIN, trace_at, row, TRACE)
