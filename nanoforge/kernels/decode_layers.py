@@ -193,7 +193,7 @@ def prefetch_kv_tiles() -> int:
 def ring_ahead() -> bool:
     """NANOFORGE_DECODE_RING_AHEAD (`1`, the default; `0`): in a tagged launch, each projection the ring serves
     (NANOFORGE_DECODE_RING, _RING_ON) takes all its tiles through the ring, whose first stages are copied before
-    the program polls the phase's input (the pipelined loop's first pass polls: `_ring_phase`), where `0` loads
+    the program polls the phase's input (the pipelined loop's first pass polls: `_tagged_phase`), where `0` loads
     the first tile into registers under the poll and starts the ring once the poll is done. RING - 1 tiles of
     the phase are then in flight while the program waits for the vector (Qwen3-0.6B's phases are 1-3 tiles a
     program), not one (32 KB). Session 46 (an H100) first timed NANOFORGE_DECODE_FIRST_TILE=after, the first
@@ -700,10 +700,14 @@ def _tile(W, t, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr):
+def _first_tile(W, N, K, KP: tl.constexpr, BN: tl.constexpr, SWIGLU: tl.constexpr, SKIP: tl.constexpr = False):
     """This program's first tile of W for `_project` (its loads issued: a persistent launch issues them while it
-    waits at the barrier in front of the phase, after its arrival, as no phase writes W)."""
-    w, u, _ = _tile(W, tl.program_id(0), N, K, KP, BN, SWIGLU)
+    waits at the barrier in front of the phase, after its arrival, as no phase writes W); SKIP: none (a phase
+    whose ring takes its first tile too, `_tagged_phase`), placeholders."""
+    w = 0
+    u = 0
+    if not SKIP:
+        w, u, _ = _tile(W, tl.program_id(0), N, K, KP, BN, SWIGLU)
     return w, u
 
 
@@ -758,25 +762,33 @@ def _take_input(x, XT, RESIDUAL: tl.constexpr, G, eps, polls, K, KP: tl.constexp
 
 
 @triton.jit
-def _ring_phase(x, XT, RESIDUAL: tl.constexpr, G, eps, polls, W, B, Y, N, K, KP: tl.constexpr, BN: tl.constexpr,
-                SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, tag, RING: tl.constexpr, spin_limit, poll_sleep,
-                TIMEOUTS, ty: tl.constexpr, SPIN: tl.constexpr, trace_at, row, TRACE: tl.constexpr):
-    """A tagged phase (NANOFORGE_DECODE_RING_AHEAD): `_project` of `_take_input`'s input with every tile through
-    the RING-stage ring, the input taken in the pipelined loop's first pass, so that the loop's first RING - 1
-    tiles are copied while the program polls (stored as words tagged `tag`). A program with no tile of the phase
-    takes the input after the loop (the residual stream is every program's). Returns x."""
-    t = tl.program_id(0)
-    tiles = tl.cdiv(N, BN)
-    h = tl.zeros([KP], dtype=tl.float32)
-    for r in tl.range(t, tiles, tl.num_programs(0), num_stages=RING):
-        w, u, n = _tile(W, r, N, K, KP, BN, SWIGLU)
-        if r == t:
+def _tagged_phase(x, w, u, XT, RESIDUAL: tl.constexpr, G, eps, polls, W, B, Y, N, K, KP: tl.constexpr,
+                  BN: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr, tag,
+                  RING: tl.constexpr, IN_RING: tl.constexpr, spin_limit, poll_sleep, TIMEOUTS, ty: tl.constexpr,
+                  SPIN: tl.constexpr, trace_at, row, TRACE: tl.constexpr):
+    """A tagged launch's projection phase: `_project` of `_take_input`'s input, stored as words tagged `tag`.
+    By default the phase's first tile (w, u) was loaded while the program polled. IN_RING
+    (NANOFORGE_DECODE_RING_AHEAD, with a ring): every tile goes through the RING-stage ring and the input is
+    taken in the pipelined loop's first pass, so that the loop's first RING - 1 tiles are copied while the
+    program polls (w, u unused); a program with no tile of the phase takes the input after the loop (the
+    residual stream is every program's). Returns x."""
+    if IN_RING:
+        t = tl.program_id(0)
+        tiles = tl.cdiv(N, BN)
+        h = tl.zeros([KP], dtype=tl.float32)
+        for r in tl.range(t, tiles, tl.num_programs(0), num_stages=RING):
+            wr, ur, n = _tile(W, r, N, K, KP, BN, SWIGLU)
+            if r == t:
+                x, h = _take_input(x, XT, RESIDUAL, G, eps, polls, K, KP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
+                                   SPIN, trace_at, row, TRACE)
+            _reduce_store(h, wr, ur, B, Y, n, N, SWIGLU, HAS_BIAS, tag, True, ty)
+        if t >= tiles:
             x, h = _take_input(x, XT, RESIDUAL, G, eps, polls, K, KP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
                                SPIN, trace_at, row, TRACE)
-        _reduce_store(h, w, u, B, Y, n, N, SWIGLU, HAS_BIAS, tag, True, ty)
-    if t >= tiles:
+    else:
         x, h = _take_input(x, XT, RESIDUAL, G, eps, polls, K, KP, tag, spin_limit, poll_sleep, TIMEOUTS, ty, SPIN,
                            trace_at, row, TRACE)
+        _project(h, w, u, W, B, Y, N, K, KP, BN, SWIGLU, HAS_BIAS, AHEAD, tag, True, RING)
     return x
 
 
@@ -954,21 +966,21 @@ def _decode_layers_kernel(
     to its layer's place in TAGGED_T as tagged words (`_tag_words`; the tag from the launch count at WS + HKV),
     and the phases that read it poll it (`_poll`). Every program keeps the residual stream in registers (all
     compute the same sums); program 0 stores it and the last MLP output to XS and PEND at the end. With
-    RING_AHEAD, each projection with a ring polls its input inside the ring's loop (`_ring_phase`), no first
+    RING_AHEAD, each projection with a ring polls its input inside the ring's loop (`_tagged_phase`), no first
     tile in registers."""
     BAR = COUNTS + HKV
-    AHEAD_QKV: tl.constexpr = TAGGED and RING_AHEAD and RING_QKV > 1  # (each projection's: `_ring_phase`)
-    AHEAD_O: tl.constexpr = TAGGED and RING_AHEAD and RING_O > 1
-    AHEAD_IN: tl.constexpr = TAGGED and RING_AHEAD and RING_IN > 1
-    AHEAD_OUT: tl.constexpr = TAGGED and RING_AHEAD and RING_OUT > 1
+    IN_RING_QKV: tl.constexpr = TAGGED and RING_AHEAD and RING_QKV > 1  # (each projection's: `_tagged_phase`)
+    IN_RING_O: tl.constexpr = TAGGED and RING_AHEAD and RING_O > 1
+    IN_RING_IN: tl.constexpr = TAGGED and RING_AHEAD and RING_IN > 1
+    IN_RING_OUT: tl.constexpr = TAGGED and RING_AHEAD and RING_OUT > 1
     X_MID = XS + D
     AQ = HQ * DH
     ty = XS.dtype.element_ty
     trace_at = TRACE_T + tl.program_id(0)
     if TRACE:
         tl.store(trace_at, tl.extra.cuda.globaltimer())
-    if PERSISTENT and not AHEAD_QKV:  # each phase's first tile of weights is loaded during the wait in front of it
-        wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False)
+    if PERSISTENT:  # each phase's first tile of weights is loaded during the wait in front of it
+        wq, uq = _first_tile(WQKV + first_layer.to(tl.int64) * NQKV * D, NQKV, D, DP, BN_QKV, False, IN_RING_QKV)
     tag = 0
     x = tl.zeros([DP], dtype=tl.float32)
     if TAGGED:  # (first_layer 0: every layer)
@@ -994,15 +1006,12 @@ def _decode_layers_kernel(
         if PERSISTENT or PHASE == 0:  # A: x += pending; Q/K/V of the normalised x
             if not PERSISTENT:
                 wq, uq = _first_tile(w_qkv, NQKV, D, DP, BN_QKV, False)
-            if AHEAD_QKV:  # (layer 0 takes x from the launch's start: nothing to poll)
-                x = _ring_phase(x, pend_t - words, True, G1 + lw * D, eps, layer > 0, w_qkv, BQKV + lw * NQKV, qkv_t,
-                                NQKV, D, DP, BN_QKV, False, HAS_BIAS, tag, RING_QKV, spin_limit, poll_sleep,
-                                TIMEOUTS, ty, ONE_POLLER, trace_at, 2 * step, TRACE)
-            elif TAGGED:  # (the layer before's MLP-down output in: the clock is its "departure")
-                x, h = _take_input(x, pend_t - words, True, G1 + lw * D, eps, layer > 0, D, DP, tag, spin_limit,
-                                   poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at, 2 * step, TRACE)
-                _project(h, wq, uq, w_qkv, BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD,
-                         tag, True, RING_QKV)
+            if TAGGED:  # (the layer before's MLP-down output in: the clock is its "departure"; layer 0 takes x
+                # from the launch's start, nothing to poll)
+                x = _tagged_phase(x, wq, uq, pend_t - words, True, G1 + lw * D, eps, layer > 0, w_qkv,
+                                  BQKV + lw * NQKV, qkv_t, NQKV, D, DP, BN_QKV, False, HAS_BIAS, AHEAD, tag, RING_QKV,
+                                  IN_RING_QKV, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at, 2 * step,
+                                  TRACE)
             else:
                 if layer == 0:  # the embedding's output, nothing pending
                     h = _add_norm(X_IN, PEND, G1, X_MID, eps, D, DP, False)
@@ -1028,45 +1037,38 @@ def _decode_layers_kernel(
                        qkv_t, att_t, SCRATCH, tag, spin_limit, poll_sleep, TIMEOUTS, TAGGED, ONE_POLLER,
                        ITEM_P2, trace_at + (2 + 2 * step) * tl.num_programs(0))
             _arrive(BAR, step + 1, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not AHEAD_O:
-                wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
+            if PERSISTENT:
+                wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False, IN_RING_O)
             _depart(BAR, step + 1, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 2:  # C: attention-out
             if not PERSISTENT:
                 wo, uo = _first_tile(w_o, D, AQ, AP, BN_O, False)
             _prefetch_tiles(w_in, F, D, DP, BN_IN, PREFETCH_TILES, True, PREFETCH)
-            if AHEAD_O:
-                x = _ring_phase(x, att_t, False, G2, eps, True, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, tag,
-                                RING_O, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at, 4 + 2 * step, TRACE)
-            elif TAGGED:
-                x, a = _take_input(x, att_t, False, G2, eps, True, AQ, AP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
-                                   ONE_POLLER, trace_at, 4 + 2 * step, TRACE)
-                _project(a, wo, uo, w_o, WO, o_t, D, AQ, AP, BN_O, False, False, AHEAD, tag, True, RING_O)
+            if TAGGED:
+                x = _tagged_phase(x, wo, uo, att_t, False, G2, eps, True, w_o, WO, o_t, D, AQ, AP, BN_O, False, False,
+                                  AHEAD, tag, RING_O, IN_RING_O, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER,
+                                  trace_at, 4 + 2 * step, TRACE)
             else:
                 _project(_vector(ATT, AQ, AP), wo, uo, w_o, WO, O, D, AQ, AP, BN_O, False, False, AHEAD, 0, False,
                          RING_O)
             _arrive(BAR, step + 2, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not AHEAD_IN:
-                wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
+            if PERSISTENT:
+                wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True, IN_RING_IN)
             _depart(BAR, step + 2, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 3:  # D: x += o; gate-and-up of the normalised x, SwiGLU
             if not PERSISTENT:
                 wi, ui = _first_tile(w_in, F, D, DP, BN_IN, True)
             _prefetch_tiles(w_out, D, F, FP, BN_OUT, PREFETCH_TILES, False, PREFETCH)
-            if AHEAD_IN:
-                x = _ring_phase(x, o_t, True, G2 + lw * D, eps, True, w_in, WIN, act_t, F, D, DP, BN_IN, True, False,
-                                tag, RING_IN, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at,
-                                6 + 2 * step, TRACE)
-            elif TAGGED:
-                x, h = _take_input(x, o_t, True, G2 + lw * D, eps, True, D, DP, tag, spin_limit, poll_sleep, TIMEOUTS,
-                                   ty, ONE_POLLER, trace_at, 6 + 2 * step, TRACE)
-                _project(h, wi, ui, w_in, WIN, act_t, F, D, DP, BN_IN, True, False, AHEAD, tag, True, RING_IN)
+            if TAGGED:
+                x = _tagged_phase(x, wi, ui, o_t, True, G2 + lw * D, eps, True, w_in, WIN, act_t, F, D, DP, BN_IN,
+                                  True, False, AHEAD, tag, RING_IN, IN_RING_IN, spin_limit, poll_sleep, TIMEOUTS, ty,
+                                  ONE_POLLER, trace_at, 6 + 2 * step, TRACE)
             else:
                 h = _add_norm(X_MID, O, G2 + lw * D, XS, eps, D, DP)
                 _project(h, wi, ui, w_in, WIN, ACT, F, D, DP, BN_IN, True, False, AHEAD, 0, False, RING_IN)
             _arrive(BAR, step + 3, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not AHEAD_OUT:
-                wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False)
+            if PERSISTENT:
+                wd, ud = _first_tile(w_out, D, F, FP, BN_OUT, False, IN_RING_OUT)
             _depart(BAR, step + 3, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
         if PERSISTENT or PHASE == 4:  # E: MLP-down
             if not PERSISTENT:
@@ -1074,20 +1076,16 @@ def _decode_layers_kernel(
             following = tl.minimum(lw + 1, first_layer + n_layers - 1)  # (the last layer: its own again)
             _prefetch_tiles(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, PREFETCH_TILES, False,
                             PREFETCH)
-            if AHEAD_OUT:
-                x = _ring_phase(x, act_t, False, G2, eps, True, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False,
-                                tag, RING_OUT, spin_limit, poll_sleep, TIMEOUTS, ty, ONE_POLLER, trace_at,
-                                8 + 2 * step, TRACE)
-            elif TAGGED:
-                x, a = _take_input(x, act_t, False, G2, eps, True, F, FP, tag, spin_limit, poll_sleep, TIMEOUTS, ty,
-                                   ONE_POLLER, trace_at, 8 + 2 * step, TRACE)
-                _project(a, wd, ud, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False, False, AHEAD, tag, True, RING_OUT)
+            if TAGGED:
+                x = _tagged_phase(x, wd, ud, act_t, False, G2, eps, True, w_out, WOUT, pend_t, D, F, FP, BN_OUT, False,
+                                  False, AHEAD, tag, RING_OUT, IN_RING_OUT, spin_limit, poll_sleep, TIMEOUTS, ty,
+                                  ONE_POLLER, trace_at, 8 + 2 * step, TRACE)
             else:
                 _project(_vector(ACT, F, FP), wd, ud, w_out, WOUT, PEND, D, F, FP, BN_OUT, False, False,
                          AHEAD, 0, False, RING_OUT)
             _arrive(BAR, step + 4, trace_at, BARRIERS, TRACE)
-            if PERSISTENT and not AHEAD_QKV:
-                wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False)
+            if PERSISTENT:
+                wq, uq = _first_tile(WQKV + following * NQKV * D, NQKV, D, DP, BN_QKV, False, IN_RING_QKV)
             _depart(BAR, step + 4, trace_at, TIMEOUTS, spin_limit, BARRIERS, TRACE, ONE_POLLER)
     if TAGGED:
         if tl.program_id(0) == 0:  # the residual stream and the last MLP output, as the barrier way leaves them
