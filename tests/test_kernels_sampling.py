@@ -54,6 +54,26 @@ def test_triton_sampler_draws_the_references_tokens(vocab, monkeypatch):
     assert sample_tokens(logits, temperature, SEEDS, DRAWS, out=out) is out and torch.equal(out, want)
 
 
+@interpreter
+def test_triton_sampler_gathers_each_rows_temperature_and_seed_from_its_slot(monkeypatch):
+    """`slots`: the per-slot tables gathered in the kernel, as the engine's indexing did them before."""
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 70, generator=gen) * 2
+    slot_temperature = torch.tensor([0.9, 0.0, 1.7, 0.5, 1.0, 0.0, 2.0, 0.0])
+    slot_seed = torch.tensor([11, 2**63 - 2, 5, -1, 77, 0, 2**62, 9], dtype=torch.int64)
+    slots = torch.tensor([6, 1, 3, 6])
+    offsets = torch.tensor([0, 4, 3, 5])  # (a fork's completions: one slot, seeds s + i; 2**63 - 2 + 4 wraps)
+    draws = torch.tensor([2, 0, 9, 2])
+    seeds = torch.tensor([(int(slot_seed[k]) + int(o)) % 2**63 for k, o in zip(slots, offsets)])
+    want = sample_tokens_ref(logits, slot_temperature[slots], seeds, draws)
+    got = sample_tokens(logits, slot_temperature, slot_seed, draws, slots=slots, seed_offsets=offsets)
+    monkeypatch.setenv("NANOFORGE_KERNELS", "torch")
+    assert torch.equal(got, want)
+    assert torch.equal(sample_tokens(logits, slot_temperature, slot_seed, draws, slots=slots, seed_offsets=offsets),
+                       want)
+
+
 def test_draws_follow_the_tempered_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2])
     t, n = 0.7, 6000
@@ -117,4 +137,8 @@ def test_gpu_sampler_draws_the_references_tokens_at_full_vocabulary():
     logits = (torch.randn(len(SEEDS), 151936, generator=gen) * 2).to("cuda", torch.bfloat16)
     temperature = torch.tensor([0.0, 1.0, 0.6, 2.0, 0.0, 1.3], device="cuda")
     got = sample_tokens(logits, temperature, SEEDS.cuda(), DRAWS.cuda())
+    assert torch.equal(got.cpu(), sample_tokens_ref(logits.cpu(), temperature.cpu(), SEEDS, DRAWS))
+    slots = torch.tensor([5, 4, 3, 2, 1, 0], device="cuda")  # the tables by slot, gathered in the kernel
+    got = sample_tokens(logits, temperature.flip(0), SEEDS.flip(0).cuda(), DRAWS.cuda(), slots=slots,
+                        seed_offsets=torch.zeros_like(slots))
     assert torch.equal(got.cpu(), sample_tokens_ref(logits.cpu(), temperature.cpu(), SEEDS, DRAWS))

@@ -31,6 +31,7 @@ _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox-4x32 multipliers
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # and Weyl key increments
 _ROUNDS = 10
 _UNIFORM_SCALE = 4.6566127342e-10  # Triton's: the largest x with (2**31 - 1) * x < 1 in float32
+SEED_MOD = 1 << 63  # seeds are taken modulo this (an int64 on the device)
 
 
 
@@ -80,16 +81,29 @@ def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: to
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, draws: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                  seed_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """(rows,) int64 tokens for logits (rows, vocab): per row its temperature (0: greedy), 64-bit seed (int64)
-    and draw index. `out`, if given, receives them (a CUDA graph's static buffer)."""
+    and draw index. `out`, if given, receives them (a CUDA graph's static buffer). With `slots` (and
+    `seed_offsets`, both (rows,) int64), temperature and seeds are tables by slot: row i takes temperature[slots[i]]
+    and seed (seeds[slots[i]] + seed_offsets[i]) mod 2**63, gathered inside the kernel (a decode step's graph then
+    runs no small gather kernels before it)."""
     rows = logits.shape[0]
-    if logits.dim() != 2 or any(t.shape != (rows,) for t in (temperature, seeds, draws)):
+    per_row = (draws,) if slots is not None else (temperature, seeds, draws)
+    if slots is not None and (seed_offsets is None or slots.shape != (rows,) or seed_offsets.shape != (rows,)
+                              or temperature.dim() != 1 or seeds.shape != temperature.shape):
+        raise ValueError(f"sample_tokens: slots and seed_offsets must be ({rows},) and the temperature and seed "
+                         f"tables one-dimensional, got {tuple(slots.shape)}, "
+                         f"{None if seed_offsets is None else tuple(seed_offsets.shape)}, {tuple(temperature.shape)}, "
+                         f"{tuple(seeds.shape)}")
+    if logits.dim() != 2 or any(t.shape != (rows,) for t in per_row):
         raise ValueError(f"sample_tokens: logits {tuple(logits.shape)} must be (rows, vocab) with temperature, seeds "
                          f"and draws (rows,), got {tuple(temperature.shape)}, {tuple(seeds.shape)}, "
                          f"{tuple(draws.shape)}")
     if use_fast(logits) and logits.dtype != torch.float64 and rows and logits.shape[1]:
-        return _sample_triton(logits, temperature, seeds, draws, out)
+        return _sample_triton(logits, temperature, seeds, draws, out, slots, seed_offsets)
+    if slots is not None:
+        temperature, seeds = temperature[slots], (seeds[slots] + seed_offsets) & (SEED_MOD - 1)
     tokens = sample_tokens_ref(logits, temperature, seeds, draws)
     return tokens if out is None else out.copy_(tokens)
 
@@ -98,18 +112,22 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
 
 @triton.jit
-def _gumbel_max_blocks(LOGITS, stride, TEMP, SEEDS, DRAWS, BEST, WHERE, V, num_blocks, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Program (row, b): the best score of vocabulary block b of the row, and where it is."""
+def _gumbel_max_blocks(LOGITS, stride, TEMP, SEEDS, DRAWS, SLOTS, OFFSETS, BEST, WHERE, V, num_blocks,
+                       BLOCK: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, b): the best score of vocabulary block b of the row, and where it is (GATHER: the row's
+    temperature and seed from its slot's, `sample_tokens`)."""
     pdl.enter(PDL)
     row = tl.program_id(0)
     b = tl.program_id(1)
-    t = tl.load(TEMP + row)
+    at = tl.load(SLOTS + row) if GATHER else row
+    t = tl.load(TEMP + at)
     offs = b * BLOCK + tl.arange(0, BLOCK)
     ok = offs < V
     score = tl.load(LOGITS + row.to(tl.int64) * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
     if t > 0:
-        seed = tl.load(SEEDS + row)
+        seed = tl.load(SEEDS + at)
+        if GATHER:
+            seed = (seed + tl.load(OFFSETS + row)) & 0x7FFFFFFFFFFFFFFF
         counter = (tl.load(DRAWS + row) << 32) | offs.to(tl.int64)
         u = tl.rand(seed, counter)
         score = score / t - tl.log(-tl.log(u))
@@ -131,7 +149,7 @@ def _pick_block(BEST, WHERE, OUT, num_blocks, BLOCKS_P2: tl.constexpr, PDL: tl.c
     tl.store(OUT + row, tl.sum(tl.where(offs == k, where, 0), 0).to(tl.int64))
 
 
-def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
+def _sample_triton(logits, temperature, seeds, draws, out=None, slots=None, seed_offsets=None) -> torch.Tensor:
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -142,10 +160,13 @@ def _sample_triton(logits, temperature, seeds, draws, out=None) -> torch.Tensor:
     direct = out is not None and out.dtype == torch.int64 and out.is_contiguous()  # write the tokens in place
     dst = out if direct else torch.empty(rows, device=logits.device, dtype=torch.int64)
     on = pdl.enabled(logits)
+    gather = slots is not None
     _gumbel_max_blocks[(rows, num_blocks)](logits, logits.stride(0), temperature.float().contiguous(),
-                                           seeds.long().contiguous(), draws.long().contiguous(), best, where, vocab,
-                                           num_blocks, BLOCK=block, PDL=on, num_warps=1 if interpreting() else 8,
-                                           launch_pdl=bool(on))
+                                           seeds.long().contiguous(), draws.long().contiguous(),
+                                           slots.long().contiguous() if gather else draws,
+                                           seed_offsets.long().contiguous() if gather else draws, best, where, vocab,
+                                           num_blocks, BLOCK=block, GATHER=gather, PDL=on,
+                                           num_warps=1 if interpreting() else 8, launch_pdl=bool(on))
     _pick_block[(rows,)](best, where, dst, num_blocks, BLOCKS_P2=max(2, triton.next_power_of_2(num_blocks)), PDL=on,
                          launch_pdl=bool(on))
     return dst if direct or out is None else out.copy_(dst)

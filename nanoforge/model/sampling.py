@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoforge.kernels.sampling import sample_tokens
-
-SEED_MOD = 1 << 63  # seeds are taken modulo this (an int64 on the device)
+from nanoforge.kernels.sampling import SEED_MOD, sample_tokens  # noqa: F401 (SEED_MOD: this module's users import it)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -251,18 +251,20 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn: AttentionBackend | None = None, *, return_hidden: bool = False, rope=None) -> torch.Tensor:
+                attn: AttentionBackend | None = None, *, return_hidden: bool = False, rope=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids and positions (B, T); returns logits (B, T, V), or the final hidden states.
 
         Without `positions`, tokens are at 0..T-1; without `attn`, plain causal attention. `rope`: the positions'
-        (cos, sin), where the caller has them (the serving engine reads them from its `rope_table`).
+        (cos, sin), and `inputs_embeds` (B, T, D): `embed_inputs`'s result, where the caller has them (the serving
+        engine gathers both in one kernel with its tokens).
         """
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         if attn is None:
             attn = DenseAttention()
-        x = self.embed_inputs(input_ids, positions)
+        x = self.embed_inputs(input_ids, positions) if inputs_embeds is None else self.drop(inputs_embeds)
         if rope is None:
             rope = self.rotary(positions, x.dtype)
         defer, pending = not torch.is_grad_enabled(), None  # serving: each residual add fused with the next norm

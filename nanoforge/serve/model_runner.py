@@ -41,6 +41,7 @@ from nanoforge.kernels.decode_layers import ring_stages
 from nanoforge.kernels.dispatch import env_choice, replays_us
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
+from nanoforge.kernels.gather import gather_step_inputs
 from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.sampling import SEED_MOD, sample
@@ -353,24 +354,21 @@ class ModelRunner:
 
     # --- the forward pass ---------------------------------------------------------------------------------
 
-    def _input_ids(self, v: dict, n: int) -> torch.Tensor:
-        """Token ids; rows whose token the step in flight sampled take it from the device (token_src >= 0)."""
-        src = v["token_src"][:n]
-        return torch.where(src >= 0, self.sampled[src.clamp(min=0)], v["ids"][:n])
-
     def _forward(self, v: dict, n: int, s: int, max_q_len: int, width: int,
                  kernel: layer_kernel.LayerKernel | None) -> torch.Tensor:
         """Hidden states of the step's n tokens of s sequences (width: block-table columns to read; kernel: the
-        persistent kernel a one-token decode step runs its layers in, or None)."""
-        tables = self.table[:, :width].index_select(0, v["row_slot"][:s])
+        persistent kernel a one-token decode step runs its layers in, or None). The step's gathers run in one
+        kernel (`gather_step_inputs`): its tokens (rows whose token the step in flight sampled, token_src >= 0,
+        take it from the device), their embeddings and RoPE rows, its rows' block tables."""
+        m, positions = self.model, v["positions"][:n]
+        tokens, x, cs, tables = gather_step_inputs(
+            v["token_src"][:n], self.sampled, v["ids"][:n], positions, m.embed.weight,
+            m.pos_embed.weight if m.pos_embed is not None else None, self.rope_table, v["row_slot"][:s], self.table,
+            width)
         attn = PagedAttention(self.k_cache, self.v_cache, v["slots"][:n], tables, v["seq_lens"][:s],
                               v["cu_seqlens"][:s + 1], max_q_len=max_q_len, layer_kernel=kernel)
-        positions = v["positions"][:n]
-        rope = None
-        if self.rope_table is not None:
-            cs = self.rope_table[positions]  # (n, 2, D); cos and sin: (1, n, 1, D) views of it
-            rope = cs[None, :, 0:1], cs[None, :, 1:2]
-        return self.model(self._input_ids(v, n)[None], positions[None], attn, return_hidden=True, rope=rope)[0]
+        rope = (cs[None, :, 0:1], cs[None, :, 1:2]) if cs is not None else None  # (1, n, 1, D) views: cos, sin
+        return m(tokens[None], positions[None], attn, return_hidden=True, rope=rope, inputs_embeds=x[None])[0]
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> Launched:
@@ -456,8 +454,8 @@ class ModelRunner:
         """Logits of the n sampled rows (in the model's dtype; into `logits_out` if given) and their tokens,
         greedy or drawn with temperature, into self.sampled[:n]. Top-k / top-p is `_sample_filtered`'s."""
         logits = self.model.logits(hidden, out=logits_out)
-        slots = v["sample_slot"][:n]
-        sample_tokens(logits, self.slot_temperature[slots], self._seeds(v, n), v["draw"][:n], out=self.sampled[:n])
+        sample_tokens(logits, self.slot_temperature, self.slot_seed, v["draw"][:n], out=self.sampled[:n],
+                      slots=v["sample_slot"][:n], seed_offsets=v["seed_offset"][:n])
         return logits
 
     def _sample_filtered(self, v: dict, logits: torch.Tensor, n: int) -> None:
