@@ -342,6 +342,7 @@ def _same(a: list[int], b: list[int]) -> int:
 # What each lever gains: the engine again with one of them off (or forced), on the same model and prompt.
 DECODE_VARIANTS = {
     "again": {},  # the same engine run once more: the run-to-run spread
+    "torch_gathers": {"NANOFORGE_STEP_GATHERS": "torch"},  # a step's input gathers as 11 PyTorch kernels, not one
     "cublas_only": {"NANOFORGE_GEMV": "0"},  # cuBLAS for every projection, the norms and SwiGLU apart
     "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
     "pdl_late": {"NANOFORGE_PDL": "late"},  # the big kernels let their successor launch after their main loop

@@ -41,7 +41,7 @@ from nanoforge.kernels.decode_layers import ring_stages
 from nanoforge.kernels.dispatch import env_choice, replays_us
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
-from nanoforge.kernels.gather import gather_step_inputs
+from nanoforge.kernels.gather import gather_step_inputs, gather_step_inputs_ref
 from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.sampling import SEED_MOD, sample
@@ -207,6 +207,10 @@ class ModelRunner:
                                 pin_memory=cuda)
         self._init_device_batch(max_num_seqs)
         self.rope_table = model.rope_table(max_model_len, self.dtype)  # RoPE's cos and sin, indexed by position
+        # NANOFORGE_STEP_GATHERS: `kernel` (the default: a step's input gathers in one launch, the sampled rows'
+        # temperatures and seeds inside the sampler's) or `torch` (PyTorch's indexing, 11 small kernels: the
+        # baseline gpu_engine.py's `torch_gathers` variant times)
+        self.one_gather = env_choice("NANOFORGE_STEP_GATHERS", ("kernel", "torch")) == "kernel"
         self.graphs: dict[tuple[bool, int], Callable[[], None]] = {}  # (decode, tokens) -> replay
         self.graph_replays: dict[tuple[bool, int], int] = {}  # how often each ran (stats, tests)
         self._graph_pool = None  # the memory pool every graph shares (they never run at once)
@@ -361,7 +365,8 @@ class ModelRunner:
         kernel (`gather_step_inputs`): its tokens (rows whose token the step in flight sampled, token_src >= 0,
         take it from the device), their embeddings and RoPE rows, its rows' block tables."""
         m, positions = self.model, v["positions"][:n]
-        tokens, x, cs, tables = gather_step_inputs(
+        gather = gather_step_inputs if self.one_gather else gather_step_inputs_ref
+        tokens, x, cs, tables = gather(
             v["token_src"][:n], self.sampled, v["ids"][:n], positions, m.embed.weight,
             m.pos_embed.weight if m.pos_embed is not None else None, self.rope_table, v["row_slot"][:s], self.table,
             width)
@@ -454,8 +459,12 @@ class ModelRunner:
         """Logits of the n sampled rows (in the model's dtype; into `logits_out` if given) and their tokens,
         greedy or drawn with temperature, into self.sampled[:n]. Top-k / top-p is `_sample_filtered`'s."""
         logits = self.model.logits(hidden, out=logits_out)
-        sample_tokens(logits, self.slot_temperature, self.slot_seed, v["draw"][:n], out=self.sampled[:n],
-                      slots=v["sample_slot"][:n], seed_offsets=v["seed_offset"][:n])
+        if self.one_gather:  # the rows' temperatures and seeds gathered in the sampler's kernel
+            sample_tokens(logits, self.slot_temperature, self.slot_seed, v["draw"][:n], out=self.sampled[:n],
+                          slots=v["sample_slot"][:n], seed_offsets=v["seed_offset"][:n])
+        else:
+            sample_tokens(logits, self.slot_temperature[v["sample_slot"][:n]], self._seeds(v, n), v["draw"][:n],
+                          out=self.sampled[:n])
         return logits
 
     def _sample_filtered(self, v: dict, logits: torch.Tensor, n: int) -> None:
