@@ -423,6 +423,15 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         D=2048, NQKV=3072, HQ=32, HKV=8, DH=64, F=8192, HAS_BIAS=False, QK_NORM=False),
     "decode_layers_qwen3": _decode_layers(D=1024, NQKV=4096, HQ=16, HKV=8, DH=128, F=3072, HAS_BIAS=False,
                                           QK_NORM=True),  # Qwen3-0.6B's
+    "gather_step": TritonKernel(  # a serving step's input gathers (kernels/gather.py) at Qwen3-0.6B's widths
+        "nanoforge.kernels.gather:_gather_step_kernel",
+        {**{p: "*i64" for p in ("SRC", "SAMPLED", "IDS", "POSITIONS")}, "EMBED": "*bf16", "stride_e": "i64",
+         "POS_EMBED": "*bf16", "stride_p": "i64", "ROPE": "*bf16", "ROW_SLOT": "*i64", "TABLE": "*i32",
+         "stride_t": "i64", "TOKENS": "*i64", "X": "*bf16", "CS": "*bf16", "TABLES": "*i32",
+         **_i32("n", "D", "R", "width")},
+        {"BLOCK_D": 1024, "BLOCK_R": 256, "BLOCK_W": 1024, "HAS_POS": False, "HAS_ROPE": True, "PDL": 1},
+        aligned=("stride_e", "D", "R"),
+    ),
     "rmsnorm_fwd": TritonKernel(
         "nanoforge.kernels.rmsnorm:_rms_norm_fwd_kernel",
         {"x": "*bf16", "res": "*bf16", "w": "*bf16", "y": "*bf16", "h": "*bf16", "rstd": "*fp32",
