@@ -140,5 +140,6 @@ def test_gpu_sampler_draws_the_references_tokens_at_full_vocabulary():
     assert torch.equal(got.cpu(), sample_tokens_ref(logits.cpu(), temperature.cpu(), SEEDS, DRAWS))
     slots = torch.tensor([5, 4, 3, 2, 1, 0], device="cuda")  # the tables by slot, gathered in the kernel
     got = sample_tokens(logits, temperature.flip(0), SEEDS.flip(0).cuda(), DRAWS.cuda(), slots=slots,
-                        seed_offsets=torch.zeros_like(slots))
-    assert torch.equal(got.cpu(), sample_tokens_ref(logits.cpu(), temperature.cpu(), SEEDS, DRAWS))
+                        seed_offsets=torch.ones_like(slots))
+    seeds = torch.tensor([(int(s) + 1) % 2**63 for s in SEEDS])  # (slot seed + offset) mod 2**63: -5 wraps
+    assert torch.equal(got.cpu(), sample_tokens_ref(logits.cpu(), temperature.cpu(), seeds, DRAWS))
