@@ -62,6 +62,8 @@ def test_matches_float64(poisoned, lead, k, n, dtype, swiglu, bias):
     got = gv.gemv(x, w, b, swiglu=swiglu)
     assert got.shape == (*lead, n // 2 if swiglu else n) and got.dtype == dtype
     torch.testing.assert_close(got.double(), reference(x, w, b, swiglu), rtol=_tol(dtype), atol=_tol(dtype))
+    out = torch.full_like(got, float("nan"))  # written in place by the kernel: every element, the same bits
+    assert gv.gemv(x, w, b, swiglu=swiglu, out=out) is out and torch.equal(out, got)
 
 
 @interpreter
@@ -186,9 +188,9 @@ def _launches(monkeypatch):
     """Record every kernel launch as (norm, residual, swiglu)."""
     calls, real = [], gv._launch
 
-    def spy(x, a, norm_weight, eps, weight, bias, swiglu):
+    def spy(x, a, norm_weight, eps, weight, bias, swiglu, out=None):
         calls.append((norm_weight is not None, a is not None, swiglu))
-        return real(x, a, norm_weight, eps, weight, bias, swiglu)
+        return real(x, a, norm_weight, eps, weight, bias, swiglu, out)
 
     monkeypatch.setattr(gv, "_launch", spy)
     return calls
@@ -244,13 +246,14 @@ def test_the_lm_head_takes_it_for_a_decodes_rows(poisoned, monkeypatch, name):
     with torch.no_grad():
         out = torch.full((3, model.cfg.vocab_size), float("nan"))
         got = model.logits(hidden, out=out)
-        assert calls == [(False, False, False)] and got is out
+        assert calls == [(False, False, False)] and got is out  # the kernel wrote `out` itself (no copy after)
         torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(model.logits(hidden), out)
         many = torch.randn(gv.MAX_ROWS + 1, model.cfg.d_model)
         torch.testing.assert_close(model.logits(many).double(), many.double() @ model.lm_head.weight.double().t(),
                                    rtol=1e-4, atol=1e-4)
     model.logits(hidden)  # autograd
-    assert len(calls) == 1
+    assert len(calls) == 2  # (the two logits of 3 rows outside autograd)
 
 
 @interpreter

@@ -285,8 +285,7 @@ class Transformer(nn.Module):
         faster way for the shape, as the projections do (`linear`): at one row the head is the largest matrix a
         step reads (Llama-3.2-1B's 525 MB of 2.47 GB, Qwen3-0.6B's 311 MB of 1.19 GB)."""
         if _our_linear(hidden, self.lm_head) and gemv.fits(hidden, self.lm_head.weight):
-            y = gemv.skinny_linear(hidden, self.lm_head.weight)
-            return y if out is None else out.copy_(y)
+            return gemv.skinny_linear(hidden, self.lm_head.weight, out=out)
         return torch.matmul(hidden, self.lm_head.weight.t(), out=out)
 
     # The forward pass in pieces, for a pipeline stage that runs only some of them.
