@@ -39,9 +39,9 @@ import torch
 
 from nanoforge.kernels.decode_layers import ring_stages
 from nanoforge.kernels.dispatch import env_choice, replays_us
+from nanoforge.kernels.gather import gather_step_inputs, gather_step_inputs_ref
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
-from nanoforge.kernels.gather import gather_step_inputs, gather_step_inputs_ref
 from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.sampling import SEED_MOD, sample
