@@ -211,6 +211,14 @@ class ModelRunner:
         # temperatures and seeds inside the sampler's) or `torch` (PyTorch's indexing, 11 small kernels: the
         # baseline gpu_engine.py's `torch_gathers` variant times)
         self.one_gather = env_choice("NANOFORGE_STEP_GATHERS", ("kernel", "torch")) == "kernel"
+        # NANOFORGE_UPLOAD_AHEAD=1 (a lever, off until timed on a GPU): a graphed step's packed inputs go up on a
+        # side stream into a staging buffer as soon as the graph before has copied its own out of it (an event
+        # recorded inside every graph after that copy), not on the compute stream after the graph before ends:
+        # session 47's profile had ~10 of the ~19 us between two decode graphs in the upload and its hand-offs
+        self.upload_ahead = None
+        if env_choice("NANOFORGE_UPLOAD_AHEAD", ("0", "1")) == "1" and sizes:
+            self.upload_ahead = (torch.zeros_like(self.inputs), torch.cuda.Stream(device=self.device),
+                                 torch.cuda.Event(external=True), torch.cuda.Event())
         self.graphs: dict[tuple[bool, int], Callable[[], None]] = {}  # (decode, tokens) -> replay
         self.graph_replays: dict[tuple[bool, int], int] = {}  # how often each ran (stats, tests)
         self._graph_pool = None  # the memory pool every graph shares (they never run at once)
@@ -336,12 +344,22 @@ class ModelRunner:
 
     # --- uploading a step ------------------------------------------------------------------------------------
 
-    def _upload(self, step: StepInputs, views: bool = True) -> dict | None:
+    def _upload(self, step: StepInputs, views: bool = True, ahead: bool = False) -> dict | None:
         """Copy the packed inputs to the device in one go, apply the table and parameter updates; return the
-        device views of the step's fields (None where not `views`: a replayed graph reads its own)."""
+        device views of the step's fields (None where not `views`: a replayed graph reads its own). `ahead` (a
+        graphed step, NANOFORGE_UPLOAD_AHEAD): into the staging buffer on the side stream, once the last graph has
+        copied the staging buffer out (its event), the compute stream then waiting for this copy alone."""
         n = step.packed.numel()
-        dst = self.inputs if n <= self.inputs.numel() else torch.empty(n, dtype=torch.int64, device=self.device)
-        dst[:n].copy_(step.packed, non_blocking=True)
+        if ahead:
+            dst, side, consumed, uploaded = self.upload_ahead
+            side.wait_event(consumed)
+            with torch.cuda.stream(side):
+                dst[:n].copy_(step.packed, non_blocking=True)
+                uploaded.record(side)
+            torch.cuda.current_stream().wait_event(uploaded)
+        else:
+            dst = self.inputs if n <= self.inputs.numel() else torch.empty(n, dtype=torch.int64, device=self.device)
+            dst[:n].copy_(step.packed, non_blocking=True)
         a = step.layout.size
         if step.num_table_updates:
             u = dst[a:a + 2 * step.num_table_updates].view(-1, 2)
@@ -354,7 +372,9 @@ class ModelRunner:
             self.slot_seed[slots] = u[:, 2]
             self.slot_temperature[slots] = floats[:, 0].float()
             self.slot_top_p[slots] = floats[:, 1].float()
-        return step.layout.views(dst) if views else None
+        # (ahead: the views a top-k / top-p draw reads after the graph are the graph's own copy, which the next
+        # upload into the staging buffer, free once the graph has started, does not overwrite)
+        return step.layout.views(self.inputs if ahead else dst) if views else None
 
     # --- the forward pass ---------------------------------------------------------------------------------
 
@@ -430,7 +450,8 @@ class ModelRunner:
         # buffer) runs its padded inputs eagerly instead
         graphed = step.graph is not None and step.packed.numel() <= self.inputs.numel()
         # (the views cost ~10-20 us of host time a step: a replay reads none, the top-k / top-p draw does)
-        v = self._upload(step, views=not graphed or (step.needs_filter and self.is_driver))
+        v = self._upload(step, views=not graphed or (step.needs_filter and self.is_driver),
+                         ahead=graphed and self.upload_ahead is not None)
         self._block_ops(step)
         if not step.num_tokens:
             return None, None
@@ -570,8 +591,14 @@ class ModelRunner:
         v = self._idle_inputs(layout)
         max_q_len = 1 if decode else t
         kernel = self.layer_kernel
+        ahead = self.upload_ahead
+        if ahead is not None:  # NANOFORGE_UPLOAD_AHEAD: the graph takes its inputs from the staging buffer
+            ahead[0][:layout.size].copy_(self.inputs[:layout.size])
 
         def run():
+            if ahead is not None:  # the step's inputs out of the staging buffer, which the next upload may then fill
+                self.inputs[:layout.size].copy_(ahead[0][:layout.size])
+                ahead[2].record()
             hidden = self._forward(v, t, s, max_q_len, self.max_blocks_per_seq, kernel)
             if self.is_driver:
                 out = self.g_logits[:s] if self.g_logits is not None else None
