@@ -215,10 +215,11 @@ class ModelRunner:
         # side stream into a staging buffer as soon as the graph before has copied its own out of it (an event
         # recorded inside every graph after that copy), not on the compute stream after the graph before ends:
         # session 47's profile had ~10 of the ~19 us between two decode graphs in the upload and its hand-offs
-        self.upload_ahead = None
-        if env_choice("NANOFORGE_UPLOAD_AHEAD", ("0", "1")) == "1" and sizes:
-            self.upload_ahead = (torch.zeros_like(self.inputs), torch.cuda.Stream(device=self.device),
-                                 torch.cuda.Event(external=True), torch.cuda.Event())
+        self.upload_ahead = env_choice("NANOFORGE_UPLOAD_AHEAD", ("0", "1")) == "1" and bool(sizes)
+        if self.upload_ahead:  # the staging buffer, the stream that fills it, the graphs' "copied out" event
+            self._staging = torch.zeros_like(self.inputs)
+            self._upload_stream = torch.cuda.Stream(device=self.device)
+            self._staging_read, self._staged = torch.cuda.Event(external=True), torch.cuda.Event()
         self.graphs: dict[tuple[bool, int], Callable[[], None]] = {}  # (decode, tokens) -> replay
         self.graph_replays: dict[tuple[bool, int], int] = {}  # how often each ran (stats, tests)
         self._graph_pool = None  # the memory pool every graph shares (they never run at once)
@@ -351,12 +352,12 @@ class ModelRunner:
         copied the staging buffer out (its event), the compute stream then waiting for this copy alone."""
         n = step.packed.numel()
         if ahead:
-            dst, side, consumed, uploaded = self.upload_ahead
-            side.wait_event(consumed)
-            with torch.cuda.stream(side):
+            dst = self._staging
+            self._upload_stream.wait_event(self._staging_read)
+            with torch.cuda.stream(self._upload_stream):
                 dst[:n].copy_(step.packed, non_blocking=True)
-                uploaded.record(side)
-            torch.cuda.current_stream().wait_event(uploaded)
+                self._staged.record()
+            torch.cuda.current_stream().wait_event(self._staged)
         else:
             dst = self.inputs if n <= self.inputs.numel() else torch.empty(n, dtype=torch.int64, device=self.device)
             dst[:n].copy_(step.packed, non_blocking=True)
@@ -451,7 +452,7 @@ class ModelRunner:
         graphed = step.graph is not None and step.packed.numel() <= self.inputs.numel()
         # (the views cost ~10-20 us of host time a step: a replay reads none, the top-k / top-p draw does)
         v = self._upload(step, views=not graphed or (step.needs_filter and self.is_driver),
-                         ahead=graphed and self.upload_ahead is not None)
+                         ahead=graphed and self.upload_ahead)
         self._block_ops(step)
         if not step.num_tokens:
             return None, None
@@ -592,13 +593,13 @@ class ModelRunner:
         max_q_len = 1 if decode else t
         kernel = self.layer_kernel
         ahead = self.upload_ahead
-        if ahead is not None:  # NANOFORGE_UPLOAD_AHEAD: the graph takes its inputs from the staging buffer
-            ahead[0][:layout.size].copy_(self.inputs[:layout.size])
+        if ahead:  # NANOFORGE_UPLOAD_AHEAD: the graph takes its inputs from the staging buffer
+            self._staging[:layout.size].copy_(self.inputs[:layout.size])
 
         def run():
-            if ahead is not None:  # the step's inputs out of the staging buffer, which the next upload may then fill
-                self.inputs[:layout.size].copy_(ahead[0][:layout.size])
-                ahead[2].record()
+            if ahead:  # the step's inputs out of the staging buffer, which the next upload may then fill
+                self.inputs[:layout.size].copy_(self._staging[:layout.size])
+                self._staging_read.record()
             hidden = self._forward(v, t, s, max_q_len, self.max_blocks_per_seq, kernel)
             if self.is_driver:
                 out = self.g_logits[:s] if self.g_logits is not None else None
