@@ -380,6 +380,7 @@ DECODE_VARIANTS = {
     "poll_sleep0": {"NANOFORGE_DECODE_POLL_SLEEP_NS": "0"},
     "poll_cap2048": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "2048"},  # the back-off's cap (default 512 ns since s43)
     "poll_cap1024": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "1024"},
+    "poll_cap256": {"NANOFORGE_DECODE_POLL_SLEEP_CAP_NS": "256"},  # (s46, an H100: Qwen3's layers 1.01x)
     "prefetch_kv2": {"NANOFORGE_DECODE_PREFETCH_KV": "2"},
     "pf0": {"NANOFORGE_DECODE_PREFETCH_TILES": "0"},  # no L2 prefetch of the next phase's tiles nor inside one
     # the ring takes every tile, its first stages copied before each poll (the default since session 46), or not
