@@ -211,15 +211,6 @@ class ModelRunner:
         # temperatures and seeds inside the sampler's) or `torch` (PyTorch's indexing, 11 small kernels: the
         # baseline gpu_engine.py's `torch_gathers` variant times)
         self.one_gather = env_choice("NANOFORGE_STEP_GATHERS", ("kernel", "torch")) == "kernel"
-        # NANOFORGE_UPLOAD_AHEAD=1 (a lever, off until timed on a GPU): a graphed step's packed inputs go up on a
-        # side stream into a staging buffer as soon as the graph before has copied its own out of it (an event
-        # recorded inside every graph after that copy), not on the compute stream after the graph before ends:
-        # session 47's profile had ~10 of the ~19 us between two decode graphs in the upload and its hand-offs
-        self.upload_ahead = env_choice("NANOFORGE_UPLOAD_AHEAD", ("0", "1")) == "1" and bool(sizes)
-        if self.upload_ahead:  # the staging buffer, the stream that fills it, the graphs' "copied out" event
-            self._staging = torch.zeros_like(self.inputs)
-            self._upload_stream = torch.cuda.Stream(device=self.device)
-            self._staging_read, self._staged = torch.cuda.Event(external=True), torch.cuda.Event()
         self.graphs: dict[tuple[bool, int], Callable[[], None]] = {}  # (decode, tokens) -> replay
         self.graph_replays: dict[tuple[bool, int], int] = {}  # how often each ran (stats, tests)
         self._graph_pool = None  # the memory pool every graph shares (they never run at once)
@@ -345,22 +336,12 @@ class ModelRunner:
 
     # --- uploading a step ------------------------------------------------------------------------------------
 
-    def _upload(self, step: StepInputs, views: bool = True, ahead: bool = False) -> dict | None:
+    def _upload(self, step: StepInputs, views: bool = True) -> dict | None:
         """Copy the packed inputs to the device in one go, apply the table and parameter updates; return the
-        device views of the step's fields (None where not `views`: a replayed graph reads its own). `ahead` (a
-        graphed step, NANOFORGE_UPLOAD_AHEAD): into the staging buffer on the side stream, once the last graph has
-        copied the staging buffer out (its event), the compute stream then waiting for this copy alone."""
+        device views of the step's fields (None where not `views`: a replayed graph reads its own)."""
         n = step.packed.numel()
-        if ahead:
-            dst = self._staging
-            self._upload_stream.wait_event(self._staging_read)
-            with torch.cuda.stream(self._upload_stream):
-                dst[:n].copy_(step.packed, non_blocking=True)
-                self._staged.record()
-            torch.cuda.current_stream().wait_event(self._staged)
-        else:
-            dst = self.inputs if n <= self.inputs.numel() else torch.empty(n, dtype=torch.int64, device=self.device)
-            dst[:n].copy_(step.packed, non_blocking=True)
+        dst = self.inputs if n <= self.inputs.numel() else torch.empty(n, dtype=torch.int64, device=self.device)
+        dst[:n].copy_(step.packed, non_blocking=True)
         a = step.layout.size
         if step.num_table_updates:
             u = dst[a:a + 2 * step.num_table_updates].view(-1, 2)
@@ -373,9 +354,7 @@ class ModelRunner:
             self.slot_seed[slots] = u[:, 2]
             self.slot_temperature[slots] = floats[:, 0].float()
             self.slot_top_p[slots] = floats[:, 1].float()
-        # (ahead: the views a top-k / top-p draw reads after the graph are the graph's own copy, which the next
-        # upload into the staging buffer, free once the graph has started, does not overwrite)
-        return step.layout.views(self.inputs if ahead else dst) if views else None
+        return step.layout.views(dst) if views else None
 
     # --- the forward pass ---------------------------------------------------------------------------------
 
@@ -451,8 +430,7 @@ class ModelRunner:
         # buffer) runs its padded inputs eagerly instead
         graphed = step.graph is not None and step.packed.numel() <= self.inputs.numel()
         # (the views cost ~10-20 us of host time a step: a replay reads none, the top-k / top-p draw does)
-        v = self._upload(step, views=not graphed or (step.needs_filter and self.is_driver),
-                         ahead=graphed and self.upload_ahead)
+        v = self._upload(step, views=not graphed or (step.needs_filter and self.is_driver))
         self._block_ops(step)
         if not step.num_tokens:
             return None, None
@@ -592,14 +570,8 @@ class ModelRunner:
         v = self._idle_inputs(layout)
         max_q_len = 1 if decode else t
         kernel = self.layer_kernel
-        ahead = self.upload_ahead
-        if ahead:  # NANOFORGE_UPLOAD_AHEAD: the graph takes its inputs from the staging buffer
-            self._staging[:layout.size].copy_(self.inputs[:layout.size])
 
         def run():
-            if ahead:  # the step's inputs out of the staging buffer, which the next upload may then fill
-                self.inputs[:layout.size].copy_(self._staging[:layout.size])
-                self._staging_read.record()
             hidden = self._forward(v, t, s, max_q_len, self.max_blocks_per_seq, kernel)
             if self.is_driver:
                 out = self.g_logits[:s] if self.g_logits is not None else None
