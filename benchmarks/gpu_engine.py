@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -312,16 +313,20 @@ def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dic
         while not engine.step():  # the prefill and the first token (async scheduling reads it a step later)
             pass
         sync(dev)
-        t0 = time.perf_counter()
+        times = [time.perf_counter()]  # after each step: a step is one token at batch 1
         outs = engine.step()
-        steps = 1
-        while engine.has_unfinished() and (time.perf_counter() < deadline or steps < MIN_DECODE_TOKENS):
+        times.append(time.perf_counter())
+        while engine.has_unfinished() and (time.perf_counter() < deadline or len(times) <= MIN_DECODE_TOKENS):
             outs = engine.step()
-            steps += 1
+            times.append(time.perf_counter())
         sync(dev)
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - times[0]
         got = next(o for o in outs if o.request_id == rid).outputs[0].token_ids
+        # the median step's rate beside the mean: one stall of the host loop (session 48: Qwen3's 1,060 tok/s
+        # where the runs around it made ~1,225) pulls the mean down and leaves the median where it was
+        median = statistics.median(b - a for a, b in zip(times, times[1:]))
         return {"tokens": got, "decode_tokens": len(got) - 1, "seconds": dt, "tok_s": (len(got) - 1) / dt,
+                "steps_timed": len(times) - 1, "median_step_tok_s": 1 / median,
                 "truncated": len(got) < tokens, "decode_layers": getattr(engine.runner, "decode_layers", None)}
     finally:
         engine.close()
@@ -402,6 +407,13 @@ def decode_env(variant: str) -> dict[str, str]:
     return env
 
 
+def stalls(r: dict, below: float = 0.95) -> list[tuple[str, float, float]]:
+    """(b)'s engine runs whose mean rate fell below `below` x their median step's: (name, mean, median)."""
+    runs = [("ours", r["ours_tok_s"], r["ours_median_step_tok_s"])]
+    runs += [(v, d["tok_s"], d["median_step_tok_s"]) for v, d in r["variants"].items()]
+    return [run for run in runs if run[1] < below * run[2]]
+
+
 def section_decode(c: dict, device, dtype, deadline: float) -> dict:
     _, hbm = peaks(device)
     result = {}
@@ -420,7 +432,8 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
         ctx = c["prompt"] + c["tokens"] / 2  # the mean context a decode step reads
         per_token = prof.weight_bytes + ctx * prof.kv_bytes_per_token
         n, same = min(len(ours["tokens"]), len(ref["tokens"])), _same(ours["tokens"], ref["tokens"])
-        r = result[name] = {"ours_tok_s": ours["tok_s"], "ours_decode_layers": ours["decode_layers"],
+        r = result[name] = {"ours_tok_s": ours["tok_s"], "ours_median_step_tok_s": ours["median_step_tok_s"],
+                            "ours_steps_timed": ours["steps_timed"], "ours_decode_layers": ours["decode_layers"],
                             "reference_tok_s": ref["tok_s"],
                             "ratio": ours["tok_s"] / ref["tok_s"], "bytes_per_token": per_token,
                             "ours_GB_s": per_token * ours["tok_s"] / 1e9, "reference_GB_s": per_token * ref["tok_s"] / 1e9,
@@ -433,6 +446,7 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
                             "truncated": ours["truncated"] or ref["truncated"],
                             "ours_decode_tokens": ours["decode_tokens"], "reference_decode_tokens": ref["decode_tokens"],
                             "variants": {v: {"env": decode_env(v), "tok_s": run["tok_s"],
+                                             "median_step_tok_s": run["median_step_tok_s"],
                                              "ratio": run["tok_s"] / ref["tok_s"],
                                              "hbm_fraction": per_token * run["tok_s"] / hbm,
                                              "greedy_tokens_identical_to_ours": _same(run["tokens"], ours["tokens"]),
@@ -442,14 +456,18 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
         del model
         free_memory(device)
         chose = f" (chose {layer_kernel.describe(ours['decode_layers'])})" if ours["decode_layers"] else ""
-        print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s{chose}, "
+        print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s (its median step "
+              f"{r['ours_median_step_tok_s']:,.0f}){chose}, "
               f"gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
               f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
               f" greedy tokens identical for the first {same}/{n}; "
-              + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in d['env'].items())}) {d['tok_s']:,.0f} tok/s"
+              + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in d['env'].items())}) {d['tok_s']:,.0f} tok/s "
+                          f"(median step {d['median_step_tok_s']:,.0f})"
                           + (f" (chose {layer_kernel.describe(d['decode_layers'])})" if d["decode_layers"] else "")
                           for v, d in r["variants"].items())
-              + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else ""))
+              + (f"; WARNING: the reference skipped CUDA graphs {ref['cudagraph_skips']}x" if ref["cudagraph_skips"] else "")
+              + "".join(f"; WARNING: {v}'s mean is {t:,.0f} tok/s against its median step's {m:,.0f} (a stall in "
+                        f"the timed loop: rerun, or read the median)" for v, t, m in stalls(r)))
     return result
 
 

@@ -25,6 +25,11 @@ def test_smoke_run_measures_every_section_against_its_reference(tmp_path, capsys
     for name, d in r["decode"].items():  # the gpt-fast-style reference decodes the engine's tokens (fp32)
         assert d["compared"] == 24 and d["greedy_tokens_identical"] == 24, name
         assert d["ratio"] == pytest.approx(d["ours_tok_s"] / d["reference_tok_s"])
+        assert d["ours_steps_timed"] == d["ours_decode_tokens"]  # a timed step is one token at batch 1
+        # half the steps (rounded up) take at least the median step, so the loop takes at least that many medians:
+        # the median step's rate is at least the mean rate x ceil(n/2) / n
+        n = d["ours_steps_timed"]
+        assert d["ours_median_step_tok_s"] >= d["ours_tok_s"] * ((n + 1) // 2) / n
     assert set(r["prefill"]) == {"tiny-llama", "tiny-qwen3"}
     for name, pre in r["prefill"].items():  # HF's forward picks the engine's token
         assert pre["first_tokens_identical"] == 2 and not pre["truncated"], name
@@ -76,3 +81,14 @@ def test_the_steps_section_runs_on_the_cpu_and_drains_like_c(tmp_path):
     assert all(d[f"{kind}_pass{p}"] for kind in ("eager", "graphed") for p in range(3))
     assert all(d[f"{kind}_step_kernels"] and "eager_step_device" in d for kind in ("eager", "graphed"))
     assert d["graphed_timeline"]["steps"] >= 1 and d["graphed_timeline"]["wall_ms"] > 0
+
+
+def test_a_stalled_decode_run_is_named_by_its_mean_against_its_median_step():
+    spec = importlib.util.spec_from_file_location("gpu_engine", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = {"ours_tok_s": 1060.0, "ours_median_step_tok_s": 1225.0,  # session 48's Qwen3 default, its median assumed
+         "variants": {"again": {"tok_s": 1222.0, "median_step_tok_s": 1230.0}}}
+    assert mod.stalls(r) == [("ours", 1060.0, 1225.0)]
+    r["ours_tok_s"] = 1200.0
+    assert mod.stalls(r) == []
