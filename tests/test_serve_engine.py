@@ -363,3 +363,54 @@ def test_the_runners_rope_table_holds_the_models_own_angles(tok, dtype):
     assert table.dtype == dtype and torch.equal(table[positions[0], 0], cos[0, :, 0])
     assert torch.equal(table[positions[0], 1], sin[0, :, 0])
     assert make_model(tok, "tiny-gpt2").rope_table(8, dtype) is None
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_residual_added_in_the_output_gemms_gives_the_same_forward_and_only_where_it_may(tok, name, monkeypatch):
+    """NANOFORGE_RESIDUAL_GEMM=1: a serving forward's attention-out and MLP-down add the residual stream in their
+    GEMM (addmm) and the norms after them read the sum alone; in float64 the hidden states equal the default
+    path's (the same sums, reassociated), on prompt-sized rows, each bias-free layer's two projections taking it
+    (GPT-2's biased ones never do), and a decode's few rows (the skinny matmul's fused path) never do."""
+    from nanoforge.model import transformer
+
+    model = make_model(tok, name).double()
+    ids = torch.tensor([prompts(1, random.Random(3), 40, 40)[0]])
+    calls = []
+    real = transformer.add_linear
+    monkeypatch.setattr(transformer, "add_linear", lambda *a: calls.append(a[2]) or real(*a))
+    with torch.no_grad():
+        want = model(ids, return_hidden=True)
+        assert calls == []  # off by default
+        monkeypatch.setenv("NANOFORGE_RESIDUAL_GEMM", "1")
+        got = model(ids, return_hidden=True)
+    layers = model.layers
+    expect = [] if name == "tiny-gpt2" else [m for b in layers for m in (b.attn.wo, b.mlp.w_out)]
+    assert [id(m) for m in calls] == [id(m) for m in expect]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    calls.clear()
+    with torch.no_grad():  # one row, the skinny matmul's rows (where it fits): the decode path keeps its fusions
+        if transformer.gemv.fits(ids[:, :1], layers[0].attn.wo.weight):
+            model(ids[:, :1], return_hidden=True)
+            assert calls == []
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_engine_with_the_residual_added_in_the_gemms_decodes_the_reference_tokens(tok, name, monkeypatch):
+    """NANOFORGE_RESIDUAL_GEMM=1 through the engine (chunked prefill, prefix hits, preemption, seeded rows): the
+    reference generator's tokens."""
+    model = make_model(tok, name)
+    rng = random.Random(8)
+    shared = prompts(1, rng, 40, 40)[0]
+    ps = [shared + p if i % 2 else p for i, p in enumerate(prompts(8, rng, 3, 50))]
+    want = reference(model, ps, 12)
+    from nanoforge.model import transformer
+
+    calls = []
+    real = transformer.add_linear
+    monkeypatch.setattr(transformer, "add_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("NANOFORGE_RESIDUAL_GEMM", "1")
+    llm = LLM(model, tok, num_gpu_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                             ignore_eos=True))]
+    assert got == want
+    assert llm.engine.stats()["preemptions"] > 0 and calls  # (the prefill chunks took the lever)
