@@ -22,8 +22,7 @@ Random bf16 weights of each preset's shape; every reference is built in this scr
     (NANOFORGE_ATTN_PREFILL_TILE, e.g. 64x64w4s3); gate-and-up's GEMM and SwiGLU as cuBLAS + the SwiGLU
     kernel (`swiglu_off`) or one GEMM with SwiGLU in its epilogue on the tiled schedule (`swiglu_tiled`) or the
     persistent one (`swiglu_persistent`: the default from 1,024 rows on Hopper); or several at once
-    (`64x64w4s3+swiglu_off`); or the residual stream added inside attention-out's and MLP-down's GEMMs
-    (`residual_gemm`, NANOFORGE_RESIDUAL_GEMM=1).
+    (`64x64w4s3+swiglu_off`).
 (d) prefix: a trace of 8 system prompts (1,536 tokens) each followed by 8 unique questions (512 tokens), sent in
     8 waves of one request per system prompt, with and without the prefix cache: the share of prompt tokens
     that hit the cache against the share of prefill time saved (target: saved >= 80% of the hit share).
@@ -93,8 +92,7 @@ OTHER_NAME = "graphed" if OTHER else "eager"
 # (NANOFORGE_ATTN_PREFILL_TILE, kernels/paged_attention.py)
 PREFILL_LEVERS = {"swiglu_off": {"NANOFORGE_SWIGLU_EPILOGUE": "0"},  # gate-and-up by cuBLAS, then the SwiGLU kernel
                   "swiglu_tiled": {"NANOFORGE_SWIGLU_EPILOGUE": "tiled"},  # ... in one GEMM, a program a tile
-                  "swiglu_persistent": {"NANOFORGE_SWIGLU_EPILOGUE": "persistent"},  # ... programs loop over tiles
-                  "residual_gemm": {"NANOFORGE_RESIDUAL_GEMM": "1"}}  # the residual adds in the output GEMMs
+                  "swiglu_persistent": {"NANOFORGE_SWIGLU_EPILOGUE": "persistent"}}  # ... programs loop over tiles
 
 
 def prefill_env(variant: str) -> dict[str, str]:

@@ -52,7 +52,7 @@ def test_an_unknown_prefill_variant_is_refused_in_one_line(tmp_path, capsys):
     assert mod.main(["--smoke", "--out", str(tmp_path), "--prefill-variants", "128x64w8s3,swiglu_off+128x64"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("--prefill-variants: '128x64' (in 'swiglu_off+128x64') is neither a lever (swiglu_off, "
-                          "swiglu_tiled, swiglu_persistent, residual_gemm) nor a tile: NANOFORGE_ATTN_PREFILL_TILE must be")
+                          "swiglu_tiled, swiglu_persistent) nor a tile: NANOFORGE_ATTN_PREFILL_TILE must be")
     assert "\n" not in err and not (tmp_path / "gpu_engine.json").exists()
 
 

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import gemv, matmul
-from nanoforge.kernels.dispatch import env_choice
 from nanoforge.kernels.matmul import swiglu_epilogue
 from nanoforge.kernels.prefetch import prefetch_ahead
 from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -89,20 +88,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope, attn: AttentionBackend, residual=None):
-        return self.attend(linear(x, self.wqkv), rope, attn, residual)
+    def forward(self, x, rope, attn: AttentionBackend):
+        return self.attend(linear(x, self.wqkv), rope, attn)
 
-    def attend(self, qkv, rope, attn: AttentionBackend, residual=None):
-        """The layer after its Q/K/V projection (which a decode step fuses with the norm before it); with
-        `residual`, residual + the layer's output, added in the output projection's GEMM (`add_linear`)."""
+    def attend(self, qkv, rope, attn: AttentionBackend):
+        """The layer after its Q/K/V projection (which a decode step fuses with the norm before it)."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None  # Qwen3: applied by the backend
-        o = attn.attend_rotary(self.layer_idx, q, k, v, rope, qk_norm).reshape(B, T, -1)
-        return self.dropout(linear(o, self.wo)) if residual is None else add_linear(residual, o, self.wo)
+        o = attn.attend_rotary(self.layer_idx, q, k, v, rope, qk_norm)
+        return self.dropout(linear(o.reshape(B, T, -1), self.wo))
 
 
 class MLP(nn.Module):
@@ -115,8 +113,8 @@ class MLP(nn.Module):
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, residual=None):
-        return self.down(self.activate(x), residual)
+    def forward(self, x):
+        return self.down(self.activate(x))
 
     def activate(self, x):
         """silu(gate) * up of the fused gate-and-up projection (one kernel when serving, or a decode's epilogue),
@@ -125,9 +123,8 @@ class MLP(nn.Module):
             return linear(x, self.w_in, swiglu=True)
         return F.gelu(linear(x, self.w_in), approximate="tanh")
 
-    def down(self, a, residual=None):
-        """The output projection; with `residual`, residual + it, added in the GEMM (`add_linear`)."""
-        return self.dropout(linear(a, self.w_out)) if residual is None else add_linear(residual, a, self.w_out)
+    def down(self, a):
+        return self.dropout(linear(a, self.w_out))
 
 
 class Block(nn.Module):
@@ -151,21 +148,9 @@ class Block(nn.Module):
             a, x = norm_linear(self.attn.attend(qkv, rope, attn), x, self.mlp_norm, self.mlp.w_in, swiglu=True)
             return x, self.mlp.down(a)
         h, x = add_norm(pending, x, self.attn_norm)
-        if defer and self.adds_in_gemms(h, x):  # NANOFORGE_RESIDUAL_GEMM: no pending add for the next block
-            x = self.attn(h, rope, attn, residual=x)
-            return self.mlp(self.mlp_norm(x), residual=x), None
         h, x = add_norm(self.attn(h, rope, attn), x, self.mlp_norm)
         m = self.mlp(h)
         return (x, m) if defer else x + m
-
-    def adds_in_gemms(self, h, x) -> bool:
-        """Whether a serving step adds the residual stream inside its output projections' GEMMs (`add_linear`):
-        NANOFORGE_RESIDUAL_GEMM=1, rows that the skinny matmul does not take (a prefill's, a large batch's), and
-        bias-free plain projections that nothing hooks into."""
-        wo, w_out = self.attn.wo, self.mlp.w_out
-        return (residual_gemm() and not self.training and h.dtype == x.dtype and not gemv.fits(h, wo.weight)
-                and all(_our_linear(h, m) and m.bias is None for m in (wo, w_out))
-                and all(_bypassable(m, h, x) for m in (self, self.attn, self.mlp)))
 
     def fuses_norms(self, x) -> bool:
         """Whether a decode step may run this block's norms inside its projections: RMSNorm and SwiGLU, rows the
@@ -205,23 +190,6 @@ def linear(x, layer: nn.Module, *, swiglu: bool = False):
 def _our_linear(x, layer: nn.Module) -> bool:
     """Whether our kernels may stand in for `layer` on x: a plain nn.Linear, bypassable."""
     return type(layer) is nn.Linear and _bypassable(layer, x, layer.weight.data)
-
-
-def residual_gemm() -> bool:
-    """NANOFORGE_RESIDUAL_GEMM=1 (a lever, off until timed on a GPU): a serving step's attention-out and MLP-down
-    GEMMs take the residual stream as their accumulator (`add_linear`), and each norm after them reads the sum
-    alone: four passes over a stream-sized tensor a residual add (the GEMM's epilogue reads the stream and writes
-    the sum; the norm reads it and writes its output) where by default there are five (the projection's output
-    written, read again with the stream by the add + RMSNorm kernel, which writes the sum and the norm).
-    Session 33's 16K-token Llama-3.2-1B prefill step (an H100) had 2.8 ms of ~50 in those norms."""
-    return env_choice("NANOFORGE_RESIDUAL_GEMM", ("0", "1")) == "1"
-
-
-def add_linear(residual, x, layer: nn.Linear):
-    """residual + layer(x) for a bias-free layer, the add in the GEMM's epilogue: cuBLAS's addmm with the residual
-    as C and beta 1, in fp32 before the one rounding (where `layer(x) + residual` rounds twice)."""
-    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), layer.weight.t())
-    return out.view(residual.shape)
 
 
 def norm_linear(a, x, norm: RMSNorm, layer: nn.Linear, *, swiglu: bool = False):
