@@ -43,7 +43,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 get() { $PY -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" "$1"; }
 
 MODEL_DIR=$(mktemp -d)
-trap 'rm -rf "$MODEL_DIR"' EXIT
+SERVER_PID=""  # the server running now: stopped on any exit, so that a failed step leaves no port open
+trap '[[ -n "$SERVER_PID" ]] && kill -TERM "$SERVER_PID" 2>/dev/null; rm -rf "$MODEL_DIR"' EXIT
 $PY benchmarks/random_model.py "$MODEL_DIR" "$PRESET" "$DEVICE"
 VOCAB=$($PY -c "from nanoforge.tokenizer import Tokenizer; print(Tokenizer.load('$MODEL_DIR').vocab_size)")
 
@@ -55,6 +56,7 @@ run() {  # run NAME [serve flags...]: start a server, replay the trace against i
         --max-model-len "$MAX_MODEL_LEN" --max-waiting 100000 --device "$DEVICE" --log-level warning "$@" \
         >"$log" 2>&1 &
     local pid=$! url=""
+    SERVER_PID=$pid
     for _ in $(seq 600); do  # model load, KV-cache sizing, CUDA-graph capture
         url=$(grep -o 'http://[0-9.]*:[0-9]*' "$log" | head -1 || true)
         [[ -n "$url" ]] && get "$url/health" >/dev/null 2>&1 && break
@@ -62,19 +64,26 @@ run() {  # run NAME [serve flags...]: start a server, replay the trace against i
         sleep 1
     done
     echo "== $name: $(head -1 "$log")"
+    # lengths within the served context (a tiny preset's is 128 tokens): prompt + output must fit it
+    local ctx in_cap out_cap
+    ctx=$(grep -o 'context [0-9]*' "$log" | head -1 | cut -d' ' -f2)
+    in_cap=$(( MAX_INPUT < ctx - 64 ? MAX_INPUT : ctx - 64 ))
+    out_cap=$(( MAX_OUTPUT < ctx - in_cap ? MAX_OUTPUT : ctx - in_cap ))
     # Warm up outside the measurement: Triton autotuning and compilation happen on the first prefill
     # of each shape. Random prompts, so nothing of the trace lands in the prefix cache.
     for len in 128 1024 4096; do
+        (( len + 8 <= ctx )) || len=$(( ctx - 8 ))
         $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --rate 20 --num-requests 8 \
             --input-len $len --output-len 8 --vocab-size "$VOCAB" --ignore-eos --out "$dir/warmup" >/dev/null
     done
     $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --trace "$TRACE" \
         --num-requests "$NUM_REQUESTS" --length-scale "$LENGTH_SCALE" --time-scale "$TIME_SCALE" \
-        --max-input-len "$MAX_INPUT" --max-output-len "$MAX_OUTPUT" --vocab-size "$VOCAB" --ignore-eos \
+        --max-input-len "$in_cap" --max-output-len "$out_cap" --vocab-size "$VOCAB" --ignore-eos \
         --slo-ttft-ms "$SLO_TTFT_MS" --slo-tpot-ms "$SLO_TPOT_MS" --out "$dir" | tee "$dir/table.txt"
     get "$url/metrics" >"$dir/metrics.txt" || true
     kill -TERM $pid
     wait $pid || true  # uvicorn re-raises SIGTERM after draining: exit status 143
+    SERVER_PID=""
 }
 
 run prefix_cache_on

@@ -210,3 +210,26 @@ nanoforge_broken NaN-ish
         "nanoforge_kv_pool_loaded_blocks_total": 11064.0, "nanoforge_early_rejections_total": 7.0}
     assert metric_values(text, prefix="process_") == {"process_cpu_seconds_total": 1.5}
     assert metric_values(text, labelled=True)['nanoforge_early_rejections_total{slo="tpot"}'] == 4.0
+
+
+def test_the_gpu_serve_script_replays_the_trace_on_the_cpu_with_and_without_the_prefix_cache(tmp_path):
+    """benchmarks/gpu_serve.sh's dry run (a tiny Qwen3, the CPU): both servers replay the trace's first requests
+    to the end, the lengths capped to the tiny model's 128-token context (before session 49 its warm-up asked for
+    1,024-token prompts, the server refused them and the script stopped, leaving the server running), and the
+    prefix-cached run hits the trace's shared prefixes where the other does not."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    if not Path("../shared/data/mooncake/synthetic_trace.jsonl").exists():
+        pytest.skip("needs ../shared/data/mooncake/synthetic_trace.jsonl beside the checkout")
+    env = dict(os.environ, PRESET="tiny-qwen3", DEVICE="cpu", NUM_REQUESTS="4", OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    run = subprocess.run(["bash", "benchmarks/gpu_serve.sh"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    runs = {name: json.loads((tmp_path / name / "serve.json").read_text())
+            for name in ("prefix_cache_on", "prefix_cache_off")}
+    for r in runs.values():
+        assert r["summary"]["completed"] == r["summary"]["requests"] == 4 and not r["summary"]["failed"]
+    assert runs["prefix_cache_on"]["server_metrics"]["nanoforge_prefix_cache_hit_rate"] > 0
+    assert runs["prefix_cache_off"]["server_metrics"].get("nanoforge_prefix_cache_hit_rate", 0) == 0
+    assert set(json.loads((tmp_path / "serve_compare.json").read_text())) >= {"output tokens/s", "TTFT p50 (ms)"}
