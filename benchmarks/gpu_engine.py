@@ -111,7 +111,9 @@ def prefill_env(variant: str) -> dict[str, str]:
     return env
 
 
-MIN_DECODE_TOKENS = 64  # timed past the deadline if need be: compiling the reference may take most of it
+# timed past the deadline if need be (compiling the reference may take most of it): 256 steps, ~0.3 s a run, where
+# session 49's runs had 64 (~70 ms) and one stall of a few ms moved a rate by several percent
+MIN_DECODE_TOKENS = 256
 SECTIONS = ("throughput", "decode", "prefill", "prefix", "profile")
 
 
@@ -289,17 +291,37 @@ def decode_reference(model, prompt: list[int], tokens: int, compile_step: bool, 
     out = [int(nxt)]
     sync(dev)
     t0 = time.perf_counter()
+    marks = [step_mark(dev)]  # after each step: the loop never syncs, so on a GPU these are events on its stream
     while len(out) < tokens and (time.perf_counter() < deadline or len(out) < MIN_DECODE_TOKENS):
         nxt = step(nxt, pos).clone()
         pos.add_(1)
         out.append(nxt)  # a tensor: reading it would sync every step
+        marks.append(step_mark(dev))
     sync(dev)
     dt = time.perf_counter() - t0
     out = [out[0]] + [int(t) for t in out[1:]]
     from torch._dynamo.utils import counters  # a reference that fell back from CUDA graphs would flatter us
 
     return {"tokens": out, "decode_tokens": len(out) - 1, "seconds": dt, "tok_s": (len(out) - 1) / dt,
+            "median_step_tok_s": 1 / statistics.median(step_seconds(marks)),
             "truncated": len(out) < tokens, "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+
+
+def step_mark(dev: torch.device):
+    """A point between two steps of a loop that does not sync: a CUDA event recorded on the stream (the GPU's
+    clock), or the host's clock elsewhere (the CPU runs each step before the call returns)."""
+    if dev.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def step_seconds(marks: list) -> list[float]:
+    """Each step's seconds from `step_mark`s taken around the steps (after the loop's sync)."""
+    if marks and isinstance(marks[0], float):
+        return [b - a for a, b in zip(marks, marks[1:])]
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
 def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dict:
@@ -324,7 +346,7 @@ def decode_engine(model, prompt: list[int], tokens: int, deadline: float) -> dic
         got = next(o for o in outs if o.request_id == rid).outputs[0].token_ids
         # the median step's rate beside the mean: one stall of the host loop (session 48: Qwen3's 1,060 tok/s
         # where the runs around it made ~1,225) pulls the mean down and leaves the median where it was
-        median = statistics.median(b - a for a, b in zip(times, times[1:]))
+        median = statistics.median(step_seconds(times))
         return {"tokens": got, "decode_tokens": len(got) - 1, "seconds": dt, "tok_s": (len(got) - 1) / dt,
                 "steps_timed": len(times) - 1, "median_step_tok_s": 1 / median,
                 "truncated": len(got) < tokens, "decode_layers": getattr(engine.runner, "decode_layers", None)}
@@ -408,9 +430,11 @@ def decode_env(variant: str) -> dict[str, str]:
 
 
 def stalls(r: dict, below: float = 0.95) -> list[tuple[str, float, float]]:
-    """(b)'s engine runs whose mean rate fell below `below` x their median step's: (name, mean, median)."""
+    """(b)'s runs, the engine's and the reference's, whose mean rate fell below `below` x their median step's:
+    (name, mean, median)."""
     runs = [("ours", r["ours_tok_s"], r["ours_median_step_tok_s"])]
     runs += [(v, d["tok_s"], d["median_step_tok_s"]) for v, d in r["variants"].items()]
+    runs += [("the reference", r["reference_tok_s"], r["reference_median_step_tok_s"])]
     return [run for run in runs if run[1] < below * run[2]]
 
 
@@ -434,8 +458,10 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
         n, same = min(len(ours["tokens"]), len(ref["tokens"])), _same(ours["tokens"], ref["tokens"])
         r = result[name] = {"ours_tok_s": ours["tok_s"], "ours_median_step_tok_s": ours["median_step_tok_s"],
                             "ours_steps_timed": ours["steps_timed"], "ours_decode_layers": ours["decode_layers"],
-                            "reference_tok_s": ref["tok_s"],
-                            "ratio": ours["tok_s"] / ref["tok_s"], "bytes_per_token": per_token,
+                            "reference_tok_s": ref["tok_s"], "reference_median_step_tok_s": ref["median_step_tok_s"],
+                            "ratio": ours["tok_s"] / ref["tok_s"],
+                            "median_step_ratio": ours["median_step_tok_s"] / ref["median_step_tok_s"],
+                            "bytes_per_token": per_token,
                             "ours_GB_s": per_token * ours["tok_s"] / 1e9, "reference_GB_s": per_token * ref["tok_s"] / 1e9,
                             "ours_hbm_fraction": per_token * ours["tok_s"] / hbm,
                             "reference_hbm_fraction": per_token * ref["tok_s"] / hbm,
@@ -458,8 +484,9 @@ def section_decode(c: dict, device, dtype, deadline: float) -> dict:
         chose = f" (chose {layer_kernel.describe(ours['decode_layers'])})" if ours["decode_layers"] else ""
         print(f"(b) decode {name}: ours {r['ours_tok_s']:,.0f} tok/s (its median step "
               f"{r['ours_median_step_tok_s']:,.0f}){chose}, "
-              f"gpt-fast-style {r['reference_tok_s']:,.0f} tok/s, "
-              f"{r['ratio']:.2f}x; HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
+              f"gpt-fast-style {r['reference_tok_s']:,.0f} tok/s (its median step "
+              f"{r['reference_median_step_tok_s']:,.0f}), {r['ratio']:.2f}x (medians {r['median_step_ratio']:.2f}x); "
+              f"HBM {100 * r['ours_hbm_fraction']:.1f}% (ref {100 * r['reference_hbm_fraction']:.1f}%);"
               f" greedy tokens identical for the first {same}/{n}; "
               + "; ".join(f"{v} ({' '.join(f'{k}={x}' for k, x in d['env'].items())}) {d['tok_s']:,.0f} tok/s "
                           f"(median step {d['median_step_tok_s']:,.0f})"
@@ -760,6 +787,8 @@ def summarize(r: dict) -> None:
     for name, d in r.get("decode", {}).items():
         rows.append((f"(b) batch-1 decode {name}, tok/s", f"{d['ours_tok_s']:,.0f}",
                      f"{d['reference_tok_s']:,.0f} ({d['ratio']:.2f}x)", ">= 1.3x" if "llama" in name else ">= 1,500"))
+        rows.append((f"(b) ... median steps, tok/s", f"{d['ours_median_step_tok_s']:,.0f}",
+                     f"{d['reference_median_step_tok_s']:,.0f} ({d['median_step_ratio']:.2f}x)", ""))
         rows.append((f"(b) batch-1 decode {name}, HBM", f"{100 * d['ours_hbm_fraction']:.1f}%",
                      f"{100 * d['reference_hbm_fraction']:.1f}%", ">= 55%" if "llama" in name else "-"))
         for v, dv in d.get("variants", {}).items():

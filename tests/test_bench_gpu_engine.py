@@ -30,6 +30,10 @@ def test_smoke_run_measures_every_section_against_its_reference(tmp_path, capsys
         # the median step's rate is at least the mean rate x ceil(n/2) / n
         n = d["ours_steps_timed"]
         assert d["ours_median_step_tok_s"] >= d["ours_tok_s"] * ((n + 1) // 2) / n
+        # the reference's steps likewise (timed by the marks between its steps: the host's clock on the CPU)
+        m = d["reference_decode_tokens"]
+        assert d["reference_median_step_tok_s"] >= d["reference_tok_s"] * ((m + 1) // 2) / m * 0.99
+        assert d["median_step_ratio"] == pytest.approx(d["ours_median_step_tok_s"] / d["reference_median_step_tok_s"])
     assert set(r["prefill"]) == {"tiny-llama", "tiny-qwen3"}
     for name, pre in r["prefill"].items():  # HF's forward picks the engine's token
         assert pre["first_tokens_identical"] == 2 and not pre["truncated"], name
@@ -88,7 +92,10 @@ def test_a_stalled_decode_run_is_named_by_its_mean_against_its_median_step():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     r = {"ours_tok_s": 1060.0, "ours_median_step_tok_s": 1225.0,  # session 48's Qwen3 default, its median assumed
-         "variants": {"again": {"tok_s": 1222.0, "median_step_tok_s": 1230.0}}}
+         "variants": {"again": {"tok_s": 1222.0, "median_step_tok_s": 1230.0}},
+         "reference_tok_s": 820.0, "reference_median_step_tok_s": 824.0}
     assert mod.stalls(r) == [("ours", 1060.0, 1225.0)]
     r["ours_tok_s"] = 1200.0
     assert mod.stalls(r) == []
+    r["reference_tok_s"] = 700.0  # the reference's loop stalls too (sessions 46-49: 643-822 on H100s)
+    assert mod.stalls(r) == [("the reference", 700.0, 824.0)]
