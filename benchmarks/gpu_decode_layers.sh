@@ -17,6 +17,8 @@ OUT=${OUT:-out}
 BUDGET_S=${BUDGET_S:-570}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
+    || { echo "gpu_decode_layers.sh needs a CUDA GPU" >&2; exit 2; }
 SECONDS=0
 timeout 260 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_kernels_decode_layers.py -x -k "one_launch or gives_up" \
     > "$OUT/pytest_kernel.log" 2>&1

@@ -115,6 +115,9 @@ def main() -> int:
     parser.add_argument("--steps", default="tests,correctness,schedules,bench",
                         help="comma-separated subset of: tests, correctness, schedules, bench")
     args = parser.parse_args()
+    if not torch.cuda.is_available():  # one line, not a traceback from the first CUDA call
+        print("gpu_kernels_gemm.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)

@@ -90,6 +90,9 @@ def inspect_triton_launch(out: Path) -> dict:
 
 
 def main() -> int:
+    if not torch.cuda.is_available():  # one line, not a traceback from the first CUDA call
+        print("gpu_kernels_simt.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     cuda = ladder.numba_cuda()

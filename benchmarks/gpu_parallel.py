@@ -125,15 +125,16 @@ def check_plan(out: Path) -> dict:
     return result
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu_parallel")))
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--skip-runs", action="store_true")
     parser.add_argument("--skip-plan", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_parallel.py needs a CUDA GPU")
+    if not torch.cuda.is_available():  # one line, not a traceback from the first CUDA call
+        print("gpu_parallel.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if not args.skip_bench:
@@ -144,7 +145,8 @@ def main() -> None:
         results["planner"] = check_plan(args.out)
     write_json(args.out / "gpu_parallel.json", results)
     print(f"wrote {args.out / 'gpu_parallel.json'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

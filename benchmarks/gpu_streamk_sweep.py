@@ -74,6 +74,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-configs", action="store_true", help="skip timing each hybrid config")
     args = parser.parse_args()
+    if not torch.cuda.is_available():  # one line, not a traceback from the first CUDA call
+        print("gpu_streamk_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     num_sms = mm._num_sms(torch.device("cuda"))
