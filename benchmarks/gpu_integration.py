@@ -38,16 +38,24 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--preset", default="qwen3-0.6b", help="model shape (a tiny one with --device cpu: a dry run)")
-    p.add_argument("--max-len", type=int, default=1024, help="longest prompt and longest output")
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="longest prompt and longest output (the shortest: 100, or a tenth of this below 1,000)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu for a dry run)", file=sys.stderr)
         return 2
+    cfg = preset(args.preset)
+    if args.max_len < 1 or 2 * args.max_len > cfg.max_seq_len:  # a request cut at the context would go uncounted
+        print(f"--max-len {args.max_len}: a prompt and its output (up to {2 * args.max_len} tokens) must fit "
+              f"{args.preset}'s context of {cfg.max_seq_len} tokens", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = Transformer(preset(args.preset)).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
-    prompts, outputs = make_workload(args.requests, args.max_len, args.max_len, min(10000, model.cfg.vocab_size))
+        model = Transformer(cfg).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
+    shortest = min(100, max(1, args.max_len // 10))  # nano-vllm's 100, or a tenth of a dry run's --max-len
+    prompts, outputs = make_workload(args.requests, args.max_len, args.max_len, min(10000, model.cfg.vocab_size),
+                                     min_input=shortest, min_output=shortest)
     results = {"engine": {}}
     for mode, graphs in RUNS:
         os.environ["NANOFORGE_KERNELS"] = mode

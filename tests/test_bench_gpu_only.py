@@ -24,3 +24,27 @@ def test_a_gpu_benchmark_without_a_gpu_refuses_in_one_line(script, tmp_path):
     assert run.returncode == 2, run.stdout[-1500:] + run.stderr[-1500:]
     assert run.stderr.strip() == f"{name} needs a CUDA GPU"
     assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_the_integration_script_dry_run_counts_whole_requests_and_refuses_a_length_past_the_context(tmp_path):
+    """gpu_integration.py on a tiny Qwen3 on the CPU: every engine run writes the same workload's output tokens
+    (lengths from a tenth of --max-len up: the 100-token floor of nano-vllm's workload would not fit); a --max-len
+    whose prompt and output cannot fit the model's context is refused in one line, where it used to die in
+    `randrange` or cut requests at the context uncounted."""
+    import json
+
+    cmd = [sys.executable, "benchmarks/gpu_integration.py", "--device", "cpu", "--preset", "tiny-qwen3",
+           "--skip-train", "--requests", "2", "--out", str(tmp_path)]
+    run = subprocess.run(cmd + ["--max-len", "60"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    engine = json.loads((tmp_path / "integration.json").read_text())["engine"]
+    from nanoforge.model.config import preset
+    from nanoforge.serve.bench_throughput import make_workload
+
+    _, outputs = make_workload(2, 60, 60, min(10000, preset("tiny-qwen3").vocab_size), min_input=6, min_output=6)
+    assert len(engine) == 3 and {r["output_tokens"] for r in engine.values()} == {sum(outputs)}
+    bad = subprocess.run(cmd + ["--max-len", "100"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == ("--max-len 100: a prompt and its output (up to 200 tokens) must fit tiny-qwen3's "
+                                  "context of 128 tokens")
