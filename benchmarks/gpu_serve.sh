@@ -32,6 +32,7 @@ SLO_TTFT_MS=${SLO_TTFT_MS:-2000}
 SLO_TPOT_MS=${SLO_TPOT_MS:-50}
 PRESET=${PRESET:-qwen3-0.6b}  # PRESET=tiny-qwen3 DEVICE=cpu: a quick dry run of the script without a GPU
 DEVICE=${DEVICE:-cuda}
+WARMUP_LENS=${WARMUP_LENS:-128 1024 4096}  # prompt lengths the warm-up sends (8 requests each) before the replay
 mkdir -p "$OUT"
 
 source benchmarks/trace_path.sh  # TRACE: the Mooncake trace, or exit 2
@@ -71,7 +72,7 @@ run() {  # run NAME [serve flags...]: start a server, replay the trace against i
     out_cap=$(( MAX_OUTPUT < ctx - in_cap ? MAX_OUTPUT : ctx - in_cap ))
     # Warm up outside the measurement: Triton autotuning and compilation happen on the first prefill
     # of each shape. Random prompts, so nothing of the trace lands in the prefix cache.
-    for len in 128 1024 4096; do
+    for len in $WARMUP_LENS; do
         (( len + 8 <= ctx )) || len=$(( ctx - 8 ))
         $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --rate 20 --num-requests 8 \
             --input-len $len --output-len 8 --vocab-size "$VOCAB" --ignore-eos --out "$dir/warmup" >/dev/null

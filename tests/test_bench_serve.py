@@ -223,7 +223,8 @@ def test_the_gpu_serve_script_replays_the_trace_on_the_cpu_with_and_without_the_
 
     if not Path("../shared/data/mooncake/synthetic_trace.jsonl").exists():
         pytest.skip("needs ../shared/data/mooncake/synthetic_trace.jsonl beside the checkout")
-    env = dict(os.environ, PRESET="tiny-qwen3", DEVICE="cpu", NUM_REQUESTS="4", OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PRESET="tiny-qwen3", DEVICE="cpu", NUM_REQUESTS="4", WARMUP_LENS="32 1024",
+               OUT=str(tmp_path), OMP_NUM_THREADS="1")
     run = subprocess.run(["bash", "benchmarks/gpu_serve.sh"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     runs = {name: json.loads((tmp_path / name / "serve.json").read_text())
