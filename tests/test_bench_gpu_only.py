@@ -1,9 +1,11 @@
-"""The benchmark scripts that need a GPU say so in one line on a machine without one (exit 2), where some of them
-died in a traceback from their first CUDA call (session 49's sweep of the scripts no other test runs)."""
+"""The benchmark scripts no other test runs (session 49's sweep): those that need a GPU say so in one line on a
+machine without one (exit 2), where some of them died in a traceback from their first CUDA call; the integration
+script's CPU dry run; the device call's step runner."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -48,3 +50,25 @@ def test_the_integration_script_dry_run_counts_whole_requests_and_refuses_a_leng
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == ("--max-len 100: a prompt and its output (up to 200 tokens) must fit tiny-qwen3's "
                                   "context of 128 tokens")
+
+
+def test_a_device_call_ends_each_step_at_its_share_and_counts_the_steps_that_failed(tmp_path):
+    """benchmarks/gpu_call.sh: each step's log, rc and failures; `{left}` is the seconds to its share's end less 3%
+    of the call; a step that overruns is ended at its share (rc 124) and one whose share has passed is skipped;
+    the exit status counts the steps that did not exit 0; a malformed step is refused in one line (exit 2)."""
+    steps = ["ok:30:echo left {left} out $OUT", "bad:60:python3 -c 'import sys; print(\"E boom\"); sys.exit(3)'",
+             "slow:80:sleep 30", "late:81:echo never"]
+    run = subprocess.run(["bash", "benchmarks/gpu_call.sh", *steps], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "CALL_S": "10", "OUT": str(tmp_path)})
+    assert run.returncode == 3, run.stdout + run.stderr
+    out = run.stdout
+    assert "== ok rc 0 at 0 s" in out and re.search(r"^== bad rc 3 at [0-2] s$", out, re.M) and "\nE boom\n" in out
+    assert "== slow rc 124 at 8 s" in out and "== late skipped: its share ended at 8 s, the call is at 8 s" in out
+    # 3 s from the call's start to the first share's end, less 3% of a 10 s call (0 in whole seconds)
+    assert (tmp_path / "ok.log").read_text() == f"left 3 out {tmp_path}\n"
+    assert not (tmp_path / "late.log").exists()
+    bad = subprocess.run(["bash", "benchmarks/gpu_call.sh", "tests:pytest"], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == ("gpu_call.sh: 'tests:pytest' is not NAME:PCT:COMMAND with PCT a whole percent of "
+                                  "CALL_S")
