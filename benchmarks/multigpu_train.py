@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nanoforge.errors import NanoforgeError
 from nanoforge.model.config import preset
 from nanoforge.train.parallel.plan import Hardware, Layout, Workload, estimate
 from nanoforge.train.progress import write_json
@@ -168,9 +169,16 @@ def compare_losses(entry: dict, reference: list[float] | None) -> None:
     entry["losses_match"] = len(pairs) == len(losses) and worst <= BF16_NOISE
 
 
+def refuse(message: str) -> None:
+    """Bad input or the wrong machine: one line, exit 2."""
+    print(f"multigpu_train.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="llama3-1b", help="model preset (llama3-1b, llama3-8b; tiny-llama with --cpu)")
+    p.add_argument("--shape", default=None, help="model preset (default llama3-1b; with --cpu a tiny one, default "
+                                                 "tiny-llama)")
     p.add_argument("--runs", default="all", help="comma-separated layout names (see layouts()), cp32k, reshard; "
                                                  "default: every layout for this machine's GPUs")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
@@ -188,24 +196,30 @@ def main() -> None:
     p.add_argument("--hbm-gib", type=float, default=H200_HBM_GIB, help="with --predict: memory per GPU "
                                                                         "(default: an H200's 143,771 MiB)")
     a = p.parse_args()
+    a.shape = a.shape or ("tiny-llama" if a.cpu and not a.predict else "llama3-1b")
+    try:
+        preset(a.shape)
+    except NanoforgeError as e:
+        refuse(f"--shape: {e}")
+    if a.cpu and not a.predict and not a.shape.startswith("tiny"):
+        refuse(f"--shape {a.shape}: a --cpu dry run trains a tiny preset (tiny-llama, tiny-qwen3, ...)")
     if a.predict:
         a.gpus = a.gpus or 8
     elif a.cpu:
-        a.shape = a.shape if a.shape.startswith("tiny") else "tiny-llama"
         a.gpus = a.gpus or 2
         a.seq_len, a.steps, a.rows_per_gpu = min(a.seq_len, 64), min(a.steps, 4), min(a.rows_per_gpu, 2)
     else:
         import torch
 
         if not torch.cuda.is_available():
-            sys.exit("multigpu_train.py needs CUDA GPUs (or --cpu for a dry run)")
+            refuse("needs CUDA GPUs (or --cpu for a dry run)")
         a.gpus = a.gpus or torch.cuda.device_count()
     n = a.gpus
     known = layouts(n)
     names = list(known) + ["cp32k", "reshard"] if a.runs == "all" else a.runs.split(",")
     unknown = [x for x in names if x not in known and x not in ("cp32k", "reshard")]
     if unknown:
-        sys.exit(f"unknown runs {unknown}; on {n} GPUs: {', '.join(known)}, cp32k, reshard")
+        refuse(f"--runs: unknown {unknown}; on {n} GPUs: {', '.join(known)}, cp32k, reshard")
     a.out.mkdir(parents=True, exist_ok=True)
     # One global batch for every layout: rows_per_gpu x n rows (the loader draws each micro-batch's rows from
     # (seed, micro-step), so every run reads the same rows; `run_spec`)

@@ -45,3 +45,16 @@ def test_predict_writes_the_planners_numbers_for_every_run_without_running_one(t
     assert plan["fsdp8"]["tensors_gib"] < plan["fsdp4"]["tensors_gib"] < plan["single"]["tensors_gib"]
     assert all(p["fits"] and p["tensors_gib"] == p["memory_gib"] - 4.0 for p in plan.values())
     assert "--ac full" in run.stdout and "fsdp8" in run.stdout
+
+
+def test_bad_shapes_and_runs_are_one_line_and_exit_2(tmp_path):
+    """An unknown preset (it was a 14-line NanoforgeError traceback from the planner), a --cpu dry run asked for a
+    large shape (it was swapped for tiny-llama without a word), an unknown run: one line each, exit 2."""
+    cases = {("--predict", "--shape", "nope"): "multigpu_train.py: --shape: no model preset named 'nope'; choose ",
+             ("--cpu", "--shape", "llama3-8b"): "multigpu_train.py: --shape llama3-8b: a --cpu dry run trains a tiny "
+                                                "preset (tiny-llama, tiny-qwen3, ...)",
+             ("--cpu", "--runs", "nope"): "multigpu_train.py: --runs: unknown ['nope']; on 2 GPUs: single, "}
+    for args, start in cases.items():
+        run = subprocess.run([sys.executable, "benchmarks/multigpu_train.py", *args, "--out", str(tmp_path)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+        assert run.returncode == 2 and run.stderr.startswith(start) and run.stderr.count("\n") == 1, (args, run.stderr)
