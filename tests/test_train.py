@@ -341,7 +341,7 @@ def test_the_final_val_loss_covers_the_whole_split(corpus, tmp_path):
 # --- exact resume, non-finite loss, checkpoints ------------------------------------------------------
 
 @pytest.mark.parametrize("ema", ["0", "0.9"])
-def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path, ema):
+def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path, ema, capsys):
     """8 steps straight vs 4 steps, stop, resume for 4: the same losses and weights, bit for bit
     (dropout is on, so the RNG state must come back too; the data position and schedule as well).
     With a weight average, the checkpoint's model is the average and its state the training weights."""
@@ -351,7 +351,9 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path, ema):
     assert run_cli(*tiny_args(corpus, split, "--max-steps", "4", *common)) == 0
     assert torch.load(split / "trainer_state.pt", weights_only=True)["step"] == 4
     torch.manual_seed(12345)  # as in a new process: the RNG must come from the checkpoint
+    capsys.readouterr()
     assert run_cli(*tiny_args(corpus, split, "--max-steps", "8", "--resume")) == 0
+    assert ": 4 steps (from step 4 to 8) in " in capsys.readouterr().out  # the steps it ran, not the step it reached
 
     a, b = history(straight), history(split)
     assert [r["step"] for r in b["train"]] == list(range(1, 9))

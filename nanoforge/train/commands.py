@@ -150,7 +150,9 @@ def _print_summary(s: dict) -> None:
     from nanoforge.train.progress import format_mfu
 
     rate = f"{s['ms_per_step']:.1f} ms/step, {s['tokens_per_s']:,.0f} tok/s" if s["ms_per_step"] else "no steps run"
-    print(f"{s['title']}: {s['step']} steps in {s['wall_time_s']:.1f} s wall time ({rate}, MFU {format_mfu(s['mfu'])})")
+    start = s.get("start_step") or 0  # a resumed run counts the steps it ran, from the step it resumed at
+    steps = f"{s['step']} steps" if not start else f"{s['step'] - start} steps (from step {start} to {s['step']})"
+    print(f"{s['title']}: {steps} in {s['wall_time_s']:.1f} s wall time ({rate}, MFU {format_mfu(s['mfu'])})")
     if s["val_loss"] is not None:
         n = s["config"]["eval_iters"]  # the evaluations along the way cover this much of the val split
         print(f"val loss {s['initial_val_loss']:.4f} at the start -> {s['final_val_loss_full_split']:.4f} at the end, "

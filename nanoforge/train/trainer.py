@@ -673,7 +673,7 @@ class Trainer:
         def summary() -> dict:
             ms_per_step, tok_s = meter.steady()
             vals = [r["loss"] for r in history["val"]]
-            return {"title": self.title, "step": self.step, "max_steps": cfg.max_steps,
+            return {"title": self.title, "step": self.step, "start_step": start_step, "max_steps": cfg.max_steps,
                     "last_checkpoint_step": self.last_saved,
                     "initial_val_loss": vals[0] if vals else None, "val_loss": vals[-1] if vals else None,
                     "best_val_loss": min(vals) if vals else None, "wall_time_s": time.perf_counter() - wall_start,
