@@ -150,7 +150,7 @@ def _print_summary(s: dict) -> None:
     from nanoforge.train.progress import format_mfu
 
     rate = f"{s['ms_per_step']:.1f} ms/step, {s['tokens_per_s']:,.0f} tok/s" if s["ms_per_step"] else "no steps run"
-    start = s.get("start_step") or 0  # a resumed run counts the steps it ran, from the step it resumed at
+    start = s["start_step"]  # a resumed run counts the steps it ran, from the step it resumed at
     steps = f"{s['step']} steps" if not start else f"{s['step'] - start} steps (from step {start} to {s['step']})"
     print(f"{s['title']}: {steps} in {s['wall_time_s']:.1f} s wall time ({rate}, MFU {format_mfu(s['mfu'])})")
     if s["val_loss"] is not None:
