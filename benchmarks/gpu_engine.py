@@ -370,7 +370,6 @@ def _same(a: list[int], b: list[int]) -> int:
 DECODE_VARIANTS = {
     "again": {},  # the same engine run once more: the run-to-run spread
     "torch_gathers": {"NANOFORGE_STEP_GATHERS": "torch"},  # a step's input gathers as 11 PyTorch kernels, not one
-    "mapped_io": {"NANOFORGE_STEP_IO": "mapped"},  # graphs fetch inputs from / post tokens to host rings: no copies
     "cublas_only": {"NANOFORGE_GEMV": "0"},  # cuBLAS for every projection, the norms and SwiGLU apart
     "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
     "pdl_late": {"NANOFORGE_PDL": "late"},  # the big kernels let their successor launch after their main loop

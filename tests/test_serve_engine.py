@@ -337,35 +337,6 @@ def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_token
     assert {t for decode, t in runner.graph_replays if not decode} == {16, 32, 48}  # and used
 
 
-
-def test_graphed_steps_through_the_host_rings_decode_the_reference_tokens(tok, monkeypatch):
-    """NANOFORGE_STEP_IO=mapped (serve/step_io.py): each graphed step fetches its inputs from a host ring and posts
-    its tokens to one, the side picked by the device's count of graphed steps. Graphed steps between eager ones
-    (and steps with table or parameter updates, which still copy those up), chunked prompts, preemption, prefix
-    hits and seeded top-k rows (drawn again after the graph: their tokens come back by the copy) give the
-    reference generator's tokens, and the host's count of graphed steps is the device's. (The rings' kernels are
-    test_kernels_host_io.py's; under the interpreter the padded rows of a bucket's step sample NaN logits, which
-    numpy refuses, so the engine runs the references here.)"""
-    monkeypatch.setenv("NANOFORGE_STEP_IO", "mapped")
-    model = make_model(tok, "tiny-qwen3")
-    rng = random.Random(8)
-    shared = prompts(1, rng, 40, 40)[0]
-    ps = [shared + p if i % 2 else p for i, p in enumerate(prompts(8, rng, 3, 50))]
-    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * 6 + \
-        [SamplingParams(temperature=0.9, top_k=(20, 0)[i], max_tokens=10, seed=3 + i, ignore_eos=True)
-         for i in range(2)]
-    want = [generate(model, p, max_new_tokens=10) for p in ps[:6]] + \
-        [generate(model, p, max_new_tokens=10, temperature=0.9, top_k=(20, 0)[i], seed=3 + i)
-         for i, p in enumerate(ps[6:])]
-    llm = LLM(model, tok, num_gpu_blocks=12, max_num_seqs=6, max_num_batched_tokens=48, graph_prefill=True)
-    runner = llm.engine.runner
-    assert runner.step_io is not None and runner.step_io.steps == 0
-    got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
-    assert got == want
-    assert llm.engine.stats()["preemptions"] > 0
-    graphed = sum(runner.graph_replays.values())
-    assert graphed > 0 and runner.step_io.steps == graphed == int(runner.step_io.counter.item())
-
 def test_eager_prefill_warm_up_writes_only_the_scratch_block(tok):
     """The GPU runner's start-up warm-up (idle eager steps of 16 tokens and of a full step, to compile the
     attention kernel's prefill variants before any request) leaves every real KV block as it was."""

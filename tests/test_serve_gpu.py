@@ -122,33 +122,6 @@ def test_gpu_engine_greedy_in_bf16_parts_from_the_reference_only_at_near_ties(to
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_gpu_engine_with_step_io_through_host_rings_equals_the_reference_fp32(tok, name, monkeypatch):
-    """NANOFORGE_STEP_IO=mapped (serve/step_io.py): graphs fetch their inputs from page-locked host memory and post
-    their tokens there, no copies between two graphs. Greedy tokens step by step and a step ahead, decode and
-    prefill graphs, under preemption and prefix hits; seeded rows (top-k and top-p among them: drawn again after
-    the graph) a step ahead; all the reference generator's, and the device counted every graphed step."""
-    model = make_model(tok, name).cuda()
-    ps = workload(7)
-    want = [generate(model, p, max_new_tokens=24) for p in ps]
-    monkeypatch.setenv("NANOFORGE_STEP_IO", "mapped")
-    for async_scheduling in (False, True):
-        llm = LLM(model, tok, num_gpu_blocks=48, max_num_seqs=24, async_scheduling=async_scheduling,
-                  graph_prefill=True)
-        runner = llm.engine.runner
-        got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
-        assert got == want, f"{name}, async_scheduling={async_scheduling}"
-        assert llm.engine.stats()["preemptions"] > 0
-        graphed = sum(runner.graph_replays.values())
-        assert graphed > 0 and runner.step_io.steps == graphed == int(runner.step_io.counter.item())
-        del llm, runner
-    params = [SamplingParams(temperature=0.8, top_k=(0, 20, 0)[i % 3], top_p=(1.0, 1.0, 0.9)[i % 3], seed=100 + i,
-                             max_tokens=16, ignore_eos=True) for i in range(12)]
-    want = [generate(model, p, max_new_tokens=16, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                     seed=sp.seed) for p, sp in zip(ps, params)]
-    got, _ = engine_tokens(model, tok, ps[:12], params, async_scheduling=True)
-    assert got == want, name
-
-@pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_seeded_sampling_equals_the_reference_in_any_batch(tok, name):
     """Seeded rows (plain, top-k, top-p) drawn in the decode graph: the reference generator's tokens for the same
     seed, in a batch under preemption, alone, and a step ahead."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoforge.kernels.decode_layers import ring_stages
-from nanoforge.kernels.dispatch import env_choice, replays_us, use_fast
+from nanoforge.kernels.dispatch import env_choice, replays_us
 from nanoforge.kernels.gather import gather_step_inputs, gather_step_inputs_ref
 from nanoforge.kernels.paged_attention import paged_attention, query_tile_starts, rope_write_and_attend, write_kv
 from nanoforge.kernels.rope import rope_qkv_and_write_kv
@@ -46,7 +46,7 @@ from nanoforge.kernels.sampling import sample_tokens
 from nanoforge.model.attention import AttentionBackend
 from nanoforge.model.sampling import SEED_MOD, sample
 from nanoforge.model.transformer import Transformer
-from nanoforge.serve import layer_kernel, step_io
+from nanoforge.serve import layer_kernel
 from nanoforge.serve.input_batch import (
     PARAM_UPDATE_WORDS,
     InputBatch,
@@ -230,8 +230,6 @@ class ModelRunner:
             self._choose_decode_layers()
         if cuda and not buckets:
             self._warm_up_eager_prefill()
-        if self.step_io is not None:
-            self.step_io.restart()  # the warm-ups ran its kernels: both counts from 0
         if cuda and (sizes or buckets):
             torch.cuda.synchronize()
         if self.layer_kernel is not None:
@@ -250,11 +248,6 @@ class ModelRunner:
         self.inputs = torch.zeros(Layout(b.max_num_tokens, b.max_num_seqs).size + UPDATE_RESERVE, dtype=torch.int64,
                                   device=dev)
         self.sampled = torch.zeros(b.max_num_seqs, dtype=torch.int64, device=dev)
-        # NANOFORGE_STEP_IO=mapped: graphs fetch their inputs from, and post their tokens to, host rings
-        # (serve/step_io.py); the first rank alone (it reads tokens back), with Triton's kernels on a GPU
-        mapped = step_io.mode() == "mapped" and self.tp is None and (dev.type != "cuda" or use_fast(self.inputs))
-        self.step_io = step_io.StepIO(self.inputs.numel() - UPDATE_RESERVE, b.max_num_seqs, dev) if mapped else None
-        self._posted: int | None = None  # the ring side the step just launched posted its tokens to
         # where each launched step's tokens come back to (pinned: the copy is asynchronous); two, as a step is
         # launched before the one before it is collected
         self._host_tokens = [torch.zeros(b.max_num_seqs, dtype=torch.int64, pin_memory=dev.type == "cuda")
@@ -399,11 +392,8 @@ class ModelRunner:
         done = Launched(samples, n, hidden if samples.scored else None)
         if n:
             self._turn ^= 1
-            if self._posted is not None:  # the graph wrote them to the host (NANOFORGE_STEP_IO=mapped)
-                done.tokens = self.step_io.tokens[self._posted, :n]
-            else:
-                done.tokens = self._host_tokens[self._turn][:n]
-                done.tokens.copy_(self.sampled[:n], non_blocking=True)  # before the next step samples over them
+            done.tokens = self._host_tokens[self._turn][:n]
+            done.tokens.copy_(self.sampled[:n], non_blocking=True)  # before the next step samples over them
             if samples.logprob_rows:  # a copy of the rows' span: a graph's logits buffer is the next step's too
                 done.logits = logits[samples.logprob_rows[0]:samples.logprob_rows[-1] + 1].clone()
             if self.device.type == "cuda":
@@ -440,24 +430,13 @@ class ModelRunner:
         # buffer) runs its padded inputs eagerly instead
         graphed = step.graph is not None and step.packed.numel() <= self.inputs.numel()
         # (the views cost ~10-20 us of host time a step: a replay reads none, the top-k / top-p draw does)
-        views = not graphed or (step.needs_filter and self.is_driver)
-        io = self.step_io if graphed and step.num_tokens else None
-        self._posted = None
-        if io is not None and not (step.num_table_updates or step.num_param_updates):
-            side = io.put(step.packed, step.layout.size)  # the graph fetches them: no copy
-            v = step.layout.views(self.inputs) if views else None
-        else:
-            v = self._upload(step, views=views)
-            side = io.put(step.packed, step.layout.size) if io is not None else None  # (fetched again: the same)
+        v = self._upload(step, views=not graphed or (step.needs_filter and self.is_driver))
         self._block_ops(step)
         if not step.num_tokens:
             return None, None
         n = step.num_samples
         if graphed:
             self.graphs[key]()
-            if io is not None:
-                io.launched(side)
-                self._posted = None if step.needs_filter else side  # (top-k / top-p: drawn again after the graph)
             self.graph_replays[key] = self.graph_replays.get(key, 0) + 1
             hidden, logits = None, self.g_logits[:n] if self.is_driver else None
         else:
@@ -574,10 +553,8 @@ class ModelRunner:
     def _idle_inputs(self, layout: Layout) -> dict:
         """The upload buffer filled with `layout`'s idle inputs (every row padding, reading and writing only the
         scratch block); its views."""
-        packed = idle_packed(layout, self.batch.scratch_cache_slot, self.batch.scratch_slot)
-        self.inputs[:layout.size].copy_(torch.from_numpy(packed))
-        if self.step_io is not None:
-            self.step_io.fill_both(packed)
+        self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
+                                                                     self.batch.scratch_slot)))
         return layout.views(self.inputs)
 
     # --- CUDA graphs -------------------------------------------------------------------------------------
@@ -594,17 +571,11 @@ class ModelRunner:
         max_q_len = 1 if decode else t
         kernel = self.layer_kernel
 
-        io = self.step_io
-
         def run():
-            if io is not None:
-                io.fetch(self.inputs[:layout.size])
             hidden = self._forward(v, t, s, max_q_len, self.max_blocks_per_seq, kernel)
             if self.is_driver:
                 out = self.g_logits[:s] if self.g_logits is not None else None
                 self._sample(v, hidden if decode else hidden[v["sample_row"]], s, logits_out=out)
-            if io is not None:
-                io.post(self.sampled[:s])
 
         cuda = self.device.type == "cuda"
         if cuda:
