@@ -337,6 +337,22 @@ def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_token
     assert {t for decode, t in runner.graph_replays if not decode} == {16, 32, 48}  # and used
 
 
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_graphed_prefill_steps_with_the_triton_kernels_decode_the_reference_tokens(tok, name, monkeypatch):
+    """The GPU's default path, interpreted: every step packed at a bucket (the CPU has no decode graphs, so decode
+    steps too), with the Triton kernels (paged attention, fused RoPE + KV write, add + RMSNorm, the gathers, the
+    sampler). Padding rows stay finite where they are sampled (a NaN there stops the interpreted sampler)."""
+    model = make_model(tok, name)
+    ps = prompts(4, random.Random(9), 3, 30)
+    want = [generate(model, p, max_new_tokens=6) for p in ps]
+    monkeypatch.setenv("NANOFORGE_KERNELS", "triton")
+    llm = LLM(model, tok, num_gpu_blocks=30, max_num_seqs=6, max_num_batched_tokens=32, graph_prefill=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                            ignore_eos=True))]
+    assert got == want
+    assert sum(llm.engine.runner.graph_replays.values()) > 0
+
 def test_eager_prefill_warm_up_writes_only_the_scratch_block(tok):
     """The GPU runner's start-up warm-up (idle eager steps of 16 tokens and of a full step, to compile the
     attention kernel's prefill variants before any request) leaves every real KV block as it was."""

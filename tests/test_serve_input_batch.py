@@ -6,6 +6,7 @@ entries; the packed layout round-trips."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -120,3 +121,51 @@ def test_a_decode_step_sends_only_new_block_table_entries():
         engine.step()
     assert len(seen) > 10
     assert all(updates == crossing and params == 0 for updates, crossing, params in seen), seen
+
+
+def check_padding(batch, step) -> None:
+    """A padded step: every sampled row is a token some sequence owns (its attention row is computed), and tokens
+    that no sequence owns write the scratch block's spare slot alone (what padding sequences read stays finite)."""
+    layout, v = step.layout, step.layout.views(step.packed.numpy())
+    cu = v["cu_seqlens"][:layout.s + 1]
+    owned = int(cu[-1])
+    assert (np.diff(cu) >= 0).all() and owned <= layout.t
+    assert (v["sample_row"][:layout.s] < owned).all(), (v["sample_row"][:layout.s], owned)
+    assert (v["slots"][owned:layout.t] == batch.spare_cache_slot).all()
+    assert (v["slots"][step.num_tokens:owned] == batch.scratch_cache_slot).all()
+    spare, scratch = batch.spare_cache_slot, batch.scratch_cache_slot
+    assert spare != scratch and spare // 4 == scratch // 4  # another slot of the scratch block (block_size 4 here)
+
+
+@pytest.mark.parametrize("t,s", [(16, 6), (4, 6), (6, 6)])
+def test_idle_inputs_sample_only_rows_a_padding_sequence_owns(t, s):
+    """What graphs are captured with (every row padding), buckets of more tokens than rows, fewer, as many."""
+    tok = Tokenizer.char_level(TEXT)
+    engine = LLMEngine(make_model(tok), tok, EngineConfig(block_size=4, num_gpu_blocks=20, max_num_seqs=6))
+    batch = engine.runner.batch
+    check_padding(batch, SimpleNamespace(layout=Layout(t, s), packed=torch.from_numpy(batch.idle(Layout(t, s))),
+                                         num_tokens=0))
+
+
+def test_padded_bucket_steps_sample_only_rows_a_sequence_owns():
+    """graph_prefill on the CPU: every step packed at a bucket, decode steps too (no decode graphs here): chunks,
+    decodes of fewer sequences than slots, and the bucket's tokens beyond the padding sequences."""
+    tok = Tokenizer.char_level(TEXT)
+    engine = LLMEngine(make_model(tok), tok, EngineConfig(block_size=4, num_gpu_blocks=60, max_num_batched_tokens=24,
+                                                          max_num_seqs=6, graph_prefill=True))
+    for p in prompts(5, random.Random(2), 3, 30):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    batch, kinds = engine.runner.batch, set()
+    prepare = batch.prepare
+
+    def spy(out, *a, **kw):
+        step, samples = prepare(out, *a, **kw)
+        if step.graph is not None:
+            check_padding(batch, step)
+            kinds.add((step.layout.t > step.num_tokens + step.layout.s - step.num_seqs, step.num_samples > 0))
+        return step, samples
+
+    batch.prepare = spy
+    while engine.has_unfinished():
+        engine.step()
+    assert (True, True) in kinds  # steps with tokens no sequence owns, that sample

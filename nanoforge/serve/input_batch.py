@@ -71,20 +71,6 @@ class Layout:
         return out
 
 
-def idle_packed(layout: Layout, scratch_cache_slot: int, scratch_slot: int) -> np.ndarray:
-    """Packed inputs whose every row is padding: one token at position 0 of the scratch slot, writing and
-    reading only the scratch block (what a graph is captured with)."""
-    buf = np.zeros(layout.size, dtype=np.int64)
-    v = layout.views(buf)
-    v["slots"][:] = scratch_cache_slot
-    v["token_src"][:] = -1
-    v["row_slot"][:] = v["sample_slot"][:] = scratch_slot
-    v["sample_row"][:] = np.arange(layout.s) % layout.t  # a prefill bucket may have fewer tokens than rows
-    v["seq_lens"][:] = 1
-    v["cu_seqlens"][:] = np.arange(layout.s + 1) if layout.t == layout.s else 0
-    return buf
-
-
 @dataclass
 class StepInputs:
     """One step for the device: the packed inputs and the block operations to run first."""
@@ -126,6 +112,10 @@ class InputBatch:
         self.width = max_blocks_per_seq
         self.scratch_slot = max_num_seqs  # the device's extra row: a table of scratch blocks, greedy params
         self.scratch_cache_slot = scratch_block * block_size
+        # The scratch block's second slot: where padding tokens that no sequence owns (a bucket's beyond one a
+        # padding sequence) write their keys. Nothing reads it, and their attention rows are never computed
+        # (garbage, NaN at times), so what padding sequences read, the first slot, holds only their own finite keys.
+        self.spare_cache_slot = self.scratch_cache_slot + (block_size > 1)
         self.graph_sizes = sorted(graph_sizes)
         self.prefill_buckets = sorted(prefill_buckets)
         self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot
@@ -272,6 +262,7 @@ class InputBatch:
         self._fill(v["ids"], ids, 0, pad_t)
         self._fill(v["positions"], pos, 0, pad_t)
         self._fill(v["slots"], slots, self.scratch_cache_slot, pad_t)
+        v["slots"][n_tok + min(pad_s, pad_t):] = self.spare_cache_slot  # padding tokens no sequence owns
         self._fill(v["token_src"], src, -1, pad_t)
         self._fill(v["row_slot"], row_slot, self.scratch_slot, pad_s)
         self._fill(v["seq_lens"], seq_lens, 1, pad_s)
@@ -298,6 +289,22 @@ class InputBatch:
                           width, graph, list(out.blocks_to_swap_out.items()), list(out.blocks_to_swap_in.items()),
                           list(out.blocks_to_copy), needs_filter)
         return step, StepSamples(samples, logprob_rows, score_rows, score_targets, scored)
+
+    def idle(self, layout: Layout) -> np.ndarray:
+        """Packed inputs whose every row is padding (what a graph is captured with): each sequence row a padding
+        sequence of one token at position 0 while there are tokens (as `prepare` pads), reading and writing only
+        the scratch block; tokens beyond those write its spare slot."""
+        buf = np.zeros(layout.size, dtype=np.int64)
+        v = layout.views(buf)
+        owned = min(layout.s, layout.t)
+        v["slots"][:owned] = self.scratch_cache_slot
+        v["slots"][owned:] = self.spare_cache_slot
+        v["token_src"][:] = -1
+        v["row_slot"][:] = v["sample_slot"][:] = self.scratch_slot
+        v["sample_row"][:] = np.arange(layout.s) % layout.t  # a prefill bucket may have fewer tokens than rows
+        v["seq_lens"][:] = 1
+        v["cu_seqlens"][:] = np.minimum(np.arange(layout.s + 1), layout.t)
+        return buf
 
     # --- staging buffers -----------------------------------------------------------------------------------
 

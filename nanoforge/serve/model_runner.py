@@ -53,7 +53,6 @@ from nanoforge.serve.input_batch import (
     Layout,
     StepInputs,
     StepSamples,
-    idle_packed,
 )
 from nanoforge.serve.scheduler import SchedulerOutput
 from nanoforge.serve.tensor_parallel import TensorParallel
@@ -553,8 +552,7 @@ class ModelRunner:
     def _idle_inputs(self, layout: Layout) -> dict:
         """The upload buffer filled with `layout`'s idle inputs (every row padding, reading and writing only the
         scratch block); its views."""
-        self.inputs[:layout.size].copy_(torch.from_numpy(idle_packed(layout, self.batch.scratch_cache_slot,
-                                                                     self.batch.scratch_slot)))
+        self.inputs[:layout.size].copy_(torch.from_numpy(self.batch.idle(layout)))
         return layout.views(self.inputs)
 
     # --- CUDA graphs -------------------------------------------------------------------------------------
