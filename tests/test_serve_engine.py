@@ -337,7 +337,6 @@ def test_graphed_prefill_steps_padded_to_their_bucket_decode_the_reference_token
     assert {t for decode, t in runner.graph_replays if not decode} == {16, 32, 48}  # and used
 
 
-
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_graphed_prefill_steps_with_the_triton_kernels_decode_the_reference_tokens(tok, name, monkeypatch):
     """The GPU's default path, interpreted: every step packed at a bucket (the CPU has no decode graphs, so decode
@@ -352,6 +351,7 @@ def test_graphed_prefill_steps_with_the_triton_kernels_decode_the_reference_toke
                                                                             ignore_eos=True))]
     assert got == want
     assert sum(llm.engine.runner.graph_replays.values()) > 0
+
 
 def test_eager_prefill_warm_up_writes_only_the_scratch_block(tok):
     """The GPU runner's start-up warm-up (idle eager steps of 16 tokens and of a full step, to compile the
