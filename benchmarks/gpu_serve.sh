@@ -71,11 +71,13 @@ run() {  # run NAME [serve flags...]: start a server, replay the trace against i
     in_cap=$(( MAX_INPUT < ctx - 64 ? MAX_INPUT : ctx - 64 ))
     out_cap=$(( MAX_OUTPUT < ctx - in_cap ? MAX_OUTPUT : ctx - in_cap ))
     # Warm up outside the measurement: Triton autotuning and compilation happen on the first prefill
-    # of each shape. Random prompts, so nothing of the trace lands in the prefix cache.
+    # of each shape. Random prompts, so nothing of the trace lands in the prefix cache, and a seed a length: with
+    # one seed each length's prompts began with the shorter ones' tokens and hit the cache, in the server's rate.
     for len in $WARMUP_LENS; do
         (( len + 8 <= ctx )) || len=$(( ctx - 8 ))
         $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --rate 20 --num-requests 8 \
-            --input-len $len --output-len 8 --vocab-size "$VOCAB" --ignore-eos --out "$dir/warmup" >/dev/null
+            --input-len $len --output-len 8 --vocab-size "$VOCAB" --ignore-eos --seed "$len" \
+            --out "$dir/warmup" >/dev/null
     done
     $PY -m nanoforge.cli bench serve --base-url "$url" --model qwen3-0.6b-random --trace "$TRACE" \
         --num-requests "$NUM_REQUESTS" --length-scale "$LENGTH_SCALE" --time-scale "$TIME_SCALE" \

@@ -213,24 +213,32 @@ nanoforge_broken NaN-ish
 
 
 def test_the_gpu_serve_script_replays_the_trace_on_the_cpu_with_and_without_the_prefix_cache(tmp_path):
-    """benchmarks/gpu_serve.sh's dry run (a tiny Qwen3, the CPU): both servers replay the trace's first requests
-    to the end, the lengths capped to the tiny model's 128-token context (before session 49 its warm-up asked for
-    1,024-token prompts, the server refused them and the script stopped, leaving the server running), and the
-    prefix-cached run hits the trace's shared prefixes where the other does not."""
+    """benchmarks/gpu_serve.sh's dry run (a tiny Qwen3, the CPU): both servers replay a trace to the end, the lengths
+    capped to the tiny model's 128-token context (before session 49 its warm-up asked for 1,024-token prompts, the
+    server refused them and the script stopped, leaving the server running), and the prefix-cached run hits the
+    trace's shared first block where the other does not. The hits are the trace's alone: the warm-ups' prompts share
+    no prefix (until session 50 each length's began with the shorter one's tokens, and those hits were all this test
+    saw: it replayed the real trace's first 4 rows, which share no hash id)."""
     import os
     import subprocess
-    from pathlib import Path
 
-    if not Path("../shared/data/mooncake/synthetic_trace.jsonl").exists():
-        pytest.skip("needs ../shared/data/mooncake/synthetic_trace.jsonl beside the checkout")
-    env = dict(os.environ, PRESET="tiny-qwen3", DEVICE="cpu", NUM_REQUESTS="4", WARMUP_LENS="32 1024",
-               OUT=str(tmp_path), OMP_NUM_THREADS="1")
-    run = subprocess.run(["bash", "benchmarks/gpu_serve.sh"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    runs = {name: json.loads((tmp_path / name / "serve.json").read_text())
-            for name in ("prefix_cache_on", "prefix_cache_off")}
+    def replay(rows: list[list[int]], out) -> dict:
+        trace = out / "trace.jsonl"
+        trace.write_text("".join(json.dumps({"timestamp": 2000 * i, "input_length": 600, "output_length": 4,
+                                             "hash_ids": h}) + "\n" for i, h in enumerate(rows)))
+        env = dict(os.environ, PRESET="tiny-qwen3", DEVICE="cpu", NUM_REQUESTS="4", WARMUP_LENS="32 1024",
+                   OUT=str(out), TRACE=str(trace), OMP_NUM_THREADS="1")
+        run = subprocess.run(["bash", "benchmarks/gpu_serve.sh"], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return {name: json.loads((out / name / "serve.json").read_text())
+                for name in ("prefix_cache_on", "prefix_cache_off")}
+
+    # 600 tokens x 0.1 = 60 (51-token hash blocks): rows 1 and 3 begin with row 0's first block, 48 tokens of it in
+    # full 16-token KV blocks; arrivals 0.5 s apart (x0.25), so row 0's blocks are cached before row 1 comes
+    runs = replay([[1, 2], [1, 3], [4, 5], [1, 6]], tmp_path)
     for r in runs.values():
         assert r["summary"]["completed"] == r["summary"]["requests"] == 4 and not r["summary"]["failed"]
-    assert runs["prefix_cache_on"]["server_metrics"]["nanoforge_prefix_cache_hit_rate"] > 0
-    assert runs["prefix_cache_off"]["server_metrics"].get("nanoforge_prefix_cache_hit_rate", 0) == 0
+    assert runs["prefix_cache_on"]["server_metrics"]["nanoforge_prefix_cache_hits_total"] == 2 * 48
+    assert runs["prefix_cache_off"]["server_metrics"].get("nanoforge_prefix_cache_hits_total", 0) == 0
     assert set(json.loads((tmp_path / "serve_compare.json").read_text())) >= {"output tokens/s", "TTFT p50 (ms)"}
