@@ -98,10 +98,12 @@ run() {  # run PRESET CONFIG: start the server or cluster, warm it up, replay th
     done
     echo "== $preset / $config: $(grep "^$banner" "$log")"
     # Warm up outside the measurement (Triton autotuning and compilation on each instance's first prefill of a
-    # shape). Random prompts, so nothing of the trace lands in any cache.
+    # shape). Random prompts, so nothing of the trace lands in any cache, and a seed a length, so that no warm-up
+    # prompt begins with another's tokens (one seed made hits, and pool loads, of the warm-ups' own in the report).
     for len in $WARMUP_LENS; do
         $PY -m nanoforge.cli bench serve --base-url "$url" --model "$preset-random" --rate 20 --num-requests 8 \
-            --input-len $len --output-len 8 --vocab-size "$VOCAB" --ignore-eos --out "$dir/warmup" >/dev/null
+            --input-len $len --output-len 8 --vocab-size "$VOCAB" --ignore-eos --seed "$len" \
+            --out "$dir/warmup" >/dev/null
     done
     $PY -m nanoforge.cli bench serve --base-url "$url" --model "$preset-random" --trace "$OUT/trace.jsonl" \
         --length-scale "$LENGTH_SCALE" --time-scale "$TIME_SCALE" --max-input-len "$MAX_INPUT" \

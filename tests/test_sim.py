@@ -1001,3 +1001,25 @@ def test_the_warm_ups_gap_is_read_from_the_runs_wall_clocks(tmp_path):
     assert recorded_gap_s(tmp_path, {}) is None  # a run from before session 12
     (tmp_path / "warmup" / "serve.json").write_text(json.dumps({"summary": {"duration_s": 12.5}}))
     assert recorded_gap_s(tmp_path, {"started_unix": 1014.0}) is None
+
+
+@pytest.mark.parametrize("recorded_seed,per_length", [(4096, True), (0, False)])
+def test_the_warm_up_is_replayed_with_the_seeds_gpu_disagg_sent(tmp_path, recorded_seed, per_length):
+    """validate's `warmup_of`: the script's three warm-up runs, rebuilt from the last one's record. Since session 50
+    gpu_disagg.sh seeds each length's run with the length (the record: a seed equal to its length), so no warm-up
+    prompt begins with another's tokens; older runs used one seed, and the 1,024-token run's first prompt began
+    with the 128-token run's."""
+    from nanoforge.serve.bench_serve import Vocab, poisson_workload
+    from nanoforge.sim.validate import warmup_of
+
+    (tmp_path / "warmup").mkdir()
+    config = {"input_len": 4096, "seed": recorded_seed, "num_requests": 2, "rate": 20.0, "output_len": 8,
+              "vocab_size": 1000}
+    (tmp_path / "warmup" / "serve.json").write_text(json.dumps({"config": config}))
+    (tmp_path / "metrics.txt").write_text(f"nanoforge_prompt_tokens_total {500 + 2 * (128 + 1024 + 4096)}\n")
+    runs = warmup_of(tmp_path, trace_tokens=500)
+    assert [len(r[0].prompt) for r in runs] == [128, 1024, 4096]
+    for n, run in zip((128, 1024, 4096), runs):
+        want = poisson_workload(2, 20.0, n, 8, Vocab(1000), n if per_length else 0)
+        assert [r.prompt for r in run] == [r.prompt for r in want]
+    assert (runs[1][0].prompt[:128] == runs[0][0].prompt) is not per_length

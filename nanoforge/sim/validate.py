@@ -133,10 +133,12 @@ def replay_of(run: dict, trace: Path) -> TraceReplay:
 
 def warmup_of(config_dir: Path, trace_tokens: int) -> list[list[Request]]:
     """The bench serve runs gpu_disagg.sh sent before the trace (its WARMUP_LENS, each `--num-requests N --rate
-    R` with the settings its last run recorded in warmup/serve.json: the runs differ only in length, and the same
-    seed draws the same arrivals and tokens), or [] if the run kept no warm-up. The script's default lengths are
+    R` with the settings its last run recorded in warmup/serve.json: the runs differ only in length and seed, and
+    a seed draws the same arrivals and tokens), or [] if the run kept no warm-up. The script's default lengths are
     taken when the servers' /metrics agree (the conductor's or the server's prompt tokens, less the trace's,
-    are the warm-up's); else only the recorded run."""
+    are the warm-up's); else only the recorded run. Seeds: since session 50 the script seeds each length's run
+    with the length (`--seed $len`: no warm-up prompt begins with another's tokens), which the recorded run shows
+    as a seed equal to its length; runs before it used one seed for every length."""
     path = config_dir / "warmup" / "serve.json"
     if not path.is_file():
         return []
@@ -148,7 +150,9 @@ def warmup_of(config_dir: Path, trace_tokens: int) -> list[list[Request]]:
         if total is not None and total - trace_tokens != c["num_requests"] * sum(lens):
             lens = [c["input_len"]]
     vocab = Vocab(c["vocab_size"])
-    return [poisson_workload(c["num_requests"], c["rate"], n, c["output_len"], vocab, c.get("seed") or 0)
+    seed = c.get("seed") or 0
+    per_length = seed == c["input_len"]
+    return [poisson_workload(c["num_requests"], c["rate"], n, c["output_len"], vocab, n if per_length else seed)
             for n in lens]
 
 
