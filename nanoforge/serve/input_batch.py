@@ -250,7 +250,7 @@ class InputBatch:
             layout = Layout(size, size)
         elif self.prefill_buckets and 0 < n_tok <= self.prefill_buckets[-1] and not scored \
                 and max(n_seq, len(sample_row)) <= self.max_num_seqs:
-            graph = "prefill"  # padding sequences have no tokens: the attention kernel skips them
+            graph = "prefill"  # (`_pad`: padding sequences past the padding tokens have none, skipped by attention)
             layout = Layout(next(t for t in self.prefill_buckets if t >= n_tok), self.max_num_seqs)
         else:
             layout = Layout(n_tok, max(n_seq, len(sample_row)))
@@ -258,25 +258,14 @@ class InputBatch:
         packed = self._buffer(total)
         buf = packed.numpy()
         v = layout.views(buf)
-        pad_t, pad_s = layout.t - n_tok, layout.s - n_seq
-        self._fill(v["ids"], ids, 0, pad_t)
-        self._fill(v["positions"], pos, 0, pad_t)
-        self._fill(v["slots"], slots, self.scratch_cache_slot, pad_t)
-        v["slots"][n_tok + min(pad_s, pad_t):] = self.spare_cache_slot  # padding tokens no sequence owns
-        self._fill(v["token_src"], src, -1, pad_t)
-        self._fill(v["row_slot"], row_slot, self.scratch_slot, pad_s)
-        self._fill(v["seq_lens"], seq_lens, 1, pad_s)
-        v["cu_seqlens"][:n_seq + 1] = cu
-        # padding sequences take a padding token each while there are some (a decode graph's: all), then none
-        v["cu_seqlens"][n_seq + 1:] = n_tok + np.minimum(np.arange(1, pad_s + 1), pad_t)
+        for name, values in (("ids", ids), ("positions", pos), ("slots", slots), ("token_src", src),
+                             ("row_slot", row_slot), ("seq_lens", seq_lens), ("cu_seqlens", cu),
+                             ("sample_row", sample_row), ("sample_slot", sample_slot), ("seed_offset", seed_off),
+                             ("draw", draw)):
+            v[name][:len(values)] = values
         n_samp = len(sample_row)
-        pad_r = layout.s - n_samp
-        self._fill(v["sample_row"], sample_row, 0, 0)
-        if pad_r:
-            v["sample_row"][n_samp:] = np.arange(n_samp, layout.s) % layout.t  # any row: never read back
-        self._fill(v["sample_slot"], sample_slot, self.scratch_slot, pad_r)
-        self._fill(v["seed_offset"], seed_off, 0, pad_r)
-        self._fill(v["draw"], draw, 0, pad_r)
+        if layout.t > n_tok or layout.s > n_seq or layout.s > n_samp:
+            self._pad(v, layout, n_tok, n_seq, n_samp)
         a = layout.size
         if table_updates:
             buf[a:a + len(table_updates)] = table_updates
@@ -291,29 +280,32 @@ class InputBatch:
         return step, StepSamples(samples, logprob_rows, score_rows, score_targets, scored)
 
     def idle(self, layout: Layout) -> np.ndarray:
-        """Packed inputs whose every row is padding (what a graph is captured with): each sequence row a padding
-        sequence of one token at position 0 while there are tokens (as `prepare` pads), reading and writing only
-        the scratch block; tokens beyond those write its spare slot."""
+        """Packed inputs whose every row is padding (what a graph is captured with)."""
         buf = np.zeros(layout.size, dtype=np.int64)
-        v = layout.views(buf)
-        owned = min(layout.s, layout.t)
-        v["slots"][:owned] = self.scratch_cache_slot
-        v["slots"][owned:] = self.spare_cache_slot
-        v["token_src"][:] = -1
-        v["row_slot"][:] = v["sample_slot"][:] = self.scratch_slot
-        v["sample_row"][:] = np.arange(layout.s) % layout.t  # a prefill bucket may have fewer tokens than rows
-        v["seq_lens"][:] = 1
-        v["cu_seqlens"][:] = np.minimum(np.arange(layout.s + 1), layout.t)
+        self._pad(layout.views(buf), layout, 0, 0, 0)  # (cu_seqlens[0], the sequences' start, is 0)
         return buf
 
-    # --- staging buffers -----------------------------------------------------------------------------------
+    def _pad(self, v: dict, layout: Layout, n_tok: int, n_seq: int, n_samp: int) -> None:
+        """Every row of `layout` past the step's own n_tok tokens, n_seq sequences and n_samp sampled rows a padding
+        row, reading and writing only the scratch block: a padding token is token 0 at position 0; a padding
+        sequence (the scratch slot's table, context 1) takes one padding token while there are some (a decode
+        graph's: all), then none; tokens beyond those belong to no sequence (their attention rows are never
+        computed) and write the scratch block's spare slot, so the slot padding sequences read holds only their
+        keys; a padding sampled row samples a row some sequence owns (greedy, never read back)."""
+        pad_t, pad_s = layout.t - n_tok, layout.s - n_seq
+        owned = n_tok + min(pad_s, pad_t)
+        v["ids"][n_tok:] = v["positions"][n_tok:] = 0
+        v["slots"][n_tok:owned] = self.scratch_cache_slot
+        v["slots"][owned:] = self.spare_cache_slot
+        v["token_src"][n_tok:] = -1
+        v["row_slot"][n_seq:] = self.scratch_slot
+        v["seq_lens"][n_seq:] = 1
+        v["cu_seqlens"][n_seq + 1:] = n_tok + np.minimum(np.arange(1, pad_s + 1), pad_t)
+        v["sample_row"][n_samp:] = np.arange(n_samp, layout.s) % layout.t
+        v["sample_slot"][n_samp:] = self.scratch_slot
+        v["seed_offset"][n_samp:] = v["draw"][n_samp:] = 0
 
-    @staticmethod
-    def _fill(view: np.ndarray, values: list, pad_value: int, pad: int) -> None:
-        n = len(values)
-        view[:n] = values
-        if pad:
-            view[n:n + pad] = pad_value
+    # --- staging buffers -----------------------------------------------------------------------------------
 
     def _alloc(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int64, pin_memory=self._pin)
