@@ -116,37 +116,6 @@ def test_decode_matches_float64(poisoned, ctx, hq, hkv, d, bs, splits, fused):
 
 
 @interpreter
-@pytest.mark.parametrize("ctx,hq,hkv,d,bs", DECODE)
-@pytest.mark.parametrize("splits,fused", [(1, False), (3, False), (3, True)])
-def test_decode_with_its_first_tile_loaded_before_the_wait_takes_the_same_sums(poisoned, monkeypatch, ctx, hq, hkv,
-                                                                                d, bs, splits, fused):
-    """NANOFORGE_ATTN_PRELOAD=1: each decode program loads its first key tile before its PDL wait, without the
-    token's own key (the kernel before writes it), and puts that key in after the wait: bit for bit the
-    default's output (a masked tile takes the same sums), and the float64 reference's. Also with RoPE and the
-    KV write inside the kernel (the token's key from registers)."""
-    b = batch(ctx, [1] * len(ctx), hq, hkv, d, bs, seed=len(ctx))
-    tile = pa._tile_config(1, hq // hkv, d)
-    want = launch(b, 1, tile, splits, fused)
-    monkeypatch.setenv("NANOFORGE_ATTN_PRELOAD", "1")
-    got = launch(b, 1, tile, splits, fused)
-    assert torch.equal(got, want)
-    check(b, got)
-    q, k, v, cos, sin, qk_norm = _projections(ctx, hq, hkv, d, True, seed=d)
-    slots = token_slots(b, ctx, bs)
-    outs = []
-    for preload in ("0", "1"):
-        monkeypatch.setenv("NANOFORGE_ATTN_PRELOAD", preload)
-        c = {**b, "k_cache": b["k_cache"].clone(), "v_cache": b["v_cache"].clone()}
-        with torch.no_grad():
-            outs.append((launch({**c, "q": q}, 1, tile, splits, fused, new_kv=(k, v, cos, sin, slots, qk_norm)),
-                         c["k_cache"]))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1].nan_to_num(7.0), outs[1][1].nan_to_num(7.0))
-    monkeypatch.setenv("NANOFORGE_ATTN_PRELOAD", "2")
-    with pytest.raises(NanoforgeError, match="NANOFORGE_ATTN_PRELOAD must be 0 or 1, not '2'"):
-        pa.preload_mode()
-
-
-@interpreter
 @pytest.mark.parametrize(
     "ctx,qlens,hq,hkv,d,bs",
     [
@@ -340,44 +309,6 @@ def test_gpu_decode_replays_in_a_cuda_graph(poisoned, monkeypatch, combine):
     for _ in range(2):
         graph.replay()
         assert torch.equal(out, first)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv,d,norm", [(32, 8, 64, False), (16, 8, 128, True)])  # Llama-3.2-1B, Qwen3-0.6B
-def test_gpu_decode_preload_before_the_wait_in_a_pdl_chain_equals_the_default(poisoned, monkeypatch, hq, hkv, d,
-                                                                               norm):
-    """NANOFORGE_ATTN_PRELOAD=1 where it matters: a decode step's RoPE + KV write kernel and paged attention,
-    launched with PDL and captured in a CUDA graph, the token's cache slots overwritten with large values before
-    every replay (what attention would read if it loaded the token's key before the kernel writing it had
-    finished): every replay gives the bits the default graph gives."""
-    from nanoforge.kernels.rope import rope_qkv_and_write_kv
-
-    ctx = [1, 16, 17, 777, 4096, 300]
-    b = pa.make_paged_batch(ctx, [1] * len(ctx), hq, hkv, d, 16, torch.bfloat16, "cuda")
-    q, k, v, cos, sin, qk_norm = gpu_projections(ctx, hq, hkv, d, norm, seed=2)
-    slots = token_slots(b, ctx, 16)
-    flat_k, flat_v = b["k_cache"].view(-1, hkv, d), b["v_cache"].view(-1, hkv, d)
-
-    def step():
-        q_rot = rope_qkv_and_write_kv(q, k, v, cos, sin, b["k_cache"], b["v_cache"], slots, qk_norm)
-        return pa.paged_attention(q_rot, b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
-                                  b["cu_seqlens_q"], max_q_len=1)
-
-    outs = {}
-    with torch.no_grad():
-        for preload in ("0", "1"):
-            monkeypatch.setenv("NANOFORGE_ATTN_PRELOAD", preload)
-            step()  # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            outs[preload] = []
-            for _ in range(3):
-                flat_k[slots.long()] = 100.0
-                flat_v[slots.long()] = -100.0
-                graph.replay()
-                outs[preload].append(out.clone())
-    assert all(torch.equal(a, outs["0"][0]) for a in outs["0"] + outs["1"])
 
 
 # ------------------------------------------------------------------------------ RoPE and the KV write inside

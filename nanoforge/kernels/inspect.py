@@ -262,7 +262,7 @@ def _paged(*, num_warps: int = 4, **constexprs) -> TritonKernel:
     return TritonKernel(
         "nanoforge.kernels.paged_attention:_paged_attn_kernel", _PAGED_SIGNATURE,
         {"BLOCK_D": constexprs["HEAD_D"], "BLOCK_SIZE": 16, "BLOCK_N": 64, "FUSE": False, "SPLITS_P2": 32,
-         "PDL": False, "ROPE": False, "HAS_NORM": False, "PRELOAD": False, **constexprs},
+         "PDL": False, "ROPE": False, "HAS_NORM": False, **constexprs},
         num_warps=num_warps, aligned=_PAGED_ALIGNED,
     )  # fmt: skip
 
@@ -382,8 +382,6 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
         {"IDS": "*i64", "STARTS": "*i32", "ENDS": "*i32", "T": "i32"}, {"BLOCK": 1024}, num_warps=4,
     ),
     "paged_attention_decode": _paged(GROUP=4, HEAD_D=128, BLOCK_M=16, BLOCK_Q=1, SPLIT=True, VARLEN=False),
-    "paged_attention_decode_preload": _paged(  # NANOFORGE_ATTN_PRELOAD=1 at Llama-3.2-1B's heads, PDL on
-        GROUP=4, HEAD_D=64, BLOCK_M=16, BLOCK_Q=1, SPLIT=True, VARLEN=False, PDL=True, PRELOAD=True),
     "paged_attention_decode_fused": _paged(  # NANOFORGE_ATTN_COMBINE=fused, NANOFORGE_ATTN_ROPE=fused:
         GROUP=2, HEAD_D=128, BLOCK_M=16, BLOCK_Q=1, SPLIT=True, VARLEN=False, FUSE=True, PDL=True, ROPE=True,
         HAS_NORM=True),  # Qwen3-0.6B's heads, its q/k norms

@@ -123,13 +123,6 @@ def rope_mode() -> str:
     return env_choice("NANOFORGE_ATTN_ROPE", ("kernel", "fused"))
 
 
-def preload_mode() -> str:
-    """NANOFORGE_ATTN_PRELOAD: "0" (the default) or "1": a decode program loads its first key tile before its PDL
-    wait, while the RoPE and KV write kernel before it runs (`_preload_decode_tile`; the same sums; not yet timed
-    on a GPU)."""
-    return env_choice("NANOFORGE_ATTN_PRELOAD", ("0", "1"))
-
-
 def combine_mode() -> str:
     """How split contexts are combined: "kernel" (a second, small kernel; the default) or "fused" (the last split
     of each tile to finish, in the attention kernel itself)."""
@@ -347,7 +340,7 @@ def _paged_attention_triton(
         out.stride(0), out.stride(1), scale * LOG2E, seq_lens.shape[0], num_splits, *rope_strides,
         GROUP=group, HEAD_D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n, SPLIT=num_splits > 1, FUSE=fuse, SPLITS_P2=_SPLITS_P2, VARLEN=varlen, PDL=on,
-        ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]), PRELOAD=not varlen and preload_mode() == "1",
+        ROPE=new_kv is not None, HAS_NORM=bool(new_kv and new_kv[5]),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(on),
     )  # fmt: skip
     if num_splits > 1 and not fuse:
@@ -381,13 +374,9 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     FUSE: tl.constexpr, SPLITS_P2: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
-    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PRELOAD: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    if PRELOAD:  # decode: the split's first tile of cached keys, loaded while the kernel before this one runs
-        kt0, v0 = _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, pid, num_splits, stride_kb, stride_ks,
-                                       stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, HEAD_D, BLOCK_D,
-                                       BLOCK_N, BLOCK_SIZE)
     pdl.enter(PDL)
     if not VARLEN:  # decode: program i is sequence i's one token
         seq = pid
@@ -441,17 +430,6 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-    if PRELOAD:  # the first tile from registers, the token's own key and value put in (the last kernel wrote them)
-        last = seq_len - 1
-        offs_n = lo + tl.arange(0, BLOCK_N)
-        if (last >= lo) & (last < hi) & (last < lo + BLOCK_N):
-            block = tl.load(TABLE + last // BLOCK_SIZE).to(tl.int64)
-            k_new = tl.load(K + block * stride_kb + (last % BLOCK_SIZE) * stride_ks + offs_d, mask=d_ok, other=0.0)
-            v_new = tl.load(V + block * stride_vb + (last % BLOCK_SIZE) * stride_vs + offs_d, mask=d_ok, other=0.0)
-            kt0 = tl.where(offs_n[None, :] == last, k_new[:, None], kt0)
-            v0 = tl.where(offs_n[:, None] == last, v_new[None, :], v0)
-        acc, l_i, m_i = attend_loaded_tile(acc, l_i, m_i, q, kt0, v0, lo, hi, pos, qk_scale, BLOCK_N)
-        lo += BLOCK_N
     # Keys before the tile's first position + 1 are seen by every row: whole blocks of them need no causal or
     # bounds mask (most of a long prompt's blocks); the rest (the diagonal, the split's ragged end) are masked.
     full_hi = lo + tl.maximum(tl.minimum(hi, seq_len - q_len + tok0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
@@ -502,21 +480,6 @@ def split_span(n, split, num_splits, BLOCK_N: tl.constexpr, LEAVE_LAST: tl.const
     if LEAVE_LAST:
         hi = tl.where(hi == n, hi - 1, hi)  # (a split past the end stays empty: hi < lo)
     return lo, hi, last_here
-
-
-@triton.jit
-def _preload_decode_tile(K, V, BLOCK_TABLES, SEQ_LENS, seq, num_splits, stride_kb, stride_ks, stride_kh, stride_vb,
-                         stride_vs, stride_vh, stride_bt, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """A decode program's first key tile (K transposed, V), of the keys before the token's own: what it may
-    read before its PDL wait. The kernel before it in the chain (the RoPE and KV write) writes only the token's
-    key and value; the block tables, sequence lengths and the rest of the cache are older, and their writers
-    had finished when that kernel passed its own wait, before it let this one launch."""
-    lo, hi, _ = split_span(tl.load(SEQ_LENS + seq), tl.program_id(2), num_splits, BLOCK_N, True)
-    offs_d = tl.arange(0, BLOCK_D)
-    hk = tl.program_id(1)
-    return load_key_tile(K + hk * stride_kh, V + hk * stride_vh, BLOCK_TABLES + seq.to(tl.int64) * stride_bt, lo, hi,
-                         offs_d, offs_d < HEAD_D, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE)
 
 
 @triton.jit
@@ -720,24 +683,6 @@ def _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr,
     p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
-
-
-@triton.jit
-def load_key_tile(K, V, TABLE, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb, stride_vs,
-                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Keys n0 .. n0 + BLOCK_N of a paged context, those from `hi` on zero: (K transposed, V), for
-    `attend_loaded_tile`; a caller may load them well before it needs them (a context no one writes)."""
-    block = _table_blocks(TABLE, n0, hi, BLOCK_N, BLOCK_SIZE, True)
-    k_ptrs, v_ptrs, kv_mask = _key_tile_ptrs(K, V, block, n0, hi, offs_d, d_ok, stride_kb, stride_ks, stride_vb,
-                                             stride_vs, BLOCK_N, BLOCK_SIZE, True)
-    return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
-
-
-@triton.jit
-def attend_loaded_tile(acc, l_i, m_i, q, kt, v, n0, hi, pos, qk_scale, BLOCK_N: tl.constexpr):
-    """`_attend_keys`' masked step over a tile `load_key_tile` loaded: the same sums in the same order."""
-    p, alpha, l_i, m_new = _softmax_step(l_i, m_i, q, kt, n0, hi, pos, qk_scale, BLOCK_N, True)
-    return _dot(p.to(v.dtype), v, acc * alpha[:, None]), l_i, m_new
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -14,8 +14,7 @@ finish before its predecessor, and the kernel after it would then wait on the wr
 may be touched before the wait: the skinny matmul asks L2 for its weights there (`prefetch_l2`), so that a
 kernel launched early spends its predecessor's last microseconds streaming them in. So may what only earlier
 kernels wrote: a kernel launches only once its predecessor has passed its own wait, i.e. once every kernel
-before that one has finished and flushed its writes (decode attention's first key tile, the cache before the
-token, with NANOFORGE_ATTN_PRELOAD=1). Where it lets its successor launch is the choice of flavour:
+before that one has finished and flushed its writes. Where it lets its successor launch is the choice of flavour:
 
 - EARLY (`NANOFORGE_PDL=auto` or `1`): at once, after the wait. The successor's programs are resident and
   waiting when this kernel ends. Measured on the H200 (session 11): batch-1 decode +5% (Llama-3.2-1B), +12%
