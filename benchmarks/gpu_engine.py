@@ -380,10 +380,6 @@ DECODE_VARIANTS = {
     "fused_combine": {"NANOFORGE_ATTN_COMBINE": "fused"},  # attention's last split combines: no second kernel
     "fused_rope": {"NANOFORGE_ATTN_ROPE": "fused"},  # RoPE (+ q/k norms) and the KV write inside decode attention
     "fused_attention": {"NANOFORGE_ATTN_COMBINE": "fused", "NANOFORGE_ATTN_ROPE": "fused"},  # both: 2 launches fewer
-    # the weights after attention asked of L2 while it runs (kernels/prefetch.py), so many MiB a layer
-    "prefetch_ahead_16": {"NANOFORGE_PREFETCH_AHEAD_MB": "16"},
-    "prefetch_ahead_32": {"NANOFORGE_PREFETCH_AHEAD_MB": "32"},
-    "prefetch_ahead_48": {"NANOFORGE_PREFETCH_AHEAD_MB": "48"},
     "gemv_everywhere": {"NANOFORGE_GEMV": "1"},  # the skinny matmul for every projection, fused
     "gemv_everywhere_no_pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
     "cublas_only_no_pdl": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"},

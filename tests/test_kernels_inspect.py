@@ -295,21 +295,6 @@ def test_an_arrival_count_is_zeroed_for_the_next_use_without_a_fence_or_a_wait(c
     assert exch and not any("MEMBAR" in line or "CCTL.IVALL" in line for i in exch for line in sass[i - 3:i + 2])
 
 
-def test_the_prefetch_ahead_kernel_waits_for_its_predecessor_before_it_asks_l2(compiled):
-    """kernels/prefetch.py: with PDL the kernel lets its successor launch, waits for its predecessor (so the
-    chain keeps its order and the Q/K/V projection keeps the bandwidth), and only then issues Hopper's bulk L2
-    prefetch, once per range, which ptxas turns into the uniform datapath's UBLKPF."""
-    results, out = compiled
-    r = _report(results, "prefetch_ahead")
-    assert r["local_bytes_per_thread"] == 0 and r["threads_per_block"] == 32
-    ptx = (out / "prefetch_ahead.ptx").read_text()
-    launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    prefetches = [i for i, line in enumerate(ptx.splitlines()) if "cp.async.bulk.prefetch.L2.global" in line]
-    assert launch < wait and len(prefetches) == 3  # one loop per range
-    assert ptx.count("\n", 0, wait) < prefetches[0]
-    assert "UBLKPF.L2" in (out / "prefetch_ahead.sass").read_text()
-
-
 @pytest.mark.parametrize("name", ["paged_attention_prefill", "paged_attention_prefill_wide"])
 def test_prefill_attention_compiles_to_hopper_tensor_core_instructions_without_spills(compiled, name):
     """Paged attention's prefill tiles (the default at Qwen3-0.6B's heads; 128 rows over two warpgroups at

@@ -75,21 +75,6 @@ def test_gpu_engine_with_the_skinny_matmul_equals_the_reference_fp32(tok, name, 
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_gpu_engine_with_weights_prefetched_under_attention_equals_the_reference_fp32(tok, name, monkeypatch):
-    """NANOFORGE_PREFETCH_AHEAD_MB (kernels/prefetch.py: after each Q/K/V projection, one more kernel in the PDL
-    chain, which asks L2 for the weights after attention): the same tokens as the reference generator, with
-    async scheduling and graphed steps, the skinny matmul on and off."""
-    model = make_model(tok, name).cuda()
-    ps = workload(5)
-    want = [generate(model, p, max_new_tokens=24) for p in ps]
-    monkeypatch.setenv("NANOFORGE_PREFETCH_AHEAD_MB", "48")
-    for gemv_mode in ("1", "auto"):
-        monkeypatch.setenv("NANOFORGE_GEMV", gemv_mode)
-        got, _ = engine_tokens(model, tok, ps, GREEDY, async_scheduling=True, graph_prefill=True, max_num_seqs=24)
-        assert got == want, f"{name}, NANOFORGE_GEMV={gemv_mode}"
-
-
-@pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_engine_with_other_prefill_tiles_equals_the_reference_fp32(tok, name, monkeypatch):
     """NANOFORGE_ATTN_PREFILL_TILE (prefill and mixed steps' attention tile, the lever of gpu_engine.py
     --prefill-variants): the same tokens as the reference generator, graphed steps a step ahead, under preemption

@@ -394,11 +394,6 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
                                       num_warps=4),  # the default tile at Qwen3-0.6B's heads
     "paged_attention_prefill_wide": _paged(  # the default tile at head dim 64, 128x64w8s3: Llama-3.2-1B's heads
         GROUP=4, HEAD_D=64, BLOCK_M=128, BLOCK_Q=32, SPLIT=False, VARLEN=True, num_warps=8),
-    "prefetch_ahead": TritonKernel(  # a decode layer's next weights into L2 under its attention, with PDL
-        "nanoforge.kernels.prefetch:_prefetch_kernel",
-        {"W0": "*bf16", "N0": "i64", "W1": "*bf16", "N1": "i64", "W2": "*bf16", "N2": "i64"},
-        {"CHUNK": 524288, "BLOCK": 32, "PDL": 1}, num_warps=1,
-    ),
     "rope_qkv_write_kv": TritonKernel(  # Qwen3's q/k norms, RoPE and the paged KV write of one token per program
         "nanoforge.kernels.rope:_qkv_rope_write_kv_kernel",
         {**{p: "*bf16" for p in ("Q", "K", "V", "COS", "SIN", "QW", "KW", "QO", "KC", "VC")}, "SLOTS": "*i64",

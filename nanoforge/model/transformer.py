@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from nanoforge.errors import NanoforgeError
 from nanoforge.kernels import gemv, matmul
 from nanoforge.kernels.matmul import swiglu_epilogue
-from nanoforge.kernels.prefetch import prefetch_ahead
 from nanoforge.kernels.rmsnorm import add_rms_norm, rms_norm
 from nanoforge.kernels.swiglu import silu_mul
 from nanoforge.model.attention import AttentionBackend, DenseAttention
@@ -140,11 +139,9 @@ class Block(nn.Module):
         (its residual stream after attention, its MLP's output) and the next one gets that output as `pending`
         and adds it inside its first norm, so that every residual add shares a launch with the norm after it.
         A decode step's few rows go further where the modules allow (`fuses_norms`): each residual add and norm
-        runs inside the projection after it, and SwiGLU inside gate-and-up's; with NANOFORGE_PREFETCH_AHEAD_MB,
-        the weights after attention stream into L2 while it runs (`kernels.prefetch`)."""
+        runs inside the projection after it, and SwiGLU inside gate-and-up's."""
         if defer and self.fuses_norms(x):
             qkv, x = norm_linear(pending, x, self.attn_norm, self.attn.wqkv)
-            prefetch_ahead(self.attn.wo.weight, self.mlp.w_in.weight, self.mlp.w_out.weight)  # L2, under attention
             a, x = norm_linear(self.attn.attend(qkv, rope, attn), x, self.mlp_norm, self.mlp.w_in, swiglu=True)
             return x, self.mlp.down(a)
         h, x = add_norm(pending, x, self.attn_norm)
