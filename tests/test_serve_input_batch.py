@@ -169,3 +169,13 @@ def test_padded_bucket_steps_sample_only_rows_a_sequence_owns():
     while engine.has_unfinished():
         engine.step()
     assert (True, True) in kinds  # steps with tokens no sequence owns, that sample
+
+
+def test_one_token_blocks_still_keep_the_spare_slot_apart_from_the_scratch():
+    """block_size 1: the scratch slot padding sequences read fills its block, so the cache holds a second scratch
+    block for the spare slot (with one block, the unowned tokens' keys would land where padding sequences read)."""
+    tok = Tokenizer.char_level(TEXT)
+    engine = LLMEngine(make_model(tok), tok, EngineConfig(block_size=1, num_gpu_blocks=200, max_num_seqs=4))
+    batch, runner = engine.runner.batch, engine.runner
+    assert batch.spare_cache_slot == batch.scratch_cache_slot + 1 == runner.scratch_block + 1
+    assert runner.k_cache.shape[1] == runner.v_cache.shape[1] == 202  # the blocks handed out, then the scratch two

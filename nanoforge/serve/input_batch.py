@@ -112,10 +112,11 @@ class InputBatch:
         self.width = max_blocks_per_seq
         self.scratch_slot = max_num_seqs  # the device's extra row: a table of scratch blocks, greedy params
         self.scratch_cache_slot = scratch_block * block_size
-        # The scratch block's second slot: where a bucket's padding tokens beyond the one each padding sequence takes
-        # write their keys. No sequence owns them, so their attention rows are never computed (garbage, NaN at
-        # times) and nothing reads that slot; the first, which padding sequences read, holds only finite keys.
-        self.spare_cache_slot = self.scratch_cache_slot + (block_size > 1)
+        # The scratch's second slot (the cache holds at least two past `scratch_block`'s first): where a bucket's
+        # padding tokens beyond the one each padding sequence takes write their keys. No sequence owns them, so their
+        # attention rows are never computed (garbage, NaN at times) and nothing reads that slot; the first, which
+        # padding sequences read, holds only finite keys.
+        self.spare_cache_slot = self.scratch_cache_slot + 1
         self.graph_sizes = sorted(graph_sizes)
         self.prefill_buckets = sorted(prefill_buckets)
         self._free = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot

@@ -178,8 +178,12 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        shape = (self.cfg.n_layers, num_gpu_blocks + 1, block_size, local_kv_heads(model), self.cfg.head_dim)
-        self.scratch_block = num_gpu_blocks  # padded rows write here; never handed out
+        # past the blocks handed out, the scratch: padded rows write and read there; at least two slots (InputBatch's
+        # scratch and spare slots), so a second block where a block holds one token
+        scratch_blocks = math.ceil(2 / block_size)
+        shape = (self.cfg.n_layers, num_gpu_blocks + scratch_blocks, block_size, local_kv_heads(model),
+                 self.cfg.head_dim)
+        self.scratch_block = num_gpu_blocks  # (the first of them: the padding sequences' table entries)
         # one-token decode steps' layers in one launch (NANOFORGE_DECODE_LAYERS=persistent, or auto, a GPU's default,
         # where it times faster): the weights stacked before the cache takes the memory that is left
         self.layer_kernel = (layer_kernel.LayerKernel(model) if layer_kernel.mode(self.device) != "kernels"
