@@ -22,6 +22,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# Every test tunes afresh and writes nothing under ~/.cache (kernels/tuning_cache.py); its own tests turn it on.
+os.environ.setdefault("NANOFORGE_TUNING_CACHE", "0")
 # One intra-op thread a core: under `-n auto` each of the worker processes gets its share of the cores (on 2 cores,
 # one each), and the programs a test starts (CLI runs, torchrun's ranks) inherit it. Two workers of two threads
 # each on two cores made OpenMP's spinning threads wait on each other's time slices: test_train.py took 240 s of

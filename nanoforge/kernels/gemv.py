@@ -38,6 +38,7 @@ the default), `1` (this kernel wherever it fits), `0` (cuBLAS only).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoforge.kernels import pdl
+from nanoforge.kernels import pdl, tuning_cache
 from nanoforge.kernels.dispatch import (
     arrival_counters, capturing, compile_in_parallel, env_choice, env_mib, interpreting, replays_us, sm_count,
     use_fast,
@@ -151,11 +152,16 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu, out=None) -> tuple[tor
         tuned, started = len(kernel.cache), time.perf_counter()
         # the autotuner's key, kept here: its own cache's key format differs between Triton versions
         key = (rows.dtype, candidates, n, k, meta["BLOCK_M"], swiglu, meta["NORM"], meta["HAS_RES"])
-        if key not in _COMPILED:  # a shape the autotuner has not timed: its candidates compiled at once first
+        first, known = key not in _COMPILED, None
+        if first:  # a shape not launched yet: its pick read back from disk, else its candidates compiled at once
             _COMPILED.add(key)
-            compile_in_parallel(_gemv_kernel, _prune(kernel.configs, {"N": n, "K": k, "X": rows}), args,
-                                {**meta, "launch_pdl": bool(on)})
+            known = set(kernel.cache)
+            if not _restore_picks(kernel, key, rows.device):
+                compile_in_parallel(_gemv_kernel, _prune(kernel.configs, {"N": n, "K": k, "X": rows}), args,
+                                    {**meta, "launch_pdl": bool(on)})
         kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, launch_pdl=bool(on))
+        if first and len(kernel.cache) != len(known):  # the autotuner timed this shape: its pick kept on disk
+            _save_picks(kernel, key, known, rows.device)
         if len(kernel.cache) != tuned and not _TUNING["choosing"]:  # this call compiled and timed configurations
             _TUNING["s"] += time.perf_counter() - started
     s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
@@ -267,13 +273,62 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swi
     if way is None:
         if not _can_time(x):
             return "cublas"  # nothing to time here (the interpreter; inside a capture): the library's
+        saved, at = _saved(x.device), repr(key[1:])  # on disk: per GPU model, not per device index
+        way = saved.get(at) if saved is not None else None
+        if way in ("ours", "cublas"):
+            _CHOICES[key] = way
+            return way
         started, _TUNING["choosing"] = time.perf_counter(), True
         try:
             way = _CHOICES[key] = _fastest(x, weight, bias, swiglu, norm, residual)
         finally:
             _TUNING["s"] += time.perf_counter() - started
             _TUNING["choosing"] = False
+        if saved is not None:
+            saved.put(at, way)
     return way
+
+
+def _saved(device: torch.device) -> tuning_cache.Decisions | None:
+    """This module's decisions on disk for the device's GPU model (`kernels/tuning_cache.py`), or None."""
+    return tuning_cache.decisions("gemv", device, _salt)
+
+
+FILES = ("rmsnorm.py", "swiglu.py", "pdl.py")  # beside this one: what the two ways run besides the kernel
+
+
+@functools.cache
+def _salt() -> str:
+    """What else a decision depends on: the kernel's Triton hash (its source and the jit functions it calls) and
+    the source of this module and of the kernels the cuBLAS way runs beside F.linear."""
+    here = os.path.dirname(__file__)
+    return tuning_cache.source_salt(_gemv_kernel.cache_key, __file__, *(os.path.join(here, f) for f in FILES))
+
+
+def _restore_picks(kernel, key: tuple, device: torch.device) -> bool:
+    """The autotuner's picks for `key` read back from disk into its cache: whether there were any. Stored as
+    the autotuner's own keys (whose format differs between Triton versions, which the file's name covers) and
+    the index of the pick among its candidates; a pick whose key this Triton does not make is never looked up."""
+    saved = _saved(device)
+    picks = saved.get(repr(key)) if saved is not None else None
+    if not isinstance(picks, list) or not picks:
+        return False
+    try:
+        for tuning_key, index in picks:
+            kernel.cache.setdefault(tuple(tuning_key), kernel.configs[index])
+    except (TypeError, ValueError, IndexError):
+        return False
+    return True
+
+
+def _save_picks(kernel, key: tuple, known: set, device: torch.device) -> None:
+    saved = _saved(device)
+    try:
+        picks = [[list(k), kernel.configs.index(c)] for k, c in kernel.cache.items() if k not in known]
+    except ValueError:  # a pick that is none of the candidates: nothing this module could read back
+        return
+    if saved is not None:
+        saved.put(repr(key), picks)
 
 
 def _can_time(x: torch.Tensor) -> bool:
