@@ -156,7 +156,9 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu, out=None) -> tuple[tor
         if first:  # a shape not launched yet: its pick read back from disk, else its candidates compiled at once
             _COMPILED.add(key)
             known = set(kernel.cache)
-            if not _restore_picks(kernel, key, rows.device):
+            if _restore_picks(kernel, key, rows.device):
+                tuned = len(kernel.cache)  # read back, not tuned
+            else:
                 compile_in_parallel(_gemv_kernel, _prune(kernel.configs, {"N": n, "K": k, "X": rows}), args,
                                     {**meta, "launch_pdl": bool(on)})
         kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, launch_pdl=bool(on))

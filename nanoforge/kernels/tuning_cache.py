@@ -75,7 +75,7 @@ class Decisions:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=self.path.name, suffix=".tmp",
                                              delete=False) as f:
-                json.dump({"identity": self.ident, "decisions": entries}, f, indent=1, sort_keys=True)
+                f.write(_dumps(self.ident, entries))
             os.replace(f.name, self.path)
         except OSError as e:
             if str(self.path.parent) not in _WARNED:
@@ -92,6 +92,12 @@ class Decisions:
                 data.get("decisions"), dict):
             return {}
         return data["decisions"]
+
+
+def _dumps(ident: dict, entries: dict) -> str:
+    """The file's text: its identity, then one decision a line."""
+    lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(entries.items()))
+    return f'{{"identity": {json.dumps(ident, sort_keys=True)},\n "decisions": {{\n{lines}\n}}}}\n'
 
 
 _OPEN: dict[tuple, Decisions] = {}
