@@ -419,3 +419,11 @@ def test_the_copy_stream_switch_is_checked_at_start_up(model, tok, monkeypatch):
     monkeypatch.setenv("NANOFORGE_KV_COPY_STREAM", "side")
     with pytest.raises(NanoforgeError, match="NANOFORGE_KV_COPY_STREAM must be 1 or 0, not 'side'"):
         LLMEngine(model, tok, EngineConfig(num_gpu_blocks=8, block_size=BS))
+
+
+def test_a_master_that_exits_before_listening_says_what_it_said():
+    """A master that cannot start (here a flag it does not know) fails in one line that carries its own last
+    words, not just its exit status (session 52's GPU run had only the status to go on)."""
+    with pytest.raises(NanoforgeError, match=r"mooncake_master exited with status \d+ before listening on "
+                                             r"127\.0\.0\.1:\d+; it said: .*no_such_flag"):
+        MooncakeMaster(extra=["-no_such_flag=1"]).start()

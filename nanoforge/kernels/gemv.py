@@ -33,7 +33,8 @@ against 5.1). So the model's decode-sized projections go through `skinny_linear`
 per shape, the faster of cuBLAS (after the separate norm kernel, before the separate SwiGLU kernel) and this
 kernel with them fused, timed once on the device in CUDA graphs the first time the shape is seen outside a
 graph capture (the engine's warm-up before it captures). NANOFORGE_GEMV picks the mode: `auto` (that choice;
-the default), `1` (this kernel wherever it fits), `0` (cuBLAS only).
+the default), `1` (this kernel wherever it fits), `0` (cuBLAS only). The choices and the autotuner's picks are
+kept on disk for the next process on the same GPU model and software (`kernels/tuning_cache.py`).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ segment larger than the free memory now runs out of memory right after joining, 
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import logging
 import mmap
@@ -287,14 +288,17 @@ class MooncakeStore:
 
 class MooncakeMaster:
     """`mooncake_master` on loopback: RPC on `port` (0: a free one), metrics on a free port, no HTTP metadata
-    server (clients use P2PHANDSHAKE). A context manager; `address` is "127.0.0.1:port"."""
+    server (clients use P2PHANDSHAKE). A context manager; `address` is "127.0.0.1:port". Its output goes to
+    `log` (a file) where given; otherwise it is read and dropped, its last lines kept for the error a master that
+    exits before listening raises (a flag it does not know, a port taken)."""
 
-    def __init__(self, port: int = 0, *, host: str = "127.0.0.1", log=subprocess.DEVNULL, extra: list[str] = ()):
+    def __init__(self, port: int = 0, *, host: str = "127.0.0.1", log=None, extra: list[str] = ()):
         self.host, self.port = host, port or free_port(host)
         self.metrics_port = free_port(host)
         self.log = log
         self.extra = list(extra)
         self.proc: subprocess.Popen | None = None
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=5)
 
     @property
     def address(self) -> str:
@@ -304,13 +308,24 @@ class MooncakeMaster:
         cmd = ["mooncake_master", f"-rpc_address={self.host}", f"-rpc_port={self.port}",
                "-enable_http_metadata_server=false", f"-metrics_host={self.host}",
                f"-metrics_port={self.metrics_port}", "-enable_metric_reporting=false", *self.extra]
-        self.proc = spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = spawn(cmd, stdout=self.log or subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        reader = None
+        if self.log is None:  # drained for as long as it runs (a full pipe would stall it), the last lines kept
+            reader = threading.Thread(target=self._keep_last_lines, daemon=True, name="mooncake-master-output")
+            reader.start()
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
-        except NanoforgeError:
+        except NanoforgeError as e:
             stop(self.proc)
-            raise
+            if reader is not None:
+                reader.join(2.0)
+            said = " | ".join(line for line in self.last_lines if line)[-400:]
+            raise NanoforgeError(f"{e}{'; it said: ' + said if said else ''}") from None
         return self
+
+    def _keep_last_lines(self) -> None:
+        for line in self.proc.stdout:
+            self.last_lines.append(line.decode(errors="replace").strip())
 
     def stop(self) -> None:
         if self.proc is not None:
