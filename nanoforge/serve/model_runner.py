@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoforge.kernels import gemv
 from nanoforge.kernels.decode_layers import ring_stages
 from nanoforge.kernels.dispatch import env_choice, replays_us
 from nanoforge.kernels.gather import gather_step_inputs, gather_step_inputs_ref
@@ -224,13 +225,19 @@ class ModelRunner:
                                     device=self.device) if self.is_driver and (sizes or buckets) else None
         # every graph captured up front, the largest first (the pool they share is sized by it): a capture in the
         # middle of serving would stall every running request for it
+        started, tuned = time.perf_counter(), gemv.tuning_s()
         for t in reversed(buckets):
             self.graphs[(False, t)] = self._capture(Layout(t, self.batch.max_num_seqs), decode=False)
         for b in reversed(sizes):
             self.graphs[(True, b)] = self._capture(Layout(b, b), decode=True)
+        captured = time.perf_counter()
         self.decode_layers = None  # NANOFORGE_DECODE_LAYERS=auto: the batch-1 decode step timed each way
         if self.layer_kernel is not None and layer_kernel.mode(self.device) == "auto":
             self._choose_decode_layers()
+        # what the start spent on capturing (less the skinny matmul's tuning, which the first captures' warm-ups
+        # do) and on timing the decode layers' ways: the server's first line says
+        self.start_s = {"capture": captured - started - (gemv.tuning_s() - tuned),
+                        "decode_layers": time.perf_counter() - captured}
         if cuda and not buckets:
             self._warm_up_eager_prefill()
         if cuda and (sizes or buckets):
