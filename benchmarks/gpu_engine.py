@@ -372,7 +372,6 @@ DECODE_VARIANTS = {
     "torch_gathers": {"NANOFORGE_STEP_GATHERS": "torch"},  # a step's input gathers as 11 PyTorch kernels, not one
     "cublas_only": {"NANOFORGE_GEMV": "0"},  # cuBLAS for every projection, the norms and SwiGLU apart
     "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
-    "pdl_late": {"NANOFORGE_PDL": "late"},  # the big kernels let their successor launch after their main loop
     "no_prefetch": {"NANOFORGE_GEMV_PREFETCH_MB": "0"},  # the skinny matmul does not ask L2 for W before its wait
     "wide_configs": {"NANOFORGE_GEMV_CONFIGS": "wide"},  # its autotuner over session 10's eight candidates
     "split": {"NANOFORGE_GEMV_CONFIGS": "split"},  # also over the four that cut K: what that brings

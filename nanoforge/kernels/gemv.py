@@ -496,7 +496,6 @@ def _gemv_kernel(
         acc = _dot(xt, tl.load(w_rows + k[:, None], mask=w_mask, other=0.0), acc)  # W tile (BLOCK_K, BLOCK_N)
         if SWIGLU:
             up = _dot(xt, tl.load(w_rows + N * stride_wn + k[:, None], mask=w_mask, other=0.0), up)
-    pdl.leave(PDL)
     if SPLIT_K == 1:
         _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU, HAS_BIAS, ty)
     else:
@@ -611,12 +610,11 @@ BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16, 128256), ("qwen3-0.6b"
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
 # ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not; K split where
-# it may help; configurations picked in a chain) and late
+# it may help; configurations picked in a chain)
 BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
               "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
               "ours+pdl-split": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_CONFIGS": "split"},
               "ours+pdl-chain": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_TUNE": "chain"},
-              "ours+pdl-late": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "late"},
               "ours+pdl-no-prefetch": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_PREFETCH_MB": "0"}}
 
 

@@ -443,7 +443,6 @@ def _paged_attn_kernel(
                 tl.load(SLOTS + t).to(tl.int64), COS + t * stride_ct, SIN + t * stride_ct, KW, eps, offs_d, d_ok,
                 qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, HEAD_D, BLOCK_SIZE, HAS_NORM)
 
-    pdl.leave(PDL)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (past the end of a short context) has l = 0
     o = acc / l_safe[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]

@@ -14,19 +14,14 @@ finish before its predecessor, and the kernel after it would then wait on the wr
 may be touched before the wait: the skinny matmul asks L2 for its weights there (`prefetch_l2`), so that a
 kernel launched early spends its predecessor's last microseconds streaming them in. So may what only earlier
 kernels wrote: a kernel launches only once its predecessor has passed its own wait, i.e. once every kernel
-before that one has finished and flushed its writes. Where it lets its successor launch is the choice of flavour:
+before that one has finished and flushed its writes. A kernel lets its successor launch at once, after its
+wait: the successor's programs are resident and waiting when this kernel ends. Measured on the H200 (session
+11): batch-1 decode +5% (Llama-3.2-1B), +12% (Qwen3-0.6B). Releasing the successor after the main loop
+instead (`NANOFORGE_PDL=late`, for the big kernels) was slower in the engine (916 tok/s against 958 on Llama,
+session 12) and was taken out in session 52 (the code is at 74a5d60).
 
-- EARLY (`NANOFORGE_PDL=auto` or `1`): at once, after the wait. The successor's programs are resident and
-  waiting when this kernel ends. Measured on the H200 (session 11): batch-1 decode +5% (Llama-3.2-1B), +12%
-  (Qwen3-0.6B).
-- LATE (`NANOFORGE_PDL=late`; not yet measured on a GPU): the big kernels (the skinny matmul, paged attention)
-  let it launch after their main loop (`leave`), the small ones when they exit. Early release lets the
-  successor's programs pile onto the few SMs the running kernel leaves free, two or more to an SM, and a
-  memory-bound one-wave grid is as slow as its most loaded SM: a suspect for the one measurement where PDL
-  lost (a chain of Llama-3.2-1B's fused projections alone, 78.5 us a layer against 58.1 without).
-
-NANOFORGE_PDL: `auto` (the default: EARLY for CUDA devices of compute capability 9.0 or newer), `1` (EARLY
-wherever the device supports it), `late` (LATE there), `0` (off).
+NANOFORGE_PDL: `auto` (the default: on for CUDA devices of compute capability 9.0 or newer), `1` (on wherever
+the device supports it), `0` (off).
 """
 
 from __future__ import annotations
@@ -40,20 +35,20 @@ import triton.language as tl
 from nanoforge.kernels.dispatch import env_choice, interpreting
 
 
-OFF, EARLY, LATE = 0, 1, 2
+OFF, EARLY = 0, 1
 
 
 def mode() -> str:
-    return env_choice("NANOFORGE_PDL", ("auto", "1", "late", "0"))
+    return env_choice("NANOFORGE_PDL", ("auto", "1", "0"))
 
 
 def enabled(t: torch.Tensor) -> int:
-    """How kernels on t's device launch: OFF, EARLY or LATE (never under the interpreter, never before sm_90).
+    """How kernels on t's device launch: OFF or EARLY (never under the interpreter, never before sm_90).
     Kernels take it as their PDL constexpr and launch with `launch_pdl=bool(...)`."""
     m = mode()
     if m == "0" or interpreting() or not hopper(t.device):
         return OFF
-    return LATE if m == "late" else EARLY
+    return EARLY
 
 
 def hopper(device: torch.device) -> bool:
@@ -68,18 +63,10 @@ def _sm90(index: int) -> bool:
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """With PDL: wait until the kernel before this one has finished and its writes are visible (EARLY: then let
-    the kernel after this one launch). A no-op without PDL."""
+    """With PDL: wait until the kernel before this one has finished and its writes are visible, then let the
+    kernel after this one launch. A no-op without PDL."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        if PDL == 1:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def leave(PDL: tl.constexpr):
-    """LATE: let the kernel after this one launch (a big kernel, after its main loop)."""
-    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
 
 
