@@ -279,9 +279,9 @@ def test_the_persistent_decode_kernel_fits_one_program_an_sm_and_its_barriers_re
     assert len(arrivals) == 5 and tiles[0] == 0 and all(n > 0 for n in tiles[1:]), tiles
 
 
-@pytest.mark.parametrize("name", ["decode_layers_qwen3", "gemv_decode_split", "paged_attention_decode_fused"])
+@pytest.mark.parametrize("name", ["decode_layers_qwen3", "paged_attention_decode_fused"])
 def test_an_arrival_count_is_zeroed_for_the_next_use_without_a_fence_or_a_wait(compiled, name):
-    """The last program to arrive at a count (a split-K GEMV's tile, a decode head's splits, the persistent
+    """The last program to arrive at a count (a decode head's splits, the persistent
     kernel's barrier) zeroes it for the next launch or layer with a relaxed exchange: what orders it before the
     next use is the kernel's end or the grid barrier, and the sums it reads next were acquired by its arrival. An
     acq_rel exchange (Triton's default) compiled to MEMBAR.ALL.GPU, the atomic, then CCTL.IVALL and a CTA barrier:

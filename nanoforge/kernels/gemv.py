@@ -4,11 +4,9 @@ A decode step multiplies a few token rows (batch 1-16) by every weight matrix on
 HBM. cuBLAS picks general GEMM tiles for these shapes (on the H200, Llama-3.2-1B's attention-out, 2,048 x 2,048,
 took 5.8 us, ~1.4 TB/s, and MLP-down a split-K GEMM plus a reduce kernel). Here each program owns BLOCK_N rows
 of W and streams them along K in BLOCK_K tiles (the loads software-pipelined under `tl.dot` on the x rows, padded
-to 16), so every SM reads its own contiguous rows; the output needs no reduction across programs. Where a matrix
-has too few rows for that to keep every SM streaming (2,048 outputs in tiles of 16-32 rows are 64-128 programs on
-132 SMs), the kernel can also cut K into SPLIT_K ranges, one program each: the tile's last range to finish adds
-the fp32 sums up in a fixed order (deterministic, no atomics on the data) and finishes the tile (candidates of
-NANOFORGE_GEMV_CONFIGS=split only: on the H200 they were no faster; see GEMV_CONFIGS).
+to 16), so every SM reads its own contiguous rows; the output needs no reduction across programs. (Cutting K into
+ranges for the matrices with fewer rows than SMs x BLOCK_N, the tile's last range adding the sums up, was no
+faster on the H200 and was taken out in session 52; see GEMV_CONFIGS.)
 
 What a decode layer does around its projections rides along, so that a layer is fewer launches:
 
@@ -50,8 +48,7 @@ import triton.language as tl
 
 from nanoforge.kernels import pdl, tuning_cache
 from nanoforge.kernels.dispatch import (
-    arrival_counters, capturing, compile_in_parallel, env_choice, env_mib, interpreting, replays_us, sm_count,
-    use_fast,
+    capturing, compile_in_parallel, env_choice, env_mib, interpreting, replays_us, use_fast,
 )
 from nanoforge.kernels.matmul import (
     _dot,  # tl.dot that also works on bfloat16 under the CPU interpreter
@@ -124,29 +121,24 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu, out=None) -> tuple[tor
     summed = _empty(m, k, like=rows) if res is not None else None
     on = pdl.enabled(rows)
     interpret = interpreting()
-    # the split sums: fp32, room for the largest split a candidate takes (none where no candidate splits)
-    splits = INTERPRET_CONFIG["SPLIT_K"] if interpret else max(c.kwargs["SPLIT_K"] for c in _TUNED[configs()].configs)
-    width = 2 * n if swiglu else n
-    sums = torch.empty((splits, m, width), device=rows.device, dtype=torch.float32) if splits > 1 else out
     args = (rows, res if res is not None else rows, norm_weight.contiguous() if norm_weight is not None else rows,
-            summed if summed is not None else out, weight, bias if bias is not None else out, out, sums,
-            arrival_counters(rows.device, triton.cdiv(n, 16)) if splits > 1 else out, m, n, k,
-            rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), m * width,
-            width, float(eps), prefetch_k(weight) if on else 0)
+            summed if summed is not None else out, weight, bias if bias is not None else out, out, m, n, k,
+            rows.stride(0), res.stride(0) if res is not None else 0, k, weight.stride(0), out.stride(0), float(eps),
+            prefetch_k(weight) if on else 0)
     meta = {"NORM": norm_weight is not None, "HAS_RES": res is not None, "SWIGLU": swiglu,
             "HAS_BIAS": bias is not None, "PDL": on, "LINE": 128 // weight.element_size(),
             "BLOCK_M": max(16, triton.next_power_of_2(m)), **_stats_tile(k)}
     if interpret:  # one small configuration: the autotuner would run every one of them on the CPU
         c = INTERPRET_CONFIG
-        _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, **c, num_warps=1)
+        _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, **c, num_warps=1)
     elif tune_mode() == "chain":
         def launch(cfg, w):
-            _gemv_kernel[(triton.cdiv(n, cfg.kwargs["BLOCK_N"]), cfg.kwargs["SPLIT_K"])](
+            _gemv_kernel[(triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)](
                 *args[:4], w, *args[5:], **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 launch_pdl=bool(on))
 
         key = (str(rows.device), rows.dtype, n, k, swiglu, bias is not None, configs(), *meta.values())
-        launch(_chain_pick(key, launch, weight, {"N": n, "K": k, "X": rows}), weight)
+        launch(_chain_pick(key, launch, weight), weight)
     else:
         candidates = configs()
         kernel = _TUNED[candidates]
@@ -160,9 +152,8 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu, out=None) -> tuple[tor
             if _restore_picks(kernel, key, rows.device):
                 tuned = len(kernel.cache)  # read back, not tuned
             else:
-                compile_in_parallel(_gemv_kernel, _prune(kernel.configs, {"N": n, "K": k, "X": rows}), args,
-                                    {**meta, "launch_pdl": bool(on)})
-        kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]), c["SPLIT_K"])](*args, **meta, launch_pdl=bool(on))
+                compile_in_parallel(_gemv_kernel, kernel.configs, args, {**meta, "launch_pdl": bool(on)})
+        kernel[lambda c: (triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, launch_pdl=bool(on))
         if first and len(kernel.cache) != len(known):  # the autotuner timed this shape: its pick kept on disk
             _save_picks(kernel, key, known, rows.device)
         if len(kernel.cache) != tuned and not _TUNING["choosing"]:  # this call compiled and timed configurations
@@ -182,15 +173,15 @@ def tune_mode() -> str:
 _PICKS: dict[tuple, triton.Config] = {}  # chain tuning: (device, dtype, N, K, swiglu, bias, set, meta) -> config
 
 
-def _chain_pick(key: tuple, launch, weight: torch.Tensor, shape: dict) -> triton.Config:
-    """The candidate (of `configs()`, pruned for `shape`) that runs fastest in a chain: `launch(config, w)` over
+def _chain_pick(key: tuple, launch, weight: torch.Tensor) -> triton.Config:
+    """The candidate (of `configs()`) that runs fastest in a chain: `launch(config, w)` over
     enough copies w of `weight` that L2 holds none of them (as `_fastest` times the ways), replayed from CUDA
     graphs in turns (`_graphs_us`); picked once per key, the time counted in `tuning_s`. Inside a capture, or
     with nothing to time on, a key not picked yet takes the first candidate."""
     cfg = _PICKS.get(key)
     if cfg is not None:
         return cfg
-    candidates = _prune(_TUNED[configs()].configs, shape)
+    candidates = _TUNED[configs()].configs
     if not _can_time(weight):
         return candidates[0]
     started = time.perf_counter()
@@ -204,7 +195,7 @@ def _chain_pick(key: tuple, launch, weight: torch.Tensor, shape: dict) -> triton
     return cfg
 
 
-INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1}  # under TRITON_INTERPRET (tests set SPLIT_K)
+INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}  # under TRITON_INTERPRET
 
 
 STATS_ELEMENTS = 4096  # of x the norm's first pass loads at once (32 fp32 registers a thread at 4 warps)
@@ -416,35 +407,23 @@ def _residual_tile(X, R, k, mask, HAS_RES: tl.constexpr, ty: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, R, G, S, W, B, Y, P, C, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, stride_ps, stride_pm,
-    eps, PREFETCH_K, NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr, LINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, STATS_ROWS: tl.constexpr, STATS_K: tl.constexpr,
+    X, R, G, S, W, B, Y, M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps, PREFETCH_K,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    LINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STATS_ROWS: tl.constexpr, STATS_K: tl.constexpr,
 ):  # fmt: skip
     """Y[:, n] for this program's BLOCK_N outputs n. NORM: x is rms_norm(X + R) with weight G (HAS_RES: the sum
     stored to S, its K tiles shared out among the programs). SWIGLU: outputs silu(x W[n]) * (x W[n + N]).
-    With PDL, the program first asks L2 for its rows' first PREFETCH_K columns of W (LINE elements a line).
-    SPLIT_K > 1: program (n, s) takes the s-th of SPLIT_K ranges of K, stores its fp32 sums to P[s] (stride_ps a
-    split) and counts itself in at C[n]; the tile's last program to arrive adds the SPLIT_K sums up in split order
-    (the same order whoever arrives last: deterministic), resets C[n] for the next launch, and finishes the tile."""
+    With PDL, the program first asks L2 for its rows' first PREFETCH_K columns of W (LINE elements a line)."""
     pid = tl.program_id(0)
-    if SPLIT_K == 1:
-        k_lo = 0
-        k_hi = K
-        prefetch_hi = PREFETCH_K
-    else:
-        k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo = tl.program_id(1) * k_span
-        k_hi = tl.minimum(K, k_lo + k_span)
-        prefetch_hi = tl.minimum(k_hi, k_lo + PREFETCH_K // SPLIT_K)  # its share of the columns to prefetch
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = W + offs_n[None, :].to(tl.int64) * stride_wn
     if PDL:  # launched early: no kernel writes W, so it can stream in while the kernel before this one finishes
         lines = tl.arange(0, BLOCK_K // LINE) * LINE
-        for k0 in range(k_lo, prefetch_hi, BLOCK_K):
+        for k0 in range(0, PREFETCH_K, BLOCK_K):
             kk = k0 + lines
-            at = tl.where((kk < prefetch_hi)[:, None] & n_ok[None, :], w_rows + kk[:, None], W)
+            at = tl.where((kk < PREFETCH_K)[:, None] & n_ok[None, :], w_rows + kk[:, None], W)
             pdl.prefetch_l2(at)
             if SWIGLU:
                 pdl.prefetch_l2(at + N * stride_wn)
@@ -463,8 +442,7 @@ def _gemv_kernel(
         offs_sr = tl.arange(0, STATS_ROWS)
         offs_sk = tl.arange(0, STATS_K)
         if HAS_RES:  # the sum's K tiles are shared out: tile t is stored by program t % programs
-            programs = tl.num_programs(0) * SPLIT_K
-            me = pid if SPLIT_K == 1 else tl.program_id(1) * tl.num_programs(0) + pid
+            programs = tl.num_programs(0)
         for m0 in range(0, M, STATS_ROWS):
             rows_s = m0 + offs_sr
             ssq = tl.zeros([STATS_ROWS], dtype=tl.float32)
@@ -474,7 +452,7 @@ def _gemv_kernel(
                 h = _residual_tile(X + rows_s[:, None].to(tl.int64) * stride_xm,
                                    R + rows_s[:, None].to(tl.int64) * stride_rm, k, mask, HAS_RES, ty)
                 if HAS_RES:
-                    mine = ((k // BLOCK_K) % programs) == me
+                    mine = ((k // BLOCK_K) % programs) == pid
                     tl.store(S + rows_s[:, None].to(tl.int64) * stride_sm + k[None, :], h.to(ty),
                              mask=mask & mine[None, :])
                 ssq += tl.sum(h * h, axis=1)
@@ -483,9 +461,9 @@ def _gemv_kernel(
                 rstd = tl.where(offs_m == m0 + j, tl.sum(tl.where(offs_sr == j, inv, 0.0)), rstd)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        k_ok = k < k_hi
+        k_ok = k < K
         x_mask = m_ok[:, None] & k_ok[None, :]
         if NORM:  # as rmsnorm's kernel rounds it: x * rstd * g in fp32, to the dtype
             g = tl.load(G + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -496,24 +474,7 @@ def _gemv_kernel(
         acc = _dot(xt, tl.load(w_rows + k[:, None], mask=w_mask, other=0.0), acc)  # W tile (BLOCK_K, BLOCK_N)
         if SWIGLU:
             up = _dot(xt, tl.load(w_rows + N * stride_wn + k[:, None], mask=w_mask, other=0.0), up)
-    if SPLIT_K == 1:
-        _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU, HAS_BIAS, ty)
-    else:
-        mask = m_ok[:, None] & n_ok[None, :]
-        sums = P + offs_m[:, None] * stride_pm + offs_n[None, :]
-        tl.store(sums + tl.program_id(1) * stride_ps, acc, mask=mask)
-        if SWIGLU:
-            tl.store(sums + tl.program_id(1) * stride_ps + N, up, mask=mask)
-        tl.debug_barrier()  # every thread's sums stored before the count (the atomic releases them)
-        if tl.atomic_add(C + pid, 1, sem="acq_rel") == SPLIT_K - 1:  # the last: the others' sums are visible
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # .cg: from L2, where the other SMs' stores are
-                acc += tl.load(sums + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-                if SWIGLU:
-                    up += tl.load(sums + s * stride_ps + N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(C + pid, 0, sem="relaxed")  # zero again for the next launch (no wait on it)
-            _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU, HAS_BIAS, ty)
+    _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU, HAS_BIAS, ty)
 
 
 @triton.jit
@@ -547,46 +508,26 @@ def _finish(acc, up, B, Y, offs_m, offs_n, m_ok, n_ok, N, stride_ym, SWIGLU: tl.
 # hold fewer W tiles in flight: compiled as launched (`kernels inspect gemv_decode`), the fused gate-and-up at
 # 32 x 256 with four stages takes 157 KB of shared memory, one program an SM, so Llama-3.2-1B's 256 programs run in
 # two waves and a successor launched early finds no room beside it; three stages take 108 KB (two an SM).
-# The split ones (SPLIT_K > 1) are for the matrices with fewer rows than SMs x BLOCK_N (attention-out, MLP-down,
-# Llama's Q/K/V: 64-96 programs of 32 rows on 132 SMs, the other SMs idle while each streams 128-512 KB): K is cut
-# into SPLIT_K ranges, so every SM streams, and the tile's last range adds the sums up. `_prune` keeps them only
-# there. They are not in the default: session 13's H200 run (`kernels bench --kinds gemv --quick`, in CUDA graphs)
-# found them no faster at any of those shapes (Llama's attention-out 5.2 us a layer either way, MLP-down 16.7
-# against 17.1, Q/K/V 11.5 against 10.9; batch-1 decode 936 tok/s against 924 without, within the run's own
-# spread: 909 for the same engine again), and the engine's start twice as long tuning (8.3 s, not 4.2): such a
-# kernel is bound by its latency, not by how many SMs stream.
-# NANOFORGE_GEMV_CONFIGS picks the set: "split" (the five and the four split ones), "wide" (session 10's eight):
-# measurement levers, for what the default leaves out.
-_UNSPLIT = ((32, 256, 4, 4, 1), (16, 512, 4, 3, 1), (16, 256, 4, 4, 1), (32, 256, 4, 3, 1), (64, 256, 4, 2, 1))
-GEMV_CONFIGS = {"default": _UNSPLIT,  # BLOCK_N, BLOCK_K, warps, stages, SPLIT_K
-                "split": _UNSPLIT + ((16, 256, 4, 4, 2), (32, 256, 4, 3, 2), (16, 512, 4, 3, 2), (16, 256, 4, 4, 4)),
-                "wide": tuple((*c, 1) for c in ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4),
-                                                (32, 128, 4, 5), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3)))}
-
-
-def _prune(configs, named_args, **kwargs):
-    """The candidates worth timing for this shape: every unsplit one; a split one only where, unsplit, its tiles
-    would leave SMs idle (fewer programs than SMs) and each range of K still holds two BLOCK_K tiles."""
-    n, k = named_args["N"], named_args["K"]
-    sms = sm_count(named_args["X"].device)
-
-    def worth(c):
-        bn, bk, split = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
-        return split == 1 or (triton.cdiv(n, bn) < sms and k >= 2 * split * bk)
-
-    return [c for c in configs if worth(c)]
+# Cutting K into ranges for the matrices with fewer rows than SMs x BLOCK_N (attention-out, MLP-down, Llama's
+# Q/K/V: 64-96 programs of 32 rows on 132 SMs), the tile's last range adding the fp32 sums up, was a candidate set
+# of its own (`NANOFORGE_GEMV_CONFIGS=split`) until session 52: session 13's H200 run found it no faster at any of
+# those shapes (Llama's attention-out 5.2 us a layer either way, MLP-down 16.7 against 17.1; batch-1 decode 936
+# tok/s against 924 without, within the run's own spread, 909 for the same engine again) and the engine's start
+# twice as long tuning: such a kernel is bound by its latency, not by how many SMs stream (the code at 65f653c).
+# NANOFORGE_GEMV_CONFIGS=wide (session 10's eight) is a measurement lever, for what the default leaves out.
+GEMV_CONFIGS = {"default": ((32, 256, 4, 4), (16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (64, 256, 4, 2)),
+                "wide": ((16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (32, 128, 4, 5),
+                         (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3))}  # BLOCK_N, BLOCK_K, warps, stages
 
 
 _TUNED = {name: triton.autotune(
-    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=w, num_stages=s)
-             for bn, bk, w, s, split in cfgs],
-    key=["N", "K", "BLOCK_M", "SWIGLU", "NORM", "HAS_RES"], prune_configs_by={"early_config_prune": _prune},
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in cfgs],
+    key=["N", "K", "BLOCK_M", "SWIGLU", "NORM", "HAS_RES"],
 )(_gemv_kernel) for name, cfgs in GEMV_CONFIGS.items()}
 
 
 def configs() -> str:
-    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (five), "split" (those and four that cut K,
-    where they may help) or "wide" (session 10's eight)."""
+    """NANOFORGE_GEMV_CONFIGS: the autotuner's candidates, "default" (five) or "wide" (session 10's eight)."""
     return env_choice("NANOFORGE_GEMV_CONFIGS", tuple(GEMV_CONFIGS))
 
 
@@ -609,11 +550,10 @@ def decisions() -> dict:
 BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16, 128256), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28, 151936)]
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
-# ours fused without PDL, with it released early (W prefetched into L2 before the wait, and not; K split where
-# it may help; configurations picked in a chain)
+# ours fused without PDL, with it (W prefetched into L2 before the wait, and not; configurations picked in a
+# chain)
 BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
               "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
-              "ours+pdl-split": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_CONFIGS": "split"},
               "ours+pdl-chain": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_TUNE": "chain"},
               "ours+pdl-no-prefetch": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_PREFETCH_MB": "0"}}
 

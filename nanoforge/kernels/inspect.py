@@ -313,11 +313,10 @@ def _weight_stream(stages: int, tma: bool = False) -> TritonKernel:
 
 # The project's Triton kernels, each compiled at one representative configuration (bf16, H100-sized tiles).
 
-_GEMV_SIGNATURE = {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")}, "P": "*fp32", "C": "*i32",
-                   **_i32("M", "N", "K", "stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym", "stride_ps",
-                          "stride_pm"), "eps": "fp32", "PREFETCH_K": "i32"}
-_GEMV_ALIGNED = ("N", "K", "stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym", "stride_ps", "stride_pm",
-                 "PREFETCH_K")
+_GEMV_SIGNATURE = {**{p: "*bf16" for p in ("X", "R", "G", "S", "W", "B", "Y")},
+                   **_i32("M", "N", "K", "stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym"), "eps": "fp32",
+                   "PREFETCH_K": "i32"}
+_GEMV_ALIGNED = ("N", "K", "stride_xm", "stride_rm", "stride_sm", "stride_wn", "stride_ym", "PREFETCH_K")
 
 TRITON_KERNELS: dict[str, TritonKernel] = {
     "matmul": TritonKernel(
@@ -403,14 +402,8 @@ TRITON_KERNELS: dict[str, TritonKernel] = {
     "gemv_decode": TritonKernel(  # Llama's gate-and-up at one row: the norm prologue, SwiGLU, PDL and W's prefetch
         "nanoforge.kernels.gemv:_gemv_kernel", _GEMV_SIGNATURE,
         {"NORM": True, "HAS_RES": True, "SWIGLU": True, "HAS_BIAS": False, "PDL": 1, "LINE": 64, "BLOCK_M": 16,
-         "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "STATS_ROWS": 2, "STATS_K": 2048},
+         "BLOCK_N": 32, "BLOCK_K": 256, "STATS_ROWS": 2, "STATS_K": 2048},
         num_warps=4, num_stages=4, aligned=_GEMV_ALIGNED,
-    ),
-    "gemv_decode_split": TritonKernel(  # MLP-down at one row, K cut in two: the split sums and their fix-up
-        "nanoforge.kernels.gemv:_gemv_kernel", _GEMV_SIGNATURE,
-        {"NORM": False, "HAS_RES": False, "SWIGLU": False, "HAS_BIAS": False, "PDL": 1, "LINE": 64, "BLOCK_M": 16,
-         "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 2, "STATS_ROWS": 1, "STATS_K": 4096},
-        num_warps=4, num_stages=3, aligned=_GEMV_ALIGNED,
     ),
     "decode_layers_llama": _decode_layers(  # every layer of Llama-3.2-1B's batch-1 decode step in one launch
         D=2048, NQKV=3072, HQ=32, HKV=8, DH=64, F=8192, HAS_BIAS=False, QK_NORM=False),
