@@ -374,7 +374,6 @@ DECODE_VARIANTS = {
     "no_pdl": {"NANOFORGE_PDL": "0"},  # no programmatic dependent launch between the kernels
     "no_prefetch": {"NANOFORGE_GEMV_PREFETCH_MB": "0"},  # the skinny matmul does not ask L2 for W before its wait
     "wide_configs": {"NANOFORGE_GEMV_CONFIGS": "wide"},  # its autotuner over session 10's eight candidates
-    "chain_tune": {"NANOFORGE_GEMV_TUNE": "chain"},  # configurations picked in a chain, as run, not one alone
     "fused_combine": {"NANOFORGE_ATTN_COMBINE": "fused"},  # attention's last split combines: no second kernel
     "fused_rope": {"NANOFORGE_ATTN_ROPE": "fused"},  # RoPE (+ q/k norms) and the KV write inside decode attention
     "fused_attention": {"NANOFORGE_ATTN_COMBINE": "fused", "NANOFORGE_ATTN_ROPE": "fused"},  # both: 2 launches fewer

@@ -257,28 +257,6 @@ def test_gpu_model_shapes_bf16(poisoned, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(2048, 16384), (8192, 2048), (1024, 4096)])
-def test_gpu_chain_tuning_picks_once_and_is_right(poisoned, monkeypatch, k, n):
-    """NANOFORGE_GEMV_TUNE=chain on the GPU: each shape's configuration is picked by timing the candidates in a
-    chain (once per key), and the kernel it launches is right against float64, fused gate-and-up included."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (runs on the H200 machine)")
-    monkeypatch.setenv("NANOFORGE_GEMV_TUNE", "chain")
-    monkeypatch.setattr(gv, "_PICKS", {})
-    gen = torch.Generator(device="cuda").manual_seed(k + n)
-    w = (torch.randn(n, k, generator=gen, device="cuda") / math.sqrt(k)).bfloat16()
-    g = (1 + 0.1 * torch.randn(k, generator=gen, device="cuda")).bfloat16()
-    x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
-    a = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
-    for swiglu in (False, True):
-        for _ in range(2):
-            got = gv.norm_gemv(a, x, g, 1e-5, w, swiglu=swiglu)[0]
-            want = norm_reference(a, x, g, 1e-5, w, None, swiglu)[0]
-            assert ((got.double() - want).norm() / want.norm()).item() < 1e-2, swiglu
-    assert len(gv._PICKS) == 2  # one pick per key (swiglu or not), the second call reusing it
-
-
-@pytest.mark.gpu
 def test_gpu_auto_times_each_shape_once_and_every_way_is_right(monkeypatch):
     """On the GPU the choice is timed (a real measurement: some way wins), once per shape, and whichever way
     it picks gives the reference's answer to bf16 rounding; the time it took is counted in `tuning_s`."""
@@ -307,39 +285,6 @@ def test_gpu_auto_times_each_shape_once_and_every_way_is_right(monkeypatch):
         assert tuned[1] > tuned[0] and gv.tuning_s() == tuned[1], (k, n, tuned)
         assert gv.choose(x, w, None, swiglu, norm=norm, residual=norm) in ("cublas", "ours")
     assert len(timed) >= 3  # the three shapes (the separate way's own projection choice times more)
-
-
-def test_chain_tuning_picks_the_candidate_fastest_in_a_chain_once_per_key(monkeypatch):
-    """NANOFORGE_GEMV_TUNE=chain: `_chain_pick` times every candidate, launched over copies of W
-    (here a stand-in timer that makes the third fastest), keeps the pick per key and counts the time as tuning;
-    with nothing to time on (no GPU, or inside a capture) it takes the first candidate and remembers nothing."""
-    monkeypatch.setenv("NANOFORGE_GEMV_TUNE", "chain")
-    assert gv.tune_mode() == "chain"
-    monkeypatch.setattr(gv, "_PICKS", {})
-    w = torch.randn(64, 32)
-    launched = []
-    cands = gv._TUNED["default"].configs
-    assert gv._chain_pick(("k",), lambda c, w: launched.append(c), w) is cands[0] and not gv._PICKS
-    monkeypatch.setattr(gv, "_can_time", lambda x: True)
-
-    def timer(fns):
-        for fn in fns.values():
-            fn()
-        return {i: (1.0 if i == 2 else 2.0 + i) for i in fns}
-
-    monkeypatch.setattr(gv, "_graphs_us", timer)
-    before = gv.tuning_s()
-    assert gv._chain_pick(("k",), lambda c, w: launched.append((c, w)), w) is cands[2]
-    assert gv.tuning_s() > before and len(launched) == len(cands) * len(gv._weight_copies(w))
-    assert {id(c) for c, _ in launched} == {id(c) for c in cands}  # every candidate, over every copy
-    launched.clear()
-    assert gv._chain_pick(("k",), lambda c, w: launched.append(c), w) is cands[2] and not launched
-    assert "('k',)" in gv.decisions()["chain_picks"]
-    monkeypatch.setenv("NANOFORGE_GEMV_TUNE", "fast")
-    from nanoforge.errors import NanoforgeError
-
-    with pytest.raises(NanoforgeError, match="NANOFORGE_GEMV_TUNE must be triton or chain, not 'fast'"):
-        gv.tune_mode()
 
 
 # --- the autotuner's candidates compiled in threads (dispatch.compile_in_parallel) -------------------------------

@@ -131,14 +131,6 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu, out=None) -> tuple[tor
     if interpret:  # one small configuration: the autotuner would run every one of them on the CPU
         c = INTERPRET_CONFIG
         _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](*args, **meta, **c, num_warps=1)
-    elif tune_mode() == "chain":
-        def launch(cfg, w):
-            _gemv_kernel[(triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)](
-                *args[:4], w, *args[5:], **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                launch_pdl=bool(on))
-
-        key = (str(rows.device), rows.dtype, n, k, swiglu, bias is not None, configs(), *meta.values())
-        launch(_chain_pick(key, launch, weight), weight)
     else:
         candidates = configs()
         kernel = _TUNED[candidates]
@@ -160,39 +152,6 @@ def _launch(x, a, norm_weight, eps, weight, bias, swiglu, out=None) -> tuple[tor
             _TUNING["s"] += time.perf_counter() - started
     s = None if norm_weight is None else (summed.view(x.shape) if summed is not None else x)
     return out.reshape(*x.shape[:-1], n), s
-
-
-def tune_mode() -> str:
-    """NANOFORGE_GEMV_TUNE: how a shape's configuration is picked, "triton" (Triton's autotuner: each candidate
-    timed alone, L2 flushed before every run, no PDL; the default) or "chain" (`_chain_pick`: each timed as the
-    engine runs it, a chain of launches over copies of W in a CUDA graph, with PDL as launched). A lever to
-    compare: on the H200 the autotuner's pick for one shape read 22.5 or 29.2 us a layer between two runs."""
-    return env_choice("NANOFORGE_GEMV_TUNE", ("triton", "chain"))
-
-
-_PICKS: dict[tuple, triton.Config] = {}  # chain tuning: (device, dtype, N, K, swiglu, bias, set, meta) -> config
-
-
-def _chain_pick(key: tuple, launch, weight: torch.Tensor) -> triton.Config:
-    """The candidate (of `configs()`) that runs fastest in a chain: `launch(config, w)` over
-    enough copies w of `weight` that L2 holds none of them (as `_fastest` times the ways), replayed from CUDA
-    graphs in turns (`_graphs_us`); picked once per key, the time counted in `tuning_s`. Inside a capture, or
-    with nothing to time on, a key not picked yet takes the first candidate."""
-    cfg = _PICKS.get(key)
-    if cfg is not None:
-        return cfg
-    candidates = _TUNED[configs()].configs
-    if not _can_time(weight):
-        return candidates[0]
-    started = time.perf_counter()
-    try:
-        copies = _weight_copies(weight)
-        times = _graphs_us({i: (lambda c=c: [launch(c, w) for w in copies]) for i, c in enumerate(candidates)})
-        cfg = _PICKS[key] = candidates[min(times, key=times.get)]
-    finally:
-        if not _TUNING["choosing"]:  # else counted in the choice's own time
-            _TUNING["s"] += time.perf_counter() - started
-    return cfg
 
 
 INTERPRET_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}  # under TRITON_INTERPRET
@@ -535,7 +494,6 @@ def decisions() -> dict:
     """What this process has decided per shape: the autotuner's pick for each key (per candidate set) and the
     way `choose` took for each projection (benchmarks print them beside their numbers)."""
     return {"picks": {f"{name} {key}": str(cfg) for name, t in _TUNED.items() for key, cfg in t.cache.items()},
-            "chain_picks": {str(key): str(cfg) for key, cfg in _PICKS.items()},
             "ways": {str(key): way for key, way in _CHOICES.items()}}
 
 
@@ -550,11 +508,9 @@ def decisions() -> dict:
 BENCH_MODELS = [("llama3-1b", 2048, 3072, 2048, 8192, 16, 128256), ("qwen3-0.6b", 1024, 4096, 2048, 3072, 28, 151936)]
 
 # the ways compared, as the engine's switches set them: cuBLAS with the separate norm and SwiGLU kernels, and
-# ours fused without PDL, with it (W prefetched into L2 before the wait, and not; configurations picked in a
-# chain)
+# ours fused without PDL, with it (W prefetched into L2 before the wait, and not)
 BENCH_WAYS = {"cublas": {"NANOFORGE_GEMV": "0", "NANOFORGE_PDL": "0"}, "ours": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "0"},
               "ours+pdl": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1"},
-              "ours+pdl-chain": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_TUNE": "chain"},
               "ours+pdl-no-prefetch": {"NANOFORGE_GEMV": "1", "NANOFORGE_PDL": "1", "NANOFORGE_GEMV_PREFETCH_MB": "0"}}
 
 
@@ -644,6 +600,4 @@ def bench_rows(quick: bool) -> list[dict]:
     made = decisions()
     for key, cfg in made["picks"].items():
         print(f"  gemv autotune {key}: {cfg}")
-    for key, cfg in made["chain_picks"].items():
-        print(f"  gemv chain tuning {key}: {cfg}")
     return rows
