@@ -247,7 +247,7 @@ def _saved(device: torch.device) -> tuning_cache.Decisions | None:
     return tuning_cache.decisions("gemv", device, _salt)
 
 
-FILES = ("rmsnorm.py", "swiglu.py", "pdl.py")  # beside this one: what the two ways run besides the kernel
+_SALT_FILES = ("rmsnorm.py", "swiglu.py", "pdl.py")  # beside this one: what the two ways run besides the kernel
 
 
 @functools.cache
@@ -255,7 +255,7 @@ def _salt() -> str:
     """What else a decision depends on: the kernel's Triton hash (its source and the jit functions it calls) and
     the source of this module and of the kernels the cuBLAS way runs beside F.linear."""
     here = os.path.dirname(__file__)
-    return tuning_cache.source_salt(_gemv_kernel.cache_key, __file__, *(os.path.join(here, f) for f in FILES))
+    return tuning_cache.source_salt(_gemv_kernel.cache_key, __file__, *(os.path.join(here, f) for f in _SALT_FILES))
 
 
 def _restore_picks(kernel, key: tuple, device: torch.device) -> bool:
@@ -275,13 +275,15 @@ def _restore_picks(kernel, key: tuple, device: torch.device) -> bool:
 
 
 def _save_picks(kernel, key: tuple, known: set, device: torch.device) -> None:
+    """The autotuner's new picks (its cache's keys not in `known`) kept on disk under `key`."""
     saved = _saved(device)
+    if saved is None:
+        return
     try:
         picks = [[list(k), kernel.configs.index(c)] for k, c in kernel.cache.items() if k not in known]
     except ValueError:  # a pick that is none of the candidates: nothing this module could read back
         return
-    if saved is not None:
-        saved.put(repr(key), picks)
+    saved.put(repr(key), picks)
 
 
 def _can_time(x: torch.Tensor) -> bool:

@@ -215,10 +215,8 @@ def run_server(args, on_ready=None) -> int:
 
 def start_line(engine: LLMEngine) -> str:
     """What the engine's start cost, for the server's first line (and what NANOFORGE_DECODE_LAYERS=auto chose)."""
-    chose = getattr(engine.runner, "decode_layers", None)
+    chose, spent = engine.runner.decode_layers, engine.runner.start_s
     layers = f"; batch-1 decode layers: {layer_kernel.describe(chose)}" if chose else ""
-    spent = getattr(engine.runner, "start_s", {})
     timed = f", {spent['decode_layers']:.1f} s timing the decode layers' ways" if chose else ""
     return (f"engine started in {engine.runner_start_s:.1f} s ({engine.runner_tuning_s:.1f} s tuning the skinny "
-            f"matmul, {spent.get('capture', 0.0):.1f} s capturing {len(engine.runner.graphs)} CUDA graphs{timed})"
-            f"{layers}")
+            f"matmul, {spent['capture']:.1f} s capturing {len(engine.runner.graphs)} CUDA graphs{timed}){layers}")
